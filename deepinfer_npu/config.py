@@ -1,0 +1,97 @@
+"""Engine configuration: the user-facing knobs of ``LLM(...)`` / ``LLMEngine``, validated once.
+
+Every invalid value raises ``ValueError`` naming the parameter, the value and the allowed range, before any model
+or device work starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reference"
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Arguments of the offline engine (vLLM-style names where vLLM has one).
+
+    ``model=None`` selects the reference model shipped in the package. ``max_model_len=None`` takes the model's
+    ``max_position_embeddings``. ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory_bytes`` (CPU)
+    or the device's free memory times ``gpu_memory_utilization`` (device backends).
+    """
+
+    model: str | os.PathLike | None = None
+    backend: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_num_prompts: int = 0  # 0: same as max_num_seqs
+    prefill_max_sum_seqlen_k: int = 0  # 0: unlimited
+    block_size: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.85
+    state_slot_ratio: float = 1.2
+    seed: int = 0
+    enable_chunked_prefill: bool = True
+    stop_preempted_request: bool = True
+    prefill_attempt_interval: int = 70
+    prefill_any_attempt_interval: int = 100
+    zero_overhead_scheduling: bool = True
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 5
+    varlen_verification: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        def non_negative(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "prefill_attempt_interval",
+                     "prefill_any_attempt_interval", "kv_cache_memory_bytes"):
+            positive(name)
+        for name in ("max_num_prompts", "prefill_max_sum_seqlen_k", "seed"):
+            non_negative(name)
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.num_kv_blocks is not None:
+            positive("num_kv_blocks")
+            if self.num_kv_blocks < 2:
+                raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.state_slot_ratio >= 1.0:
+            raise ValueError(f"state_slot_ratio must be >= 1.0, got {self.state_slot_ratio}")
+        if self.speculative_method not in (None, "mtp", "dflash"):
+            raise ValueError(f"speculative_method must be None, 'mtp' or 'dflash', got {self.speculative_method!r}")
+        positive("num_speculative_tokens")
+        if self.num_speculative_tokens > 15:
+            # drafts + 1 <= 16: the Ascend fused attention takes at most 16 query tokens per request.
+            raise ValueError(f"num_speculative_tokens must be <= 15, got {self.num_speculative_tokens}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model is not None else REFERENCE_MODEL_DIR
+
+    @property
+    def nextn(self) -> int:
+        return self.num_speculative_tokens if self.speculative_method else 0

@@ -1,0 +1,133 @@
+"""ModelRunner: owns the model, the paged KV caches and every device tensor of a step.
+
+It turns a ``StepPlan`` (plain host data from the scheduler) into device inputs and ``AttentionMetadata``, launches
+the forward, and returns the logits of the rows that are sampled. It never decides *what* to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import numpy as np
+import torch
+
+from deepinfer_npu.config import EngineConfig
+from deepinfer_npu.model_executor.attention_metadata import build_attention_metadata
+from deepinfer_npu.model_executor.loader import load_weights
+from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+from deepinfer_npu.model_executor.models import build_model
+from deepinfer_npu.worker.step_io import StepPlan
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, backend, model_config: DeepseekModelConfig) -> torch.dtype:
+    """``auto``: float32 on the CPU reference backend (exactness), the checkpoint's dtype (bf16) on devices."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    if backend.device_type == "cpu":
+        return torch.float32
+    ckpt = str(getattr(model_config, "torch_dtype", "bfloat16") or "bfloat16").replace("torch.", "")
+    return torch.float32 if ckpt == "float32" else torch.bfloat16
+
+
+class ModelRunner:
+    """Builds the model on ``backend`` and runs forwards over the paged latent KV cache."""
+
+    def __init__(self, config: EngineConfig, backend, model_config: DeepseekModelConfig) -> None:
+        self.config = config
+        self.backend = backend
+        self.device = backend.device
+        self.model_config = model_config
+        self.dtype = resolve_dtype(config.dtype, backend, model_config)
+        self.block_size = config.block_size
+
+        t0 = time.perf_counter()
+        self.model = build_model(model_config, backend, self.dtype)
+        if config.load_format == "dummy":
+            self.model.init_dummy_weights(seed=config.seed)
+        else:
+            load_weights(self.model, config.model_dir)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        self.kv_dim = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+        self.num_cache_layers = self.model.num_kv_cache_layers
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.kv_caches = [
+            torch.zeros(self.num_kv_blocks, self.block_size, self.kv_dim, dtype=self.dtype, device=self.device)
+            for _ in range(self.num_cache_layers)
+        ]
+
+    # ---------------------------------------------------------------- memory
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_cache_layers * self.block_size * self.kv_dim * itemsize
+
+    def _decide_num_kv_blocks(self) -> int:
+        blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.backend.device_type == "cpu":
+            budget = self.config.kv_cache_memory_bytes
+        else:
+            free, _total = self.backend.memory_info()
+            budget = int(free * self.config.gpu_memory_utilization)
+        wanted = self.config.max_num_seqs * blocks_per_seq + 1
+        fits = budget // self.bytes_per_block()
+        if fits < blocks_per_seq + 1:
+            raise ValueError(
+                f"KV cache budget of {budget / 2**20:.1f} MiB holds {fits} blocks of {self.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={self.max_model_len} needs ({blocks_per_seq} + 1 "
+                f"reserved); lower max_model_len or raise the KV memory budget"
+            )
+        return int(min(wanted, fits))
+
+    # ---------------------------------------------------------------- step
+    def apply_block_ops(self, plan: StepPlan) -> None:
+        """Copy-on-write of forked sequences' last blocks, before the forward reads them."""
+        if plan.clone_blocks.size:
+            src = torch.from_numpy(plan.clone_blocks[:, 0].astype(np.int64)).to(self.device)
+            dst = torch.from_numpy(plan.clone_blocks[:, 1].astype(np.int64)).to(self.device)
+            for cache in self.kv_caches:
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def prepare(self, plan: StepPlan, input_ids: torch.Tensor | None = None):
+        """Device inputs for ``plan``: token ids, attention metadata and the flat rows to sample."""
+        if input_ids is None:
+            if (plan.input_ids < 0).any():
+                raise RuntimeError("input ids from the device were expected but none were given")
+            input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(self.device)
+        attn = build_attention_metadata(
+            torch.from_numpy(plan.seqlens_q),
+            torch.from_numpy(plan.seqlens_k),
+            torch.from_numpy(plan.block_tables),
+            self.block_size,
+            self.device,
+            is_prefill=plan.is_prefill,
+        )
+        ends = np.cumsum(plan.seqlens_q.astype(np.int64))
+        if plan.is_prefill:
+            rows = (ends - 1)[plan.is_last_chunk]
+        else:
+            starts = ends - plan.seqlens_q
+            rows = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(ends) else ends
+        sample_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        return input_ids, attn, sample_rows
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attn, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Run the model and return fp32 logits ``[len(sample_rows), vocab]``."""
+        hidden = self.model(input_ids, attn.positions, attn, self.kv_caches)
+        if sample_rows.numel() == 0:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden.index_select(0, sample_rows))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, sampling_tensors):
+        return self.backend.kernels.sample(logits, sampling_tensors)
