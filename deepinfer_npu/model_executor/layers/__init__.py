@@ -1,0 +1,1 @@
+"""Model building blocks, each a thin module over ``backend.kernels`` ops."""

@@ -1,0 +1,92 @@
+"""The Backend base class: one subclass per device target, in the style of vLLM's ``Platform``.
+
+Class attributes name the target; classmethods answer availability without constructing anything (so the
+registry can probe cheaply); the instance owns the device, its streams and its :class:`KernelSet`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from . import sync_guard
+from .kernel_set import KernelSet
+
+
+class MemoryInfo(NamedTuple):
+    """Device memory in bytes (host RAM for the CPU backend); unpacks as ``free, total``."""
+
+    free_bytes: int
+    total_bytes: int
+
+
+class Backend:
+    """Base class for device backends. Subclasses set the class attributes and override the hooks."""
+
+    name: ClassVar[str] = ""  # registry name, e.g. "cpu"
+    device_type: ClassVar[str] = ""  # torch device type, e.g. "cpu", "cuda", "npu"
+    dist_backend: ClassVar[str] = ""  # torch.distributed backend: "gloo", "nccl", "hccl"
+    kernel_set_cls: ClassVar[type[KernelSet]] = KernelSet
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device_index = device_index
+        self.kernels: KernelSet = self.kernel_set_cls()
+
+    # ---- availability (classmethods: probed by the registry before construction) ---------------------------
+    @classmethod
+    def is_available(cls) -> bool:
+        """True when this machine can run the backend (driver, runtime, device present)."""
+        return cls.unavailable_reason() is None
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when available, else a sentence saying what is missing (shown in the registry's error)."""
+        raise NotImplementedError
+
+    # ---- device, streams, events ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """The torch device tensors of this backend live on."""
+        return torch.device(self.device_type, self.device_index)
+
+    def create_stream(self) -> Any:
+        """A new stream (``torch.cuda.Stream``-like: ``synchronize``, ``wait_event``, ``wait_stream``)."""
+        raise NotImplementedError
+
+    def create_event(self, enable_timing: bool = False) -> Any:
+        """A new event (``record``, ``synchronize``, ``query``, ``elapsed_time``)."""
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        """The stream work is currently launched on."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block until all launched device work is done. Raises inside ``forbid_sync()``."""
+        sync_guard.check_sync_allowed(f"{type(self).__name__}.synchronize()")
+
+    def graph_runner(self) -> Any | None:
+        """Factory for captured-graph replay (CUDA graph / NPU graph), or None when the backend has none."""
+        return None
+
+    @contextlib.contextmanager
+    def forbid_sync(self) -> Iterator[None]:
+        """Context for the launch path: implicit host-device syncs become errors. The base sets the shared
+        flag (:mod:`deepinfer_npu.hal.sync_guard`); device backends also arm their runtime's sync checks."""
+        with sync_guard.forbid_sync():
+            yield
+
+    def memory_info(self) -> MemoryInfo:
+        """Free and total memory of the device."""
+        raise NotImplementedError
+
+    # ---- ops -----------------------------------------------------------------------------------------------
+    def op_report(self) -> dict[str, str]:
+        """``{op: "native" | "fallback (reason)"}`` for every KernelSet op (``--list-ops``)."""
+        return self.kernels.op_report()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, device={self.device})"

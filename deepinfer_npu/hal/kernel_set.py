@@ -1,0 +1,183 @@
+"""The KernelSet contract: every device op the models call, with shapes.
+
+A backend subclasses :class:`KernelSet` and overrides the ops it has native kernels for. Every op it does not
+override runs the CPU reference implementation (``deepinfer_npu.backends.cpu``: plain, device-agnostic torch)
+and ``op_report()`` lists it as a fallback, so a backend is usable at once and honest about what is native.
+
+Notation: ``T`` tokens in the step, ``B`` requests, ``H`` heads, ``D`` hidden size, ``L`` kv_lora_rank,
+``R`` qk_rope_head_dim, ``E`` routed experts, ``k`` experts per token, ``I`` expert intermediate size.
+Tensors live on the backend's device; activations use the model dtype unless stated (router math is fp32).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .types import DispatchState, GatingParams, MLAWeights, RopeLike
+
+if TYPE_CHECKING:  # the sampling types belong to the sampler (backends/cpu/sampling.py)
+    SamplingTensors = Any
+    SamplerOutput = Any
+
+
+def _ref(module: str):
+    """Lazily import a CPU reference module, e.g. ``_ref("mla")`` -> ``deepinfer_npu.backends.cpu.mla``."""
+    import importlib
+
+    return importlib.import_module(f"deepinfer_npu.backends.cpu.{module}")
+
+
+class KernelSet:
+    """Base class and contract. Subclasses override ops; unoverridden ops fall back to the CPU reference."""
+
+    #: Op names in contract order; ``op_report`` walks this list.
+    OPS: tuple[str, ...] = (
+        "rms_norm",
+        "add_rms_norm",
+        "linear",
+        "silu_and_mul",
+        "rope",
+        "mla_prolog",
+        "mla_attention",
+        "mla_epilogue",
+        "moe_gating_topk",
+        "moe_dispatch",
+        "grouped_mlp",
+        "moe_combine",
+        "sample",
+    )
+    #: Optional per-op reasons shown in ``op_report`` for ops a subclass deliberately leaves on the reference.
+    FALLBACK_REASONS: dict[str, str] = {}
+
+    # ---- norms / dense -------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``x`` [..., N], ``weight`` [N] -> [..., N] in ``x``'s dtype; statistics in fp32."""
+        return _ref("norm").rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused residual add + norm: returns ``(rms_norm(x + residual), x + residual)``; shapes [T, N]."""
+        return _ref("norm").add_rms_norm(x, residual, weight, eps)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]."""
+        return _ref("linear").linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU activation: ``x`` [..., 2I] = [gate | up] -> ``silu(gate) * up`` [..., I]."""
+        return _ref("linear").silu_and_mul(x)
+
+    # ---- attention -----------------------------------------------------------------------------------------
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
+    ) -> torch.Tensor:
+        """Rotary embedding. ``x`` [T, H, R], ``positions`` [T] int64, ``cos_sin_cache`` [max_pos, R] fp32
+        (cos in the first R/2 columns, sin in the last; YaRN attention factor already folded in).
+        ``interleaved``: pairs ``(x[2i], x[2i+1])`` rotate by frequency i (DeepSeek layout), else halves
+        ``(x[i], x[i+R/2])`` (NeoX layout). Returns a new [T, H, R] tensor in the same layout as ``x``."""
+        return _ref("rope").rope(x, positions, cos_sin_cache, interleaved)
+
+    def mla_prolog(
+        self,
+        hidden: torch.Tensor,
+        w: MLAWeights,
+        positions: torch.Tensor,
+        rope: RopeLike,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA front half: ``hidden`` [T, D] (input-normed) -> ``(q_latent [T, H, L], q_rope [T, H, R])``.
+
+        q = q_proj(hidden) or q_b_proj(rms_norm(q_a_proj(hidden))), split into nope [T, H, N] and rope parts;
+        ``q_latent = q_nope @ w_uk`` (absorption), ``q_rope = rope(q_rope)``. Side effect: writes
+        ``rms_norm(c_kv) ‖ rope(k_pe)`` ([T, L+R]) into ``kv_cache`` [num_blocks, block_size, L+R] at
+        ``slot_mapping`` [T] int64 (``block * block_size + offset``; negative slots are skipped = padding).
+        """
+        return _ref("mla").mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping)
+
+    def mla_attention(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seqlens_q: torch.Tensor,
+        seqlens_k: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Absorbed MLA over the paged latent cache -> ``out_latent`` [T, H, L].
+
+        ``q_latent`` [T, H, L], ``q_rope`` [T, H, R]; keys are the cache rows [L+R] (the first L are also the
+        values). ``block_tables`` [B, nb] int32, ``seqlens_q``/``seqlens_k`` [B], ``cu_seqlens_q`` [B+1]
+        int32. Causal: query j of request b sits at position ``seqlens_k[b] - seqlens_q[b] + j`` and sees keys
+        at positions <= its own. Scores ``(q_latent·c + q_rope·k_rope) * softmax_scale``; softmax in fp32.
+        """
+        return _ref("mla").mla_attention(
+            q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+        )
+
+    def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        """MLA back half: ``out_latent`` [T, H, L] -> values (``w_uv`` [H, V, L]) -> ``o_proj`` -> [T, D]."""
+        return _ref("mla").mla_epilogue(out_latent, w)
+
+    # ---- MoE -----------------------------------------------------------------------------------------------
+    def moe_gating_topk(
+        self, router_logits: torch.Tensor, bias: torch.Tensor | None, params: GatingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek gating. ``router_logits`` [T, E] fp32, ``bias`` [E] fp32 (``e_score_correction_bias``,
+        noaux_tc only) -> ``(weights [T, k] fp32, ids [T, k] int32)``; weights include normalisation
+        (``norm_topk_prob``) and ``routed_scaling_factor``. The order of the k choices is unspecified."""
+        return _ref("moe").moe_gating_topk(router_logits, bias, params)
+
+    def moe_dispatch(
+        self, hidden: torch.Tensor, ids: torch.Tensor, num_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """Permute token copies so each expert's rows are contiguous (expert 0 first).
+
+        ``hidden`` [T, D], ``ids`` [T, k] -> ``(sorted_hidden [T*k, D], tokens_per_expert [E] int64, state)``.
+        """
+        return _ref("moe").moe_dispatch(hidden, ids, num_experts)
+
+    def grouped_mlp(
+        self,
+        sorted_hidden: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+    ) -> torch.Tensor:
+        """Per-expert SwiGLU MLP over contiguous row groups: ``sorted_hidden`` [M, D] -> [M, D], with
+        ``w13`` [E, 2I, D] (gate rows then up rows) and ``w2`` [E, D, I]."""
+        return _ref("moe").grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+
+    def moe_combine(
+        self, expert_out: torch.Tensor, state: DispatchState, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Undo the permutation and sum each token's k expert outputs weighted by ``weights`` [T, k] -> [T, D]
+        (accumulated in fp32, returned in ``expert_out``'s dtype)."""
+        return _ref("moe").moe_combine(expert_out, state, weights)
+
+    # ---- sampling ------------------------------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampling_tensors: SamplingTensors) -> SamplerOutput:
+        """``logits`` [B, V] fp32 -> ``SamplerOutput`` (greedy / temperature / top-k / top-p, per-request
+        seeds with counter-based noise so every backend draws the same numbers; optional top-n logprobs).
+        Contract and types live in ``backends/cpu/sampling.py``."""
+        from deepinfer_npu.backends.cpu.sampling import sample
+
+        return sample(logits, sampling_tensors)
+
+    # ---- reporting -----------------------------------------------------------------------------------------
+    def op_report(self) -> dict[str, str]:
+        """``{op: "native" | "fallback (reason)"}``: an op is native when this class (or a parent below
+        :class:`KernelSet`) overrides it."""
+        report = {}
+        for op in self.OPS:
+            if getattr(type(self), op) is not getattr(KernelSet, op):
+                report[op] = "native"
+            else:
+                reason = self.FALLBACK_REASONS.get(op, "no native kernel; runs the CPU reference op")
+                report[op] = f"fallback ({reason})"
+        return report

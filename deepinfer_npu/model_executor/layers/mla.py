@@ -1,0 +1,111 @@
+"""Multi-head latent attention layer: ``mla_prolog`` -> ``mla_attention`` -> ``mla_epilogue``.
+
+Parameter names follow the checkpoint (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
+``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``o_proj``). ``kv_b_proj`` [H*(N+V), L] is not kept: the loader
+splits it into ``w_uk`` [H, N, L] and ``w_uv`` [H, V, L], the absorbed form every backend's ops consume.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer_npu.hal.kernel_set import KernelSet
+from deepinfer_npu.hal.types import MLAWeights
+
+from ..attention_metadata import AttentionMetadata
+from ..model_config import DeepseekModelConfig
+from .linear import Linear, empty_param
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+# q_a_layernorm and kv_a_layernorm are built with RMSNorm's default eps in DeepSeek's and HF's code.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAAttention(nn.Module):
+    remapped_params = ("w_uk", "w_uv")
+
+    def __init__(
+        self,
+        cfg: DeepseekModelConfig,
+        rope: RotaryEmbedding,
+        kernels: KernelSet,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.rope = rope
+        self.num_heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        h, d, bias = cfg.num_attention_heads, cfg.hidden_size, cfg.attention_bias
+        kw = dict(dtype=dtype, device=device)
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(d, h * cfg.qk_head_dim, kernels, **kw)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, kernels, bias=bias, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, kernels, **kw)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, kernels, **kw)
+        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kernels, bias=bias, **kw)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, kernels, **kw)
+        self.w_uk = empty_param(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank, **kw)
+        self.w_uv = empty_param(h, cfg.v_head_dim, cfg.kv_lora_rank, **kw)
+        self.o_proj = Linear(h * cfg.v_head_dim, d, kernels, bias=bias, **kw)
+
+    def weights(self) -> MLAWeights:
+        """The op-facing view of this layer's tensors (no copies)."""
+        has_q_lora = hasattr(self, "q_a_proj")
+        return MLAWeights(
+            num_heads=self.num_heads,
+            qk_nope_head_dim=self.nope_dim,
+            qk_rope_head_dim=self.rope_dim,
+            v_head_dim=self.v_head_dim,
+            kv_lora_rank=self.kv_lora_rank,
+            kv_a_proj=self.kv_a_proj_with_mqa.weight,
+            kv_a_layernorm=self.kv_a_layernorm.weight,
+            w_uk=self.w_uk,
+            w_uv=self.w_uv,
+            o_proj=self.o_proj.weight,
+            q_proj=None if has_q_lora else self.q_proj.weight,
+            q_a_proj=self.q_a_proj.weight if has_q_lora else None,
+            q_a_layernorm=self.q_a_layernorm.weight if has_q_lora else None,
+            q_b_proj=self.q_b_proj.weight if has_q_lora else None,
+            q_a_bias=self.q_a_proj.bias if has_q_lora else None,
+            kv_a_bias=self.kv_a_proj_with_mqa.bias,
+            o_bias=self.o_proj.bias,
+            norm_eps=LATENT_NORM_EPS,
+        )
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """``hidden`` [T, D] (input-normed) -> [T, D]; writes this step's latents into ``kv_cache``."""
+        w = self.weights()
+        k = self.kernels
+        q_latent, q_rope = k.mla_prolog(hidden, w, positions, self.rope, kv_cache, attn.slot_mapping)
+        out_latent = k.mla_attention(
+            q_latent,
+            q_rope,
+            kv_cache,
+            attn.block_tables,
+            attn.seqlens_q,
+            attn.seqlens_k,
+            attn.cu_seqlens_q,
+            self.softmax_scale,
+        )
+        return k.mla_epilogue(out_latent, w)
+
+    # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
+        rows = self.num_heads * (self.nope_dim + self.v_head_dim)
+        return {"kv_b_proj.weight": (rows, self.kv_lora_rank)}
+
+    def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        # kv_b_proj rows are per head [k_nope (N) | v (V)], each row a vector over the latent L.
+        per_head = tensor.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_uk.data.copy_(per_head[:, : self.nope_dim])
+        self.w_uv.data.copy_(per_head[:, self.nope_dim :])
