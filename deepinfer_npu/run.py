@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_ops:
         from deepinfer_npu.hal.registry import get_backend
 
-        backend = get_backend(args.backend)
+        try:
+            backend = get_backend(args.backend)
+        except (ValueError, RuntimeError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         report = backend.op_report()
         if args.json:
             print(json.dumps({"backend": backend.name, "ops": report}))

@@ -94,6 +94,8 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         raise ValueError(f"logits must be [B, V] with B = {t.num_rows} rows, got {tuple(logits.shape)}")
     logits = logits.float()
     v = logits.shape[1]
+    if logits.shape[0] == 0:  # a step with nothing to sample (e.g. only non-final prefill chunks)
+        return SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=None)
 
     raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
 

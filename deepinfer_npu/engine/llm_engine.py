@@ -329,6 +329,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
         s = dict(self.stats)
+        s["preemptions"] = int(self.scheduler.num_preemptions)  # finished or recomputed
         s["kv_usage"] = float(self.scheduler.kv_usage())
         s["num_kv_blocks"] = self.runner.num_kv_blocks
         s["backend"] = self.backend.name
