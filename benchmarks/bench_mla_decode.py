@@ -1,0 +1,75 @@
+"""MLA decode kernel benchmark (issue 6, measurement 1): achieved bytes/s vs device-to-device copy
+bandwidth measured in the same run, at batch 64 / 128, context 4K / 8K, 16 heads (V2-Lite) and 128 heads (V3),
+one query token.
+
+One JSON line per shape:
+  {"bench": "mla_decode", "hardware": ..., "batch": B, "seqlen_k": S, "heads": H, "q_len": q, "us": t,
+   "bytes": n, "GBps": x, "copy_GBps": c, "frac_of_copy": f, ...}
+Bytes = the latent cache read once (batch * seqlen_k * 576 * 2, FlashMLA's count) + q + out + lse + block
+table.
+
+    python benchmarks/bench_mla_decode.py [--out benchmarks/results/h200_mla_decode.jsonl] [--q-len 1 2 4]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from kernels_cuda import mla_decode as mla  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="append JSON lines here as well as to stdout")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlen-k", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--q-len", type=int, nargs="+", default=[1])
+    ap.add_argument(
+        "--splits",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also time these fixed split counts (default: the heuristic only)",
+    )
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure", file=sys.stderr)
+        return 2
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = [(B, H, S, q) for H in args.heads for B in args.batch for S in args.seqlen_k for q in args.q_len]
+    cfgs = []
+    for B, H, S, q in shapes:
+        mt = mla.m_tiles_for(H, mla.bucket_q(q))
+        cfgs.append((H, mt, mla.default_num_splits(B, H, mla.bucket_q(q), S // mla.PAGE, num_sms)))
+        cfgs += [(H, mt, s) for s in (args.splits or [])]
+    mla.precompile(cfgs)
+    copy_gbps = mla.copy_bandwidth()
+    rows = [{"bench": "copy_d2d", "hardware": torch.cuda.get_device_name(), "GBps": round(copy_gbps, 1)}]
+    print(json.dumps(rows[0]), flush=True)
+    for B, H, S, q in shapes:
+        for s in [None] + list(args.splits or []):
+            row = mla.bench_case(B, H, S, q, num_splits=s, copy_gbps=copy_gbps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print(f"{'H':>4} {'B':>4} {'S':>5} {'q':>2} {'spl':>3} {'us':>8} {'GB/s':>7} {'frac':>5} {'TFLOP/s':>7}")
+    for r in rows[1:]:
+        print(
+            f"{r['heads']:>4} {r['batch']:>4} {r['seqlen_k']:>5} {r['q_len']:>2} {r['num_splits']:>3} "
+            f"{r['us']:>8.1f} {r['GBps']:>7.0f} {r['frac_of_copy']:>5.2f} {r['TFLOPs']:>7.0f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

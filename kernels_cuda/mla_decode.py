@@ -1,0 +1,618 @@
+"""Paged MLA decode (absorbed) for Hopper, in TileLang.
+
+Op contract: docs/interfaces.md §2 ``mla_attention`` (decode path).
+
+Layout (FlashMLA-compatible):
+  q_latent     [T, H, 512] bf16      absorbed query (W_UK folded in)
+  q_rope       [T, H, 64]  bf16
+  kv_cache     [num_blocks, 64, 576] bf16   per token: 512 latent (c_kv) ‖ 64 rope (k_pe); values = first 512
+  block_tables [B, nb] int32
+  seqlens_q    [B] int32 (1..16 query tokens per request: speculative verification)
+  seqlens_k    [B] int32 (tokens in the cache for the request, the new ones included)
+  cu_seqlens_q [B+1] int32
+  -> out_latent [T, H, 512] bf16, lse [T, H] fp32 (natural log)
+
+Causal: query j of request b sits at position seqlens_k[b] - seqlens_q[b] + j and sees keys at positions
+<= its own.
+
+Kernel design: the q tokens of a request times its heads are folded into the M dimension of the tile (row r
+of request b = token r // H, head r % H; 64 rows per CTA, so H=128 takes 2 CTAs per token and H=16 packs 4
+tokens in one CTA); rows past seqlens_q[b] are computed on zeros and never stored. One KV tile = one 64-token
+page, fetched through the block table inside a 2-stage software pipeline (TileLang lowers it to TMA and a
+producer warpgroup on sm_90a). The causal mask is applied only on the tiles that reach past the first query's
+position. Split-KV: grid z splits the pages of each request evenly; each split writes fp32 partial outputs and
+a base-2 LSE, and a second kernel combines them (skipped when num_splits == 1, which writes the bf16 output
+directly).
+
+Precondition: cache slots past seqlens_k inside the last page must hold finite values (allocate the cache with
+zeros); they are masked out of the softmax, but 0 * NaN in P@V would still be NaN.
+
+Run alone:  python kernels_cuda/mla_decode.py --check --bench
+"""
+
+import argparse
+import functools
+import sys
+import time
+
+import torch
+
+try:  # tilelang is optional at import time so that the reference is usable without it
+    import tilelang
+    import tilelang.language as T
+except Exception:  # pragma: no cover - exercised where tilelang is absent
+    tilelang = None
+    T = None
+
+KV_LORA = 512
+ROPE = 64
+HEAD_DIM = KV_LORA + ROPE  # 576
+PAGE = 64  # block_size of the paged latent cache
+BLOCK_M = 64  # folded (q token x head) rows per CTA
+BLOCK_N = 64  # keys per pipeline stage (= one page)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def _pass_configs():
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+# ----------------------------------------------------------------------------------------------------
+# factory
+# ----------------------------------------------------------------------------------------------------
+def build_mla_decode(
+    heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256
+):
+    """Return the TileLang PrimFunc (not compiled).
+
+    heads: query heads H (compile-time); m_tiles: CTAs per request along the folded rows, ceil(max_q*H/64);
+    num_splits: KV splits (grid z); softmax_scale: applied to q.k before the softmax.
+    Dynamic (run-time) sizes: total tokens T, requests B, cache blocks, block-table width.
+    """
+    assert tilelang is not None, "tilelang is not installed"
+    H = heads
+    DV, DPE = KV_LORA, ROPE
+    BM, BN = BLOCK_M, BLOCK_N
+    S = num_splits
+    scale = float(softmax_scale * LOG2E)
+    dtype = T.bfloat16
+    acc = T.float32
+    neg_big = -(2.0**30)  # finite "minus infinity" for the running max (avoids inf - inf)
+
+    Tq = T.dynamic("num_tokens")
+    B = T.dynamic("batch")
+    NB = T.dynamic("num_blocks")
+    NBT = T.dynamic("max_blocks_per_seq")
+
+    @T.prim_func
+    def mla_decode_split(
+        Q: T.Tensor([Tq, H, DV], dtype),
+        Q_pe: T.Tensor([Tq, H, DPE], dtype),
+        KV: T.Tensor([NB, PAGE, HEAD_DIM], dtype),
+        block_table: T.Tensor([B, NBT], T.int32),
+        q_start: T.Tensor([B], T.int32),
+        seqlens_q: T.Tensor([B], T.int32),
+        seqlens_k: T.Tensor([B], T.int32),
+        Out: T.Tensor([Tq, H, DV], dtype),
+        Lse: T.Tensor([Tq, H], acc),
+        O_part: T.Tensor([S, Tq, H, DV], acc),
+        Lse_part: T.Tensor([S, Tq, H], acc),
+    ):
+        with T.Kernel(m_tiles, B, S, threads=threads) as (mt, b, z):
+            Q_shared = T.alloc_shared([BM, DV], dtype)
+            Q_pe_shared = T.alloc_shared([BM, DPE], dtype)
+            KV_shared = T.alloc_shared([BN, DV], dtype)
+            K_pe_shared = T.alloc_shared([BN, DPE], dtype)
+            S_shared = T.alloc_shared([BM, BN], dtype)
+            acc_s = T.alloc_fragment([BM, BN], acc)
+            acc_o = T.alloc_fragment([BM, DV], acc)
+            m_i = T.alloc_fragment([BM], acc)
+            m_prev = T.alloc_fragment([BM], acc)
+            alpha = T.alloc_fragment([BM], acc)
+            row_sum = T.alloc_fragment([BM], acc)
+            l_i = T.alloc_fragment([BM], acc)
+            lim = T.alloc_fragment([BM], T.int32)
+
+            sq = seqlens_q[b]
+            sk = seqlens_k[b]
+            qs = q_start[b]
+            row0 = mt * BM
+            n_valid_rows = sq * H
+
+            # folded rows of this request are contiguous in Q viewed as [T*H, DV]
+            for i, d in T.Parallel(BM, DV):
+                Q_shared[i, d] = T.if_then_else(
+                    row0 + i < n_valid_rows, Q[qs + (row0 + i) // H, (row0 + i) % H, d], T.cast(0, dtype)
+                )
+            for i, d in T.Parallel(BM, DPE):
+                Q_pe_shared[i, d] = T.if_then_else(
+                    row0 + i < n_valid_rows, Q_pe[qs + (row0 + i) // H, (row0 + i) % H, d], T.cast(0, dtype)
+                )
+            # last visible key position per row (inclusive); rows past sq clamp to sk - 1
+            for i in T.Parallel(BM):
+                lim[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
+
+            T.fill(acc_o, 0)
+            T.fill(l_i, 0)
+            T.fill(m_i, neg_big)
+
+            n_tiles = T.ceildiv(sk, BN)
+            per = n_tiles // S
+            rem = n_tiles % S
+            my_tiles = T.if_then_else(row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
+            t0 = per * z + T.min(z, rem)
+            first_masked = sk - sq  # keys at positions > this are invisible to the first query row
+
+            for k in T.Pipelined(my_tiles, num_stages=num_stages):
+                page = block_table[b, t0 + k]
+                T.copy(KV[page, :, 0:DV], KV_shared)
+                T.copy(KV[page, :, DV:HEAD_DIM], K_pe_shared)
+                T.clear(acc_s)
+                T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(Q_pe_shared, K_pe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+                if (t0 + k + 1) * BN - 1 > first_masked:
+                    for i, j in T.Parallel(BM, BN):
+                        acc_s[i, j] = T.if_then_else(
+                            (t0 + k) * BN + j > lim[i], -T.infinity(acc), acc_s[i, j]
+                        )
+                T.copy(m_i, m_prev)
+                T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                for i in T.Parallel(BM):
+                    alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale)
+                for i, j in T.Parallel(BM, BN):
+                    acc_s[i, j] = T.exp2(acc_s[i, j] * scale - m_i[i] * scale)
+                T.reduce_sum(acc_s, row_sum, dim=1)
+                T.copy(acc_s, S_shared)
+                for i in T.Parallel(BM):
+                    l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+                for i, d in T.Parallel(BM, DV):
+                    acc_o[i, d] *= alpha[i]
+                T.gemm(S_shared, KV_shared, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+            # finalize: empty rows (no visible key in this split) give o = 0, lse = -inf
+            for i, d in T.Parallel(BM, DV):
+                acc_o[i, d] = T.if_then_else(l_i[i] > 0, acc_o[i, d] / l_i[i], 0.0)
+            for i in T.Parallel(BM):
+                m_prev[i] = T.if_then_else(l_i[i] > 0, T.log2(l_i[i]) + m_i[i] * scale, -T.infinity(acc))
+            if S == 1:
+                for i, d in T.Parallel(BM, DV):
+                    if row0 + i < n_valid_rows:
+                        Out[qs + (row0 + i) // H, (row0 + i) % H, d] = T.cast(acc_o[i, d], dtype)
+                for i in T.Parallel(BM):
+                    if row0 + i < n_valid_rows:
+                        Lse[qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i] * LN2
+            else:
+                for i, d in T.Parallel(BM, DV):
+                    if row0 + i < n_valid_rows:
+                        O_part[z, qs + (row0 + i) // H, (row0 + i) % H, d] = acc_o[i, d]
+                for i in T.Parallel(BM):
+                    if row0 + i < n_valid_rows:
+                        Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i]
+
+        if S > 1:
+            # combine the splits: one CTA per (head, token), 128 threads x 4 values
+            with T.Kernel(H, Tq, threads=128) as (h, t):
+                o_acc = T.alloc_fragment([DV], acc)
+                po = T.alloc_fragment([DV], acc)
+                lmax = T.alloc_var(acc)
+                lsum = T.alloc_var(acc)
+                w = T.alloc_var(acc)
+                inv = T.alloc_var(acc)
+                T.clear(o_acc)
+                lmax = -T.infinity(acc)
+                for s in T.serial(S):
+                    lmax = T.max(lmax, Lse_part[s, t, h])
+                lmax = T.if_then_else(lmax == -T.infinity(acc), 0.0, lmax)
+                lsum = 0.0
+                for s in T.serial(S):
+                    lsum += T.exp2(Lse_part[s, t, h] - lmax)
+                inv = T.if_then_else(lsum > 0, 1.0 / lsum, 0.0)
+                for s in T.serial(S):
+                    for d in T.Parallel(DV):
+                        po[d] = O_part[s, t, h, d]
+                    w = T.exp2(Lse_part[s, t, h] - lmax) * inv
+                    for d in T.Parallel(DV):
+                        o_acc[d] += po[d] * w
+                for d in T.Parallel(DV):
+                    Out[t, h, d] = T.cast(o_acc[d], dtype)
+                Lse[t, h] = T.if_then_else(lsum > 0, (T.log2(lsum) + lmax) * LN2, -T.infinity(acc))
+
+    return mla_decode_split
+
+
+@functools.cache
+def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+    """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
+    assert tilelang is not None, "tilelang is not installed"
+    func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages)
+    return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
+
+
+def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
+    """Compile several (heads, m_tiles, num_splits) configurations in parallel (nvcc runs as subprocesses)."""
+    import concurrent.futures as cf
+
+    configs = [c for c in dict.fromkeys(configs)]
+    with cf.ThreadPoolExecutor(num_workers or min(len(configs), 16)) as ex:
+        list(ex.map(lambda c: get_kernel(c[0], c[1], c[2], float(softmax_scale)), configs))
+
+
+CI_CONFIGS = [
+    (128, 2, 1),
+    (16, 4, 3),
+]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine
+
+
+def ci_compile(configs=None):
+    """Compile representative configurations for sm_90a without a GPU and without TileLang's caches (used by
+    tests/kernels_cuda/test_compile.py so that a kernel that stops compiling fails CI)."""
+    import concurrent.futures as cf
+
+    cfgs = configs or CI_CONFIGS
+
+    def one(c):
+        func = build_mla_decode(c[0], c[1], c[2], HEAD_DIM**-0.5)
+        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
+
+    with cf.ThreadPoolExecutor(len(cfgs)) as ex:
+        return list(ex.map(one, cfgs))
+
+
+def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
+    return -(-max_seqlen_q * heads // BLOCK_M)
+
+
+def default_num_splits(
+    batch: int, heads: int, max_seqlen_q: int, max_blocks_per_seq: int, num_sms: int = 132
+) -> int:
+    """Host-side split heuristic (no device sync): about one wave of CTAs, at least 4 pages per split."""
+    ctas = batch * m_tiles_for(heads, max_seqlen_q)
+    if ctas >= num_sms * 0.75:
+        return 1
+    s = max(1, round(num_sms / ctas))
+    return int(min(s, max(1, max_blocks_per_seq // 4), 32))
+
+
+def bucket_q(max_seqlen_q: int) -> int:
+    """Round the host-side max query length up to 1, 2, 4, 8 or 16 (fewer compiled variants / graph keys)."""
+    assert 1 <= max_seqlen_q <= 16, "1..16 query tokens per request"
+    return 1 << (max_seqlen_q - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch wrapper (the backend's op)
+# ----------------------------------------------------------------------------------------------------
+_DUMMIES = {}
+
+
+def _dummy_partials(Tq, H, device):
+    key = (Tq, H, str(device))
+    if key not in _DUMMIES:
+        _DUMMIES[key] = (
+            torch.empty(1, Tq, H, KV_LORA, dtype=torch.float32, device=device),
+            torch.empty(1, Tq, H, dtype=torch.float32, device=device),
+        )
+    return _DUMMIES[key]
+
+
+def mla_decode(
+    q_latent,
+    q_rope,
+    kv_cache,
+    block_tables,
+    seqlens_q,
+    seqlens_k,
+    cu_seqlens_q,
+    softmax_scale,
+    max_seqlen_q: int | None = None,
+    num_splits: int | None = None,
+    out=None,
+    lse=None,
+    num_sms: int | None = None,
+):
+    """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync."""
+    Tq, H, _ = q_latent.shape
+    B = block_tables.shape[0]
+    if max_seqlen_q is None:
+        max_seqlen_q = int(seqlens_q.max().item())  # sync: pass it explicitly under graph capture
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
+    if num_splits is None:
+        num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
+    mt = m_tiles_for(H, bucket_q(max_seqlen_q))
+    kern = get_kernel(H, mt, num_splits, float(softmax_scale))
+    if out is None:
+        out = torch.empty_like(q_latent)
+    if lse is None:
+        lse = torch.empty(Tq, H, dtype=torch.float32, device=q_latent.device)
+    S = num_splits
+    if S > 1:
+        o_part = torch.empty(S, Tq, H, KV_LORA, dtype=torch.float32, device=q_latent.device)
+        l_part = torch.empty(S, Tq, H, dtype=torch.float32, device=q_latent.device)
+    else:  # unused by the kernel, but the shapes must bind: a cached dummy (kept alive for graph replays)
+        o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
+    q_start = cu_seqlens_q[:B]
+    kern(q_latent, q_rope, kv_cache, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# fp32 reference over gathered pages
+# ----------------------------------------------------------------------------------------------------
+def mla_decode_ref(
+    q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+):
+    Tq, H, _ = q_latent.shape
+    out = torch.empty(Tq, H, KV_LORA, dtype=torch.float32, device=q_latent.device)
+    lse = torch.empty(Tq, H, dtype=torch.float32, device=q_latent.device)
+    sq_l, sk_l, cu_l = seqlens_q.tolist(), seqlens_k.tolist(), cu_seqlens_q.tolist()
+    for b in range(block_tables.shape[0]):
+        sq, sk, q0 = sq_l[b], sk_l[b], cu_l[b]
+        if sq == 0:
+            continue
+        pages = block_tables[b, : -(-sk // PAGE)].long()
+        kv = kv_cache[pages].reshape(-1, HEAD_DIM)[:sk].float()  # [sk, 576]
+        q = torch.cat([q_latent[q0 : q0 + sq], q_rope[q0 : q0 + sq]], dim=-1).float()  # [sq, H, 576]
+        s = torch.einsum("qhd,kd->qhk", q, kv) * softmax_scale
+        pos_q = sk - sq + torch.arange(sq, device=q.device)
+        mask = torch.arange(sk, device=q.device)[None, :] > pos_q[:, None]  # [sq, sk]
+        s = s.masked_fill(mask[:, None, :], float("-inf"))
+        lse[q0 : q0 + sq] = torch.logsumexp(s, dim=-1)
+        out[q0 : q0 + sq] = torch.einsum("qhk,kd->qhd", torch.softmax(s, dim=-1), kv[:, :KV_LORA])
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------
+# inputs, checks, benchmark
+# ----------------------------------------------------------------------------------------------------
+def make_inputs(batch, heads, seqlens_k, seqlens_q, device="cuda", seed=0, spare_blocks=2):
+    """Random paged problem, shuffled pages. seqlens_k / seqlens_q: int or list per request. Cache slots past
+    seqlens_k and an unreferenced 'poison' page (where unused block-table entries point) hold large finite
+    values,
+    so a missing mask or an out-of-range page read shows in the output."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    sk = [seqlens_k] * batch if isinstance(seqlens_k, int) else list(seqlens_k)
+    sq = [seqlens_q] * batch if isinstance(seqlens_q, int) else list(seqlens_q)
+    assert all(1 <= q <= k for q, k in zip(sq, sk))
+    nbs = [-(-k // PAGE) for k in sk]
+    nb_max = max(nbs) + spare_blocks
+    used = sum(nbs)
+    poison_page = used
+    perm = torch.randperm(used, generator=torch.Generator().manual_seed(seed))
+    bt = torch.full((batch, nb_max), poison_page, dtype=torch.int32)
+    o = 0
+    for b in range(batch):
+        bt[b, : nbs[b]] = perm[o : o + nbs[b]].int()
+        o += nbs[b]
+    kv = torch.randn(used + 1, PAGE, HEAD_DIM, generator=g, device=device, dtype=torch.bfloat16)
+    for b in range(
+        batch
+    ):  # poison the tail of each request's last page (finite: see the module precondition)
+        tail = sk[b] % PAGE
+        if tail:
+            kv[int(bt[b, nbs[b] - 1]), tail:] = 3.0e4
+    kv[poison_page] = 3.0e4
+    Tq = sum(sq)
+    ql = torch.randn(Tq, heads, KV_LORA, generator=g, device=device, dtype=torch.bfloat16)
+    qr = torch.randn(Tq, heads, ROPE, generator=g, device=device, dtype=torch.bfloat16)
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(sq, dtype=torch.int32), 0)
+    return dict(
+        q_latent=ql,
+        q_rope=qr,
+        kv_cache=kv,
+        block_tables=bt.to(device),
+        seqlens_q=torch.tensor(sq, dtype=torch.int32, device=device),
+        seqlens_k=torch.tensor(sk, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu.to(device),
+    )
+
+
+def compare(out, ref, name, ulps=2.0):
+    """FlashMLA-style: NaN/inf positions equal, cosine deficit 1 - 2<x,y>/(|x|^2+|y|^2) < 1e-5, and each
+    element within `ulps` bf16 ulps (2^-7 relative) of the reference, measured against |ref| + rms(ref)."""
+    out = out.float()
+    ref = ref.float()
+    if not torch.equal(torch.isnan(out), torch.isnan(ref)):
+        return False, dict(name=name, error="NaN positions differ", n_nan=int(torch.isnan(out).sum()))
+    if not torch.equal(torch.isinf(out), torch.isinf(ref)):
+        return False, dict(name=name, error="inf positions differ")
+    fin = torch.isfinite(ref)
+    o, r = out[fin].double(), ref[fin].double()
+    if r.numel() == 0:
+        return True, dict(name=name, cos_diff=0.0, max_abs=0.0, worst_ulps=0.0)
+    cos_diff = (1 - 2 * (o * r).sum() / ((o * o).sum() + (r * r).sum()).clamp_min(1e-30)).item()
+    eps = 2.0**-7
+    rms = r.pow(2).mean().sqrt().item()
+    err = (o - r).abs()
+    worst = (err / (eps * (r.abs() + rms))).max().item()
+    ok = worst <= ulps and cos_diff < 1e-5
+    return ok, dict(name=name, cos_diff=cos_diff, max_abs=err.max().item(), worst_ulps=worst)
+
+
+def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verbose=True):
+    """Fresh random inputs, NaN-poisoned outputs, fp32 reference; returns (ok, stats)."""
+    inp = make_inputs(batch, heads, seqlens_k, seqlens_q, seed=seed)
+    scale = HEAD_DIM**-0.5
+    Tq, H = inp["q_latent"].shape[:2]
+    out = torch.full((Tq, H, KV_LORA), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((Tq, H), float("nan"), dtype=torch.float32, device="cuda")
+    max_q = max(seqlens_q) if isinstance(seqlens_q, list) else seqlens_q
+    mla_decode(**inp, softmax_scale=scale, max_seqlen_q=max_q, num_splits=num_splits, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_o, ref_l = mla_decode_ref(**inp, softmax_scale=scale)
+    ok_o, so = compare(out, ref_o, "out")
+    ok_l, sl = compare(lse, ref_l, "lse", ulps=0.25)
+    ok = ok_o and ok_l
+    if verbose:
+        print(
+            f"check B={batch} H={heads} sk={seqlens_k if isinstance(seqlens_k, int) else 'var'} "
+            f"sq={seqlens_q if isinstance(seqlens_q, int) else f'var<={max_q}'} splits={num_splits}: "
+            f"{'OK' if ok else 'FAIL'} out={so} lse={sl}",
+            flush=True,
+        )
+    return ok, dict(out=so, lse=sl)
+
+
+def check_cases(seed=0):
+    """(batch, heads, seqlens_k, seqlens_q, num_splits): decode, verification (1..16 q tokens), short contexts
+    (empty splits), odd lengths (partial last page), varlen batches. Splits 1 or 3 to bound compiles."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for H in (16, 128):
+        cases += [
+            (4, H, 1000, 1, 1),
+            (3, H, 64, 1, 3),
+            (5, H, 777, 4, 3 if H == 128 else 1),
+            (6, H, 2049, 16, 3),
+            (2, H, 5000, 16, 1),
+        ]
+        rb = 9
+        sq = torch.randint(1, 17, (rb,), generator=g).tolist()
+        sk = [max(k, q) for k, q in zip(torch.randint(16, 3000, (rb,), generator=g).tolist(), sq)]
+        sq4 = [min(q, 4) for q in sq]
+        cases += [(rb, H, sk, sq, 1), (rb, H, sk, sq, 3), (rb, H, sk, [1] * rb, 3), (rb, H, sk, sq4, 1)]
+    return cases
+
+
+def configs_for_cases(cases):
+    return [
+        (H, m_tiles_for(H, bucket_q(max(sq) if isinstance(sq, list) else sq)), S)
+        for (_, H, _, sq, S) in cases
+    ]
+
+
+BENCH_SHAPES = [(B, H, S) for H in (16, 128) for B in (64, 128) for S in (4096, 8192)]
+
+
+def bench_configs(num_sms=132):
+    return [
+        (H, m_tiles_for(H, 1), default_num_splits(B, H, 1, S // PAGE, num_sms)) for B, H, S in BENCH_SHAPES
+    ]
+
+
+def run_checks(seed=0):
+    ok = True
+    for i, (b, h, sk, sq, s) in enumerate(check_cases(seed)):
+        ok &= check_case(b, h, sk, sq, s, seed=seed + i)[0]
+    return ok
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    """Device-to-device copy GB/s counting bytes read + written (median over CUDA-event timings)."""
+    from triton.testing import do_bench
+
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b_ = torch.empty_like(a)
+    t = do_bench(lambda: b_.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * nbytes / (t * 1e-3) / 1e9
+
+
+def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100):
+    """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
+    Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table."""
+    from triton.testing import do_bench
+
+    scale = HEAD_DIM**-0.5
+    inp = make_inputs(batch, heads, seqlen_k, q_len, seed=seed, spare_blocks=0)
+    Tq = batch * q_len
+    out = torch.empty(Tq, heads, KV_LORA, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(Tq, heads, dtype=torch.float32, device="cuda")
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    S = (
+        num_splits
+        if num_splits is not None
+        else default_num_splits(batch, heads, bucket_q(q_len), -(-seqlen_k // PAGE), num_sms)
+    )
+
+    def fn():
+        mla_decode(
+            **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms
+        )
+
+    fn()
+    torch.cuda.synchronize()
+    timing = "graph"
+    try:
+        reps = 10
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for _ in range(reps):
+                fn()
+        gr.replay()
+        torch.cuda.synchronize()
+        t = do_bench(gr.replay, warmup=25, rep=300, return_mode="median") / reps
+    except Exception as e:  # noqa: BLE001
+        print(f"graph capture failed ({type(e).__name__}: {e}); timing plain launches", flush=True)
+        timing = "events"
+        t = do_bench(fn, warmup=25, rep=300, return_mode="median")
+    kv_bytes = batch * seqlen_k * HEAD_DIM * 2
+    nbytes = (
+        kv_bytes
+        + Tq * heads * HEAD_DIM * 2
+        + Tq * heads * KV_LORA * 2
+        + Tq * heads * 4
+        + batch * (-(-seqlen_k // PAGE)) * 4
+    )
+    flops = 2 * Tq * heads * seqlen_k * (HEAD_DIM + KV_LORA)
+    gbps = nbytes / (t * 1e-3) / 1e9
+    row = {
+        "bench": "mla_decode",
+        "hardware": torch.cuda.get_device_name(),
+        "batch": batch,
+        "seqlen_k": seqlen_k,
+        "heads": heads,
+        "q_len": q_len,
+        "num_splits": S,
+        "us": round(t * 1e3, 2),
+        "bytes": nbytes,
+        "GBps": round(gbps, 1),
+        "TFLOPs": round(flops / (t * 1e-3) / 1e12, 1),
+        "timing": timing,
+    }
+    if copy_gbps:
+        row.update(copy_GBps=round(copy_gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+    return row
+
+
+def main(argv=None):
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="numerics vs the fp32 reference (needs a GPU)")
+    ap.add_argument("--bench", action="store_true", help="time the issue's shapes (needs a GPU)")
+    ap.add_argument(
+        "--compile-only", action="store_true", help="compile the check/bench configurations for sm_90a"
+    )
+    args = ap.parse_args(argv)
+    if args.compile_only or args.check or args.bench:
+        cfgs = []
+        if args.compile_only or args.check:
+            cfgs += configs_for_cases(check_cases())
+        if args.compile_only or args.bench:
+            cfgs += bench_configs()
+        t = time.time()
+        precompile(cfgs)
+        print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
+    ok = True
+    if args.check:
+        ok = run_checks()
+        print("CHECK", "PASS" if ok else "FAIL", flush=True)
+    if args.bench:
+        cb = copy_bandwidth()
+        print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
+        for B, H, S in BENCH_SHAPES:
+            print(json.dumps(bench_case(B, H, S, 1, copy_gbps=cb)), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
