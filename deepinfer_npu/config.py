@@ -45,6 +45,7 @@ class EngineConfig:
     prefill_any_attempt_interval: int = 100
     zero_overhead_scheduling: bool = True
     speculative_method: str | None = None
+    speculative_model: str | os.PathLike | None = None  # DFlash drafter dir (default: <model>/dflash)
     num_speculative_tokens: int = 5
     varlen_verification: bool = True
     extra: dict = field(default_factory=dict)

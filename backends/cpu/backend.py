@@ -21,6 +21,12 @@ class CpuBackend(Backend):
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)
         self._stream = HostStream()
+        # Intra-op threads: DEEPINFER_CPU_THREADS (default 1). Reference-sized models run fastest on one thread,
+        # and spinning OpenMP workers on a busy host slowed steps ~100x in our measurements.
+        threads = os.environ.get("DEEPINFER_CPU_THREADS", "1")
+        if not threads.isdigit() or int(threads) < 1:
+            raise ValueError(f"DEEPINFER_CPU_THREADS must be a positive integer, got {threads!r}")
+        torch.set_num_threads(int(threads))
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -13,6 +13,8 @@ from . import mla as _mla
 from . import moe as _moe
 from . import norm as _norm
 from . import rope as _rope
+from . import spec_verify as _spec_verify
+from . import zos as _zos
 
 
 class CpuKernelSet(KernelSet):
@@ -31,6 +33,8 @@ class CpuKernelSet(KernelSet):
     moe_dispatch = staticmethod(_moe.moe_dispatch)
     grouped_mlp = staticmethod(_moe.grouped_mlp)
     moe_combine = staticmethod(_moe.moe_combine)
+    spec_verify = staticmethod(_spec_verify.spec_verify)
+    zos_fixup = staticmethod(_zos.zos_fixup)
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
         """Delegates to ``backends/cpu/sampling.py: sample`` (imported lazily: a separate module)."""

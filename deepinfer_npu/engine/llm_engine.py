@@ -25,9 +25,11 @@ from deepinfer_npu.engine.stop_checker import StopChecker
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
-from deepinfer_npu.sampling import SamplingTensors, min_tokens_banned_ids
+from deepinfer_npu.sampling import min_tokens_banned_ids
 from deepinfer_npu.worker.model_runner import ModelRunner
-from deepinfer_npu.worker.step_io import StepPlan, StepResult
+from deepinfer_npu.spec.factory import build_drafter
+from deepinfer_npu.spec.varlen import VarlenController
+from deepinfer_npu.worker.step_io import StepPlan, StepRequests, StepResult
 from deepinfer_npu.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ _SCHEDULER_FINISH_REASONS = {
     _core.SeqStatus.FINISHED_PREEMPTED: "preempted",
     _core.SeqStatus.FINISHED_ABORTED: "abort",
 }
+_DROPPED_PARAMS = SamplingParams(temperature=0.0)
 _FINISH_STATUS = {"stop": _core.SeqStatus.FINISHED_STOPPED, "length": _core.SeqStatus.FINISHED_LENGTH}
 
 
@@ -56,8 +59,15 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = load_tokenizer(config.model_dir)
         self.runner = ModelRunner(config, self.backend, self.model_config)
-        self.scheduler = _core.Scheduler(self._scheduler_config())
-        self.worker = Worker(self.runner, self.backend, config.zero_overhead_scheduling)
+        sched_cfg = self._scheduler_config()
+        self.scheduler = _core.Scheduler(sched_cfg)
+        self.drafter = build_drafter(config, self.runner)
+        self.worker = Worker(self.runner, self.backend, config.zero_overhead_scheduling,
+                             num_state_slots=sched_cfg.num_state_slots, drafter=self.drafter,
+                             varlen=config.varlen_verification)
+        self.varlen = None
+        if self.drafter is not None and config.varlen_verification:
+            self.varlen = VarlenController(self, sched_cfg)
         self.vocab_size = self.model_config.vocab_size
 
         self._requests: dict[str, Request] = {}
@@ -70,7 +80,12 @@ class LLMEngine:
             "num_steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
             "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
             "forward_ms": 0.0, "sample_ms": 0.0, "step_ms": 0.0,
+            "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
+            "spec_emitted_tokens": 0,
         }
+        k = config.nextn
+        self._pos_drafted = np.zeros(max(k, 1), dtype=np.int64)
+        self._pos_accepted = np.zeros(max(k, 1), dtype=np.int64)
 
     def _scheduler_config(self):
         c = self.config
@@ -174,6 +189,44 @@ class LLMEngine:
                 )
         return text, ids
 
+    def fork_request(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None = None) -> None:
+        """Branch ``child_id`` off a running request: the child shares the parent's KV blocks and state slot
+        (copy-on-write at its first step, seed §5.4) and starts with the parent's prompt and outputs so far.
+
+        The parent must have finished its prefill. Fork right after the parent's first tokens: the state slot is
+        copied when the child is first scheduled, and a parent that ran far ahead by then would hand the child a
+        drafter state from later positions (drafts are only proposals, so outputs stay exact either way).
+        """
+        child_id = str(child_id)
+        parent = self._requests.get(str(parent_id))
+        if parent is None or parent.finished:
+            raise ValueError(f"fork_request: parent {parent_id!r} is not an unfinished request")
+        if child_id in self._requests:
+            raise ValueError(f"request_id {child_id!r} is already in use by an unfinished request")
+        status = self.scheduler.get_seq_status(parent.seq_id)
+        if status not in (_core.SeqStatus.PROMPTED, _core.SeqStatus.RUNNING):
+            raise ValueError(f"fork_request: parent {parent_id!r} has not finished its prefill (status {status})")
+        params = sampling_params if sampling_params is not None else parent.params
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
+        child = Request(request_id=child_id, seq_id=self._next_seq_id, prompt=parent.prompt,
+                        prompt_token_ids=list(parent.prompt_token_ids), params=params, seed=seed)
+        if self.tokenizer is not None:
+            child.detokenizer = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
+                                                       params.skip_special_tokens)
+        if params.logprobs is not None:
+            child.logprobs, child.cumulative_logprob = [], 0.0
+        child.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(child.prompt_token_ids))
+        self.scheduler.fork_seq(parent.seq_id, child.seq_id)
+        self._next_seq_id += 1
+        self._requests[child_id] = child
+        self._by_seq[child.seq_id] = child
+        if parent.output_token_ids:
+            # Inherited tokens go through the child's stop checks (a smaller max_tokens may end it at once).
+            self._append_tokens(child, list(parent.output_token_ids), None)
+            self.stats["generation_tokens"] -= len(child.output_token_ids)
+            if child.finished:
+                self._pending_outputs.append(self._make_output(child))
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests in any state; their final output (``finish_reason="abort"``) is
         returned by the next ``step()``. Unknown ids are ignored, as in vLLM."""
@@ -211,8 +264,7 @@ class LLMEngine:
             is_prefill = out.kind == _core.StepKind.PREFILL
             plan = StepPlan.from_schedule(self._step_id, out, is_prefill)
             self._step_id += 1
-            sampling = self._sampling_tensors(plan)
-            results = self.worker.execute_model_step(plan, sampling)
+            results = self.worker.execute_model_step(plan, self._step_requests(plan))
             self.stats["num_steps"] += 1
             self.stats["prefill_steps" if is_prefill else "decode_steps"] += 1
             if is_prefill:
@@ -221,31 +273,58 @@ class LLMEngine:
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs
 
-    def _sampling_tensors(self, plan: StepPlan) -> SamplingTensors:
-        """Per sampled row: the request's params, seed and the output position of the token sampled."""
-        params, seeds, offsets, banned = [], [], [], []
+    def _step_requests(self, plan: StepPlan) -> StepRequests:
+        """Per-row request data for the worker (params, seeds, bans, prompt lengths, next prompt tokens)."""
+        n = plan.num_seqs
+        params, seeds, ban_ids = [], [], []
+        prompt_lens = np.zeros(n, dtype=np.int64)
+        min_tokens = np.zeros(n, dtype=np.int64)
+        next_tokens = np.full(n, -1, dtype=np.int64)
+        caps = np.zeros(n, dtype=np.int64)
+        max_lp = None
+        k = self.config.nextn
         for i, seq_id in enumerate(plan.seq_ids.tolist()):
-            if plan.is_prefill and not plan.is_last_chunk[i]:
-                continue
             req = self._by_seq.get(seq_id)
-            p = req.params if req is not None else SamplingParams(temperature=0.0)
+            if req is None:  # finished or aborted while scheduled: its outputs are dropped
+                params.append(_DROPPED_PARAMS)
+                seeds.append(0)
+                ban_ids.append([])
+                continue
+            p = req.params
             params.append(p)
-            seeds.append(req.seed if req is not None else 0)
-            position = (req.num_output_tokens + req.num_inflight_tokens) if req is not None else 0
-            offsets.append(position)
-            banned.append(min_tokens_banned_ids(p, position, self._eos_ids))
-            if req is not None:
-                req.num_inflight_tokens += 1
-        return SamplingTensors.from_params(
-            params, seeds, offsets, vocab_size=self.vocab_size,
-            banned_token_ids=banned if any(banned) else None, device=self.runner.device,
-        )
+            seeds.append(req.seed)
+            prompt_lens[i] = len(req.prompt_token_ids)
+            min_tokens[i] = p.min_tokens
+            ban_ids.append(self._ban_ids_for(p) if p.min_tokens > 0 else [])
+            if p.logprobs is not None:
+                max_lp = p.logprobs if max_lp is None else max(max_lp, p.logprobs)
+            if plan.is_prefill and not plan.is_last_chunk[i]:
+                all_tokens = req.prompt_token_ids + req.output_token_ids
+                next_tokens[i] = all_tokens[int(plan.seqlens_k[i])]
+            if not plan.is_prefill and k:
+                # Most drafts the device may give this row when it re-splits (varlen under ZOS): all k when the
+                # row is far from max_model_len / max_tokens even if every in-flight draft was accepted (the
+                # scheduler then reserved k + 1 slots), otherwise the CPU's own choice, which fits its reservation.
+                k1 = k + 1
+                far = len(req.prompt_token_ids) + req.num_output_tokens + 2 * k1 <= self.max_model_len
+                if p.max_tokens is not None:
+                    far = far and req.num_output_tokens + 2 * k1 <= p.max_tokens
+                caps[i] = k if far else int(plan.seqlens_q[i]) - 1
+        return StepRequests(params=params, seeds=seeds, prompt_lens=prompt_lens, min_tokens=min_tokens,
+                            ban_ids=ban_ids, next_tokens=next_tokens, draft_caps=caps, max_num_logprobs=max_lp)
+
+    def _ban_ids_for(self, p: SamplingParams) -> list[int]:
+        return min_tokens_banned_ids(p, 0, self._eos_ids)
 
     def _apply_results(self, results: list[StepResult]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for res in results:
             self.stats["forward_ms"] += res.forward_ms
             self.stats["sample_ms"] += res.sample_ms
+            if res.num_drafts is not None and self.config.nextn:
+                self._record_spec(res)
+            if self.varlen is not None:
+                self.varlen.observe(res)
             counts = np.array([len(t) for t in res.token_ids], dtype=np.int32)
             flat = np.array([t for toks in res.token_ids for t in toks], dtype=np.int32)
             self.scheduler.update(res.seq_ids, counts, flat)
@@ -254,10 +333,22 @@ class LLMEngine:
                 tokens = res.token_ids[i]
                 if req is None or req.finished or not tokens:
                     continue
-                req.num_inflight_tokens = max(0, req.num_inflight_tokens - len(tokens))
                 self._append_tokens(req, tokens, res.logprobs[i] if res.logprobs else None)
                 outputs.append(self._make_output(req))
         return outputs
+
+    def _record_spec(self, res: StepResult) -> None:
+        live = np.array([self._by_seq.get(int(s)) is not None for s in res.seq_ids], dtype=bool)
+        d, a = res.num_drafts[live], res.num_accepted[live]
+        st = self.stats
+        st["spec_verify_steps"] += 1
+        st["spec_verify_rows"] += int(live.sum())
+        st["spec_draft_tokens"] += int(d.sum())
+        st["spec_accepted_tokens"] += int(a.sum())
+        st["spec_emitted_tokens"] += int((a + 1).sum())
+        for pos in range(len(self._pos_drafted)):
+            self._pos_drafted[pos] += int((d > pos).sum())
+            self._pos_accepted[pos] += int((a > pos).sum())
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs) -> None:
         if req.first_token_time is None:
@@ -333,4 +424,15 @@ class LLMEngine:
         s["kv_usage"] = float(self.scheduler.kv_usage())
         s["num_kv_blocks"] = self.runner.num_kv_blocks
         s["backend"] = self.backend.name
+        if self.config.nextn:
+            rows = max(s["spec_verify_rows"], 1)
+            s["speculative_method"] = self.config.speculative_method
+            s["num_speculative_tokens"] = self.config.nextn
+            s["mean_accepted_length"] = s["spec_emitted_tokens"] / rows
+            s["mean_verify_length"] = s["spec_draft_tokens"] / rows
+            s["draft_acceptance_rate"] = s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)
+            s["per_position_acceptance"] = [
+                float(acc / dr) if dr else None for acc, dr in zip(self._pos_accepted, self._pos_drafted)
+            ]
+            s["varlen_verification"] = self.varlen is not None
         return s

@@ -47,6 +47,8 @@ class KernelSet:
         "grouped_mlp",
         "moe_combine",
         "sample",
+        "spec_verify",
+        "zos_fixup",
     )
     #: Optional per-op reasons shown in ``op_report`` for ops a subclass deliberately leaves on the reference.
     FALLBACK_REASONS: dict[str, str] = {}
@@ -168,6 +170,18 @@ class KernelSet:
         from deepinfer_npu.backends.cpu.sampling import sample
 
         return sample(logits, sampling_tensors)
+
+    def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
+                    ban_mask=None):
+        """Verify a decode step's drafts (greedy: longest matching prefix + bonus; sampling: lossless rejection
+        sampling with one-hot proposals) -> ``VerifyOutput``. Contract in ``backends/cpu/spec_verify.py``."""
+        return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
+                                               ban_mask)
+
+    def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
+        """Correct an optimistically scheduled step on the device (``seqlens_k`` by accepted counts, ``seqlens_q``
+        re-split by confidences) -> ``(seqlens_q, seqlens_k)``. Contract in ``backends/cpu/zos.py``."""
+        return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:

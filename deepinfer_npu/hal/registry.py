@@ -14,6 +14,7 @@ from .backend import Backend
 #: name -> "module.path:ClassName"
 _REGISTRY: dict[str, str] = {
     "cpu": "deepinfer_npu.backends.cpu.backend:CpuBackend",
+    "ascend": "deepinfer_npu.backends.ascend.backend:AscendBackend",
 }
 #: ``auto`` tries these in order, skipping names that are not registered.
 DETECTION_ORDER: tuple[str, ...] = ("ascend", "cuda", "cpu")

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from deepinfer_npu.config import EngineConfig
-from deepinfer_npu.model_executor.attention_metadata import build_attention_metadata
 from deepinfer_npu.model_executor.loader import load_weights
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
 from deepinfer_npu.model_executor.models import build_model
@@ -59,6 +58,7 @@ class ModelRunner:
         self.num_cache_layers = self.model.num_kv_cache_layers
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.num_kv_blocks = self._decide_num_kv_blocks()
+        self.num_state_slots = 0  # set by the engine from the scheduler config
         self.kv_caches = [
             torch.zeros(self.num_kv_blocks, self.block_size, self.kv_dim, dtype=self.dtype, device=self.device)
             for _ in range(self.num_cache_layers)
@@ -67,7 +67,10 @@ class ModelRunner:
     # ---------------------------------------------------------------- memory
     def bytes_per_block(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_cache_layers * self.block_size * self.kv_dim * itemsize
+        layers = self.num_cache_layers
+        if self.config.speculative_method == "mtp":
+            layers += self.model_config.num_nextn_predict_layers  # the MTP drafter's caches share the pool size
+        return layers * self.block_size * self.kv_dim * itemsize
 
     def _decide_num_kv_blocks(self) -> int:
         blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -89,45 +92,24 @@ class ModelRunner:
         return int(min(wanted, fits))
 
     # ---------------------------------------------------------------- step
-    def apply_block_ops(self, plan: StepPlan) -> None:
-        """Copy-on-write of forked sequences' last blocks, before the forward reads them."""
+    def apply_block_ops(self, plan: StepPlan, extra_caches: list[torch.Tensor] | None = None) -> None:
+        """Copy-on-write of forked sequences' last blocks (main and drafter caches), before any forward."""
         if plan.clone_blocks.size:
             src = torch.from_numpy(plan.clone_blocks[:, 0].astype(np.int64)).to(self.device)
             dst = torch.from_numpy(plan.clone_blocks[:, 1].astype(np.int64)).to(self.device)
-            for cache in self.kv_caches:
+            for cache in [*self.kv_caches, *(extra_caches or [])]:
                 cache.index_copy_(0, dst, cache.index_select(0, src))
 
-    def prepare(self, plan: StepPlan, input_ids: torch.Tensor | None = None):
-        """Device inputs for ``plan``: token ids, attention metadata and the flat rows to sample."""
-        if input_ids is None:
-            if (plan.input_ids < 0).any():
-                raise RuntimeError("input ids from the device were expected but none were given")
-            input_ids = torch.from_numpy(plan.input_ids.astype(np.int64)).to(self.device)
-        attn = build_attention_metadata(
-            torch.from_numpy(plan.seqlens_q),
-            torch.from_numpy(plan.seqlens_k),
-            torch.from_numpy(plan.block_tables),
-            self.block_size,
-            self.device,
-            is_prefill=plan.is_prefill,
-        )
-        ends = np.cumsum(plan.seqlens_q.astype(np.int64))
-        if plan.is_prefill:
-            rows = (ends - 1)[plan.is_last_chunk]
-        else:
-            starts = ends - plan.seqlens_q
-            rows = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]) if len(ends) else ends
-        sample_rows = torch.from_numpy(rows.astype(np.int64)).to(self.device)
-        return input_ids, attn, sample_rows
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attn, capture_layer_ids=None):
+        """Run the main model: final-normed hidden ``[T, D]`` (and the captured layer outputs when asked)."""
+        if capture_layer_ids:
+            return self.model(input_ids, attn.positions, attn, self.kv_caches, capture_layer_ids=capture_layer_ids)
+        return self.model(input_ids, attn.positions, attn, self.kv_caches), None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attn, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Run the model and return fp32 logits ``[len(sample_rows), vocab]``."""
-        hidden = self.model(input_ids, attn.positions, attn, self.kv_caches)
-        if sample_rows.numel() == 0:
-            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden.index_select(0, sample_rows))
-
-    @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, sampling_tensors):
-        return self.backend.kernels.sample(logits, sampling_tensors)
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 logits ``[len(rows), vocab]`` (all rows when ``rows`` is None)."""
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        return self.model.compute_logits(hidden)

@@ -28,7 +28,6 @@ class StepPlan:
     clone_blocks: np.ndarray  # int32 [c, 2]
     clone_states: np.ndarray  # int32 [c, 2]
     zero_states: np.ndarray  # int32 [z]
-    prev_remap: np.ndarray | None = None  # int32 [n]; decode: row in the previous decode step or -1
 
     @property
     def num_seqs(self) -> int:
@@ -38,12 +37,16 @@ class StepPlan:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def row_starts(self) -> np.ndarray:
+        q = self.seqlens_q.astype(np.int64)
+        return np.cumsum(q) - q
+
     @classmethod
     def from_schedule(cls, step_id: int, out, is_prefill: bool) -> StepPlan:
         def own(name: str, dtype) -> np.ndarray:
             return np.array(getattr(out, name), dtype=dtype, copy=True)
 
-        remap = getattr(out, "prev_remap", None)
         return cls(
             step_id=step_id,
             is_prefill=is_prefill,
@@ -57,8 +60,27 @@ class StepPlan:
             clone_blocks=own("clone_blocks", np.int32).reshape(-1, 2),
             clone_states=own("clone_states", np.int32).reshape(-1, 2),
             zero_states=own("zero_states", np.int32).reshape(-1),
-            prev_remap=None if remap is None else np.array(remap, dtype=np.int32, copy=True),
         )
+
+
+@dataclass
+class StepRequests:
+    """Per-row request data the engine adds to a plan (host values).
+
+    ``params``/``seeds``/``prompt_lens`` per row (``prompt_lens`` = the original prompt length, so the output
+    position of a sampled token is ``position + 1 - prompt_len``); ``min_tokens`` and ``ban_ids`` (EOS and stop
+    ids banned while fewer than ``min_tokens`` tokens were generated); ``next_tokens`` (prefill: the prompt token
+    after the chunk, -1 when the chunk ends the prompt); ``draft_caps`` (decode: most drafts a row may verify).
+    """
+
+    params: list
+    seeds: list[int]
+    prompt_lens: np.ndarray
+    min_tokens: np.ndarray
+    ban_ids: list[list[int]]
+    next_tokens: np.ndarray
+    draft_caps: np.ndarray
+    max_num_logprobs: int | None = None
 
 
 @dataclass
@@ -67,7 +89,8 @@ class StepResult:
 
     ``token_ids[i]`` holds the tokens emitted for ``seq_ids[i]`` (empty for a prefill chunk that does not finish
     its prompt). ``logprobs[i]`` is a list (one entry per emitted token) of ``(sampled_logprob, sampled_rank,
-    top_ids, top_logprobs)`` or None when no logprobs were asked for.
+    top_ids, top_logprobs)`` or None. Decode steps also report per row the drafts verified and accepted, and the
+    confidences of the drafts proposed for the next step (``draft_probs``, rows that proposed).
     """
 
     step_id: int
@@ -75,18 +98,40 @@ class StepResult:
     seq_ids: np.ndarray
     token_ids: list[list[int]]
     logprobs: list[list[tuple] | None] = field(default_factory=list)
+    num_drafts: np.ndarray | None = None
+    num_accepted: np.ndarray | None = None
+    draft_probs: np.ndarray | None = None
+    proposing_rows: np.ndarray | None = None
+    num_tokens: int = 0
     forward_ms: float = 0.0
     sample_ms: float = 0.0
+    model_ms: float = 0.0
 
 
 @dataclass
 class DeviceStepState:
-    """What a launched step leaves on the device for its post-processing (and, under ZOS, for the next step)."""
+    """What a launched step leaves on the device for its post-processing."""
 
     plan: StepPlan
-    sample_rows: torch.Tensor | None = None  # int64 [num_sampled] rows of the flat token batch that are sampled
-    sampled_token_ids: torch.Tensor | None = None  # int64 [num_sampled]
-    logprobs: object | None = None
+    emitted: torch.Tensor | None = None  # int64 [B, Qmax]
+    num_emitted: torch.Tensor | None = None  # int64 [B]
+    seqlens_q: torch.Tensor | None = None  # int32 [B] after device fixups
+    accepted: torch.Tensor | None = None
+    logprobs: object | None = None  # LogprobsTensors per logits row
+    logprob_rows: torch.Tensor | None = None  # int64 [B, Qmax] logits row of each emitted token
+    draft_probs: torch.Tensor | None = None
+    proposing_rows: np.ndarray | None = None
     sample_end_event: object | None = None
     t_forward_ms: float = 0.0
     t_sample_ms: float = 0.0
+    model_ms: float = 0.0
+    # kept between the forward and the sampling launch
+    attn: object | None = None
+    row_of_token: torch.Tensor | None = None
+    j_of_token: torch.Tensor | None = None
+    input_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    captured: object | None = None
+    logits: torch.Tensor | None = None
+    draft_next: torch.Tensor | None = None
+    slots: torch.Tensor | None = None

@@ -4,72 +4,68 @@
 
 1. launch the forward of step N (no waiting);
 2. post-process step N-1 if it was deferred — the only place that waits (on N-1's sample-end event);
-3. launch the sampling of step N;
+3. launch sampling / draft verification and drafting of step N;
 4. post-process N at once for prefill steps or with zero-overhead scheduling (ZOS) off; a ZOS decode step is kept
    and post-processed by the next call, so the CPU schedules N+1 while the device still runs N.
 
-Under ZOS the scheduler plans N+1 before N's tokens are known: rows whose input token is ``-1`` take it from N's
-sampled tokens on the device (``prev_remap`` gives each row's row in N). The CPU backend runs the identical code
-path, only without overlap, so ZOS on and off must produce identical tokens.
+Under ZOS the scheduler plans N+1 before N's results are known. Everything a row needs from N lives in per-slot
+device buffers (``SlotState``): the row's first input token, its drafts and their confidences, and the
+``seqlens_k`` correction; ``zos_fixup`` corrects the lengths and re-splits the drafts on the device. The launch
+path runs under ``backend.forbid_sync()``. The CPU backend runs the identical code, only without overlap, so ZOS on
+and off produce identical tokens.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
+from deepinfer_npu.model_executor.device_metadata import build_device_metadata
+from deepinfer_npu.sampling import SamplingTensors
+from deepinfer_npu.spec.drafter import DraftContext, Drafter
 from deepinfer_npu.worker.model_runner import ModelRunner
-from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepResult
+from deepinfer_npu.worker.slot_state import SlotState
+from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
 
 
 class Worker:
-    def __init__(self, runner: ModelRunner, backend, zero_overhead_scheduling: bool) -> None:
+    def __init__(self, runner: ModelRunner, backend, zero_overhead_scheduling: bool, num_state_slots: int,
+                 drafter: Drafter | None = None, varlen: bool = False) -> None:
         self.runner = runner
         self.backend = backend
+        self.kernels = backend.kernels
+        self.device = runner.device
         self.zos = zero_overhead_scheduling
+        self.drafter = drafter
+        self.k = drafter.num_speculative_tokens if drafter is not None else 0
+        self.varlen = varlen and drafter is not None
+        self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
-        self.step_times: list[tuple[float, float]] = []  # (forward_ms, sample_ms) per step, for stats
 
     @property
     def has_pending_step(self) -> bool:
         return self.prev is not None
 
-    def execute_model_step(self, plan: StepPlan, sampling_tensors) -> list[StepResult]:
+    def execute_model_step(self, plan: StepPlan, reqs: StepRequests) -> list[StepResult]:
         results: list[StepResult] = []
-        # 1. launch forward N
         t0 = time.perf_counter()
-        with self.backend.forbid_sync():
-            self.runner.apply_block_ops(plan)
-            input_ids = self._input_ids(plan)
-            ids, attn, sample_rows = self.runner.prepare(plan, input_ids)
-            logits = self.runner.forward(ids, attn, sample_rows)
+        with self.backend.forbid_sync():  # 1. launch forward N
+            step = self._launch_forward(plan, reqs)
         t1 = time.perf_counter()
-        # 2. post-process N-1 (waits on its sample-end event only)
-        if self.prev is not None:
+        if self.prev is not None:  # 2. post-process N-1 (waits on its sample-end event only)
             results.append(self._post_process(self.prev))
             self.prev = None
-        # 3. launch sample N
         t2 = time.perf_counter()
-        with self.backend.forbid_sync():
-            sampler_out = self.runner.sample(logits, sampling_tensors)
-            event = self.backend.create_event()
-            event.record()
+        with self.backend.forbid_sync():  # 3. launch sampling / verification + drafting of N
+            self._launch_sample(step, reqs)
         t3 = time.perf_counter()
-        state = DeviceStepState(
-            plan=plan,
-            sample_rows=sample_rows,
-            sampled_token_ids=sampler_out.token_ids,
-            logprobs=sampler_out.logprobs,
-            sample_end_event=event,
-            t_forward_ms=(t1 - t0) * 1e3,
-            t_sample_ms=(t3 - t2) * 1e3,
-        )
-        # 4. post-process now, or keep N for the next call
-        if plan.is_prefill or not self.zos:
-            results.append(self._post_process(state))
+        step.t_forward_ms, step.t_sample_ms = (t1 - t0) * 1e3, (t3 - t2) * 1e3
+        if plan.is_prefill or not self.zos:  # 4. post-process now, or keep N for the next call
+            results.append(self._post_process(step))
         else:
-            self.prev = state
+            self.prev = step
         return results
 
     def flush(self) -> list[StepResult]:
@@ -79,64 +75,200 @@ class Worker:
         state, self.prev = self.prev, None
         return [self._post_process(state)]
 
-    def discard_pending(self) -> None:
-        self.prev = None
+    # ---------------------------------------------------------------- phase 1
+    def _dev(self, a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
 
-    # ---------------------------------------------------------------- internals
-    def _input_ids(self, plan: StepPlan) -> torch.Tensor | None:
-        """Host ids, with rows the CPU could not know (-1) gathered from the previous step's device outputs."""
-        host = torch.from_numpy(plan.input_ids.astype("int64"))
-        missing = host < 0
-        if not bool(missing.any()):
-            return None
-        if self.prev is None or plan.prev_remap is None:
-            raise RuntimeError(
-                f"step {plan.step_id}: {int(missing.sum())} input ids must come from the previous step, "
-                "but no previous step is in flight"
+    def _apply_state_ops(self, plan: StepPlan) -> None:
+        extra = self.drafter.kv_caches if self.drafter is not None and hasattr(self.drafter, "kv_caches") else None
+        self.runner.apply_block_ops(plan, extra)
+        if plan.zero_states.size:
+            z = self._dev(plan.zero_states)
+            self.slots.zero(z)
+            if self.drafter is not None:
+                self.drafter.zero_slots(z)
+        if plan.clone_states.size:
+            src, dst = self._dev(plan.clone_states[:, 0]), self._dev(plan.clone_states[:, 1])
+            self.slots.clone(src, dst)
+            if self.drafter is not None:
+                self.drafter.clone_slots(src, dst)
+
+    def _launch_forward(self, plan: StepPlan, reqs: StepRequests) -> DeviceStepState:
+        self._apply_state_ops(plan)
+        sq, sk = self._dev(plan.seqlens_q, torch.int32), self._dev(plan.seqlens_k, torch.int32)
+        tables = self._dev(plan.block_tables, torch.int32)
+        slots = self._dev(plan.state_slots)
+        max_q, max_k = int(plan.seqlens_q.max()), int(plan.seqlens_k.max())
+        host_ids = plan.input_ids.astype(np.int64)
+        draft_next = None
+        if plan.is_prefill:
+            attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
+                                                 max_q, max_k, True)
+            ids = self._dev(host_ids)
+        else:
+            first_host = host_ids[plan.row_starts]
+            optimistic_host = first_host < 0
+            resplit = self.varlen and bool(optimistic_host.any())
+            sq, sk = self.kernels.zos_fixup(
+                sq, sk, self._dev(optimistic_host, torch.bool), slots, self.slots.correction,
+                self.slots.draft_probs if resplit else None,
+                self._dev(reqs.draft_caps) if resplit else None,
             )
-        device = self.runner.device
-        ids = host.to(device)
-        remap = torch.from_numpy(plan.prev_remap.astype("int64")).to(device)
-        starts = torch.from_numpy(
-            (plan.seqlens_q.astype("int64").cumsum() - plan.seqlens_q.astype("int64"))
-        ).to(device)
-        # Without speculation the previous step samples exactly one token per row, in row order.
-        prev_tokens = self.prev.sampled_token_ids.to(device)
-        gathered = prev_tokens.index_select(0, remap.clamp(min=0))
-        row_ids = ids.index_select(0, starts)
-        row_ids = torch.where(row_ids < 0, gathered, row_ids)
-        return ids.index_copy(0, starts, row_ids)
+            if resplit:  # a row may now verify up to k drafts (within its reservation)
+                max_q, max_k = self.k + 1, max_k + self.k
+            attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
+                                                 max_q, max_k, False)
+            slot_tok = slots.index_select(0, row)
+            first = self._dev(first_host).index_select(0, row)
+            first = torch.where(first >= 0, first, self.slots.last_token.index_select(0, slot_tok))
+            col = (j - 1).clamp(min=0, max=max(self.k - 1, 0))
+            ids = torch.where(j == 0, first, self.slots.drafts[slot_tok, col])
+            has_next = (j + 1) < sq.to(torch.int64).index_select(0, row)
+            nxt = self.slots.drafts[slot_tok, j.clamp(max=max(self.k - 1, 0))]
+            draft_next = torch.where(has_next, nxt, torch.full_like(nxt, -1))
+        capture = self.drafter.capture_layer_ids if self.drafter is not None else None
+        t_model = time.perf_counter()
+        hidden, captured = self.runner.forward(ids, attn, capture)
+        if self.drafter is not None:
+            self.drafter.on_main_forward(attn, captured, slots.index_select(0, row))
+        if plan.is_prefill:
+            ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
+            logits = self.runner.logits(hidden, self._dev(ends[plan.is_last_chunk]))
+        else:
+            logits = self.runner.logits(hidden, None)
+        model_ms = (time.perf_counter() - t_model) * 1e3  # host-timed: exact on CPU, launch time on devices
+        return DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,
+                               hidden=hidden, captured=captured, logits=logits, draft_next=draft_next,
+                               slots=slots, seqlens_q=attn.seqlens_q)
 
-    def _post_process(self, state: DeviceStepState) -> StepResult:
-        state.sample_end_event.synchronize()
-        plan = state.plan
-        sampled = state.sampled_token_ids.to("cpu").tolist()
-        logprobs = state.logprobs
-        lp_rows = None
-        if logprobs is not None:
-            lp_rows = [
-                (float(logprobs.sampled_logprob[i]), int(logprobs.sampled_rank[i]),
-                 logprobs.top_ids[i].tolist(), logprobs.top_logprobs[i].tolist())
-                for i in range(len(sampled))
+    # ---------------------------------------------------------------- phase 3
+    def _row_tensors(self, reqs: StepRequests, rows: np.ndarray) -> SamplingTensors:
+        params = [reqs.params[i] for i in rows]
+        seeds = [reqs.seeds[i] for i in rows]
+        return SamplingTensors.from_params(params, seeds, [0] * len(params),
+                                           vocab_size=self.runner.model_config.vocab_size, device=self.device)
+
+    def _ban_mask(self, reqs: StepRequests, rows_of_token: torch.Tensor, offsets: torch.Tensor,
+                  rows: np.ndarray) -> torch.Tensor | None:
+        """``[N, V]`` mask of EOS/stop ids banned while fewer than ``min_tokens`` tokens were generated."""
+        sel = [i for i in rows if reqs.min_tokens[i] > 0 and reqs.ban_ids[i]]
+        if not sel:
+            return None
+        width = max(len(reqs.ban_ids[i]) for i in rows)
+        ids = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
+        for r, i in enumerate(rows):
+            ids[r, : len(reqs.ban_ids[i])] = reqs.ban_ids[i]
+        ban = self._dev(ids).index_select(0, rows_of_token)
+        active = offsets < self._dev(reqs.min_tokens[rows]).index_select(0, rows_of_token)
+        valid = (ban >= 0) & active[:, None]
+        vocab = self.runner.model_config.vocab_size
+        mask = torch.zeros(ban.shape[0], vocab, dtype=torch.bool, device=self.device)
+        return mask.scatter_(1, ban.clamp(min=0), valid)
+
+    def _launch_sample(self, step: DeviceStepState, reqs: StepRequests) -> None:
+        plan, attn = step.plan, step.attn
+        n = plan.num_seqs
+        positions = attn.positions
+        prompt_lens = self._dev(reqs.prompt_lens)
+        if plan.is_prefill:
+            rows = np.nonzero(plan.is_last_chunk)[0]
+            ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
+            anchor = self._dev(ends[rows])
+            t = self._row_tensors(reqs, rows)
+            row_idx = self._dev(rows)
+            t.offsets = positions.index_select(0, anchor) + 1 - prompt_lens.index_select(0, row_idx)
+            t.max_num_logprobs = reqs.max_num_logprobs
+            ban = self._ban_mask(reqs, torch.arange(len(rows), device=self.device), t.offsets, rows)
+            vo = self.kernels.spec_verify(step.logits, torch.full((len(rows),), -1, dtype=torch.int64,
+                                          device=self.device), torch.arange(len(rows), device=self.device),
+                                          torch.zeros(len(rows), dtype=torch.int64, device=self.device),
+                                          len(rows), 1, t, ban)
+            sampled = vo.emitted[:, 0]
+            emitted = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
+            emitted[row_idx, 0] = sampled
+            step.emitted, step.num_emitted = emitted, self._dev(plan.is_last_chunk.astype(np.int64))
+            lp_rows = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
+            lp_rows[row_idx, 0] = torch.arange(len(rows), device=self.device)
+            step.logprob_rows, step.logprobs = lp_rows, vo.logprobs
+            # The token after each input token: the next prompt token, or the sample at the prompt's end.
+            ids = step.input_ids
+            target = torch.cat([ids[1:], ids.new_zeros(1)])
+            chunk_ends = self._dev(ends)
+            target[chunk_ends] = self._dev(reqs.next_tokens)
+            target[anchor] = sampled
+            bonus, bonus_slots = sampled, step.slots.index_select(0, row_idx)
+            self.slots.correction.index_fill_(0, bonus_slots, 0)
+            step.proposing_rows = rows
+        else:
+            row, j = step.row_of_token, step.j_of_token
+            t = self._row_tensors(reqs, np.arange(n))
+            t = _expand(t, row)
+            t.offsets = positions + 1 - prompt_lens.index_select(0, row)
+            t.max_num_logprobs = reqs.max_num_logprobs
+            ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
+            vo = self.kernels.spec_verify(step.logits, step.draft_next, row, j, n, max(self.k + 1, 1), t, ban)
+            cu = attn.cu_seqlens_q.to(torch.int64)
+            anchor = cu[:-1] + vo.accepted
+            bonus = vo.emitted.gather(1, vo.accepted[:, None]).squeeze(1)
+            target = vo.target_tokens
+            bonus_slots = step.slots
+            # The scheduler's optimistic lengths assume its own plan's drafts were all accepted (not a device
+            # re-split's), so the correction is taken against the plan.
+            planned = self._dev(plan.seqlens_q.astype(np.int64))
+            self.slots.correction.index_copy_(0, bonus_slots, planned - 1 - vo.accepted)
+            step.emitted, step.num_emitted, step.accepted = vo.emitted, vo.num_emitted, vo.accepted
+            qmax = vo.emitted.shape[1]
+            step.logprob_rows = cu[:-1, None] + torch.arange(qmax, device=self.device)[None, :]
+            step.logprobs = vo.logprobs
+            step.proposing_rows = np.arange(n)
+        self.slots.last_token.index_copy_(0, bonus_slots, bonus)
+        if self.drafter is not None:
+            ctx = DraftContext(attn=attn, hidden=step.hidden, target_tokens=target, anchor_rows=anchor,
+                               bonus_tokens=bonus, bonus_positions=positions.index_select(0, anchor) + 1,
+                               slots=bonus_slots, captured=step.captured)
+            drafts, probs = self.drafter.propose(ctx)
+            if drafts.shape[0]:
+                self.slots.drafts.index_copy_(0, bonus_slots, drafts)
+                self.slots.draft_probs.index_copy_(0, bonus_slots, probs.float())
+            step.draft_probs = probs
+        event = self.backend.create_event()
+        event.record()
+        step.sample_end_event = event
+        # Free what post-processing does not need (activations can be large).
+        step.hidden = step.captured = step.logits = None
+
+    # ---------------------------------------------------------------- phase 2 / 4
+    def _post_process(self, step: DeviceStepState) -> StepResult:
+        step.sample_end_event.synchronize()
+        plan = step.plan
+        emitted = step.emitted.cpu().numpy()
+        counts = step.num_emitted.cpu().numpy()
+        token_ids = [emitted[i, : counts[i]].tolist() for i in range(plan.num_seqs)]
+        logprobs: list = [None] * plan.num_seqs
+        if step.logprobs is not None:
+            lp = step.logprobs
+            rows = step.logprob_rows.cpu().numpy()
+            sampled, rank = lp.sampled_logprob.cpu().tolist(), lp.sampled_rank.cpu().tolist()
+            top_ids, top_lps = lp.top_ids.cpu().tolist(), lp.top_logprobs.cpu().tolist()
+            logprobs = [
+                [(sampled[r], rank[r], top_ids[r], top_lps[r]) for r in rows[i, : counts[i]]]
+                for i in range(plan.num_seqs)
             ]
-        token_ids: list[list[int]] = []
-        per_seq_lp: list[list[tuple] | None] = []
-        cursor = 0
-        for i in range(plan.num_seqs):
-            if plan.is_prefill and not plan.is_last_chunk[i]:
-                token_ids.append([])
-                per_seq_lp.append([] if lp_rows is not None else None)
-                continue
-            token_ids.append([sampled[cursor]])
-            per_seq_lp.append([lp_rows[cursor]] if lp_rows is not None else None)
-            cursor += 1
-        self.step_times.append((state.t_forward_ms, state.t_sample_ms))
-        return StepResult(
-            step_id=plan.step_id,
-            is_prefill=plan.is_prefill,
-            seq_ids=plan.seq_ids,
-            token_ids=token_ids,
-            logprobs=per_seq_lp,
-            forward_ms=state.t_forward_ms,
-            sample_ms=state.t_sample_ms,
-        )
+        result = StepResult(step_id=plan.step_id, is_prefill=plan.is_prefill, seq_ids=plan.seq_ids,
+                            token_ids=token_ids, logprobs=logprobs, num_tokens=plan.num_tokens,
+                            forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms)
+        if not plan.is_prefill:
+            result.num_drafts = step.seqlens_q.cpu().numpy().astype(np.int64) - 1
+            result.num_accepted = step.accepted.cpu().numpy()
+        if step.draft_probs is not None:
+            result.draft_probs = step.draft_probs.cpu().numpy()
+            result.proposing_rows = step.proposing_rows
+        return result
+
+
+def _expand(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
+    """Per-request sampling tensors -> per-token rows (``index[r]`` = request row of token ``r``)."""
+    from dataclasses import replace
+
+    fields = ("temperature", "top_k", "top_p", "is_greedy", "seeds", "offsets")
+    return replace(t, **{f: getattr(t, f).index_select(0, index) for f in fields})

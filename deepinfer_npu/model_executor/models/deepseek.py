@@ -120,17 +120,25 @@ class DeepseekForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn: AttentionMetadata,
         kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
+        capture_layer_ids: tuple[int, ...] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """``input_ids`` [T], ``positions`` [T] -> final-normed hidden states [T, D].
 
         ``kv_caches[i]`` [num_blocks, block_size, L+R] belongs to main layer i; this step's latents are
-        written there.
+        written there. With ``capture_layer_ids`` it returns ``(hidden, captured)`` where ``captured[i]`` is the
+        residual stream after decoder layer ``i`` (transformers' ``hidden_states[i + 1]`` before any final norm),
+        which the DFlash drafter consumes.
         """
         hidden = self.model.embed_tokens(input_ids)
         residual = None
+        captured: dict[int, torch.Tensor] = {}
         for i in range(self.config.num_hidden_layers):
             hidden, residual = self.model.layers[i](positions, hidden, residual, attn, kv_caches[i])
+            if capture_layer_ids and i in capture_layer_ids:
+                captured[i] = hidden + residual
         hidden, _ = self.model.norm(hidden, residual)
+        if capture_layer_ids is not None:
+            return hidden, captured
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""AscendKernelSet: each HAL op on its torch_npu fused op when the documented limits fit, else the reference.
+
+Decisions come from :mod:`.capabilities`, are taken at an op's first call from static facts (dims, dtype,
+expert counts, block size) and memoised, so the plan is fixed by the model's first forward and never
+re-evaluated per step. ``op_report`` lists the decision per op with the fused op used or the reason for the
+fallback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_npu.backends.cpu import mla as ref_mla
+from deepinfer_npu.backends.cpu import moe as ref_moe
+from deepinfer_npu.backends.cpu import rope as ref_rope
+from deepinfer_npu.hal.kernel_set import KernelSet
+from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
+
+from . import capabilities as caps
+from . import ops_dense, ops_mla, ops_moe
+
+NOT_RUN_NOTE = "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
+_FIXED = {
+    "rms_norm": "torch_npu.npu_rms_norm",
+    "add_rms_norm": "torch_npu.npu_add_rms_norm",
+    "linear": "aten matmul (F.linear) on the NPU",
+    "silu_and_mul": "torch_npu.npu_swiglu",
+    "mla_epilogue": "aten bmm + matmul on the NPU",
+}
+
+
+class AscendKernelSet(KernelSet):
+    FALLBACK_REASONS = {
+        "sample": (
+            "the reference sampler's plain torch runs on the NPU; npu_top_k_top_p is not used because its "
+            "documentation does not pin the reference's top-p rule (mass strictly before < p, stable ties), "
+            "and seeded draws must match the CPU backend bit for bit"
+        ),
+    }
+
+    def __init__(self, limits: caps.Limits | None = None) -> None:
+        self.limits = limits
+        self._decisions: dict[str, caps.Decision] = {}
+        self._memo: dict[tuple, caps.Decision] = {}
+
+    # ---- decisions -----------------------------------------------------------------------------------------
+    def _lim(self) -> caps.Limits:
+        if self.limits is None:  # constructed outside AscendBackend (tests): ask the runtime once
+            from . import runtime
+
+            self.limits = caps.detect_profile(None, runtime.emulated())
+        return self.limits
+
+    def _decide(self, op: str, key: tuple, fn: Callable[[], caps.Decision]) -> caps.Decision:
+        memo_key = (op, *key)
+        if memo_key not in self._memo:
+            self._memo[memo_key] = fn()
+            self._decisions[op] = self._memo[memo_key]
+        return self._memo[memo_key]
+
+    def _rope_decision(self, interleaved: bool, rdim: int, dtype: torch.dtype) -> caps.Decision:
+        return self._decide(
+            "rope", (interleaved, rdim, dtype), lambda: caps.decide_rope(self._lim(), interleaved, rdim, dtype)
+        )
+
+    def _attn_decision(self, lrank: int, rdim: int, heads: int, block: int, dtype) -> caps.Decision:
+        return self._decide(
+            "mla_attention",
+            (lrank, rdim, heads, block, dtype),
+            lambda: caps.decide_attention(self._lim(), lrank, rdim, heads, block, dtype),
+        )
+
+    def _rope_fn(self, interleaved: bool, rdim: int, dtype: torch.dtype):
+        return ops_dense.rope if self._rope_decision(interleaved, rdim, dtype).native else ref_rope.rope
+
+    # ---- norms / dense -------------------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return ops_dense.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return ops_dense.add_rms_norm(x, residual, weight, eps)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return ops_dense.silu_and_mul(x)
+
+    def rope(self, x, positions, cos_sin_cache, interleaved):
+        return self._rope_fn(interleaved, x.shape[-1], x.dtype)(x, positions, cos_sin_cache, interleaved)
+
+    # ---- MLA -----------------------------------------------------------------------------------------------
+    def mla_prolog(
+        self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
+        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rope_fn = self._rope_fn(rope.interleaved, w.qk_rope_head_dim, hidden.dtype)
+        # The cache layout follows the attention decision, so writer and reader always agree.
+        split = self._attn_decision(
+            w.kv_lora_rank, w.qk_rope_head_dim, w.num_heads, kv_cache.shape[1], kv_cache.dtype
+        ).native
+        self._decisions.setdefault(
+            "mla_prolog",
+            caps.Decision(True, "composed: F.linear + torch_npu.npu_rms_norm + the rope op above + cache scatter "
+                                "(npu_mla_prolog_v2/_v3 not used: NZ weights, fixed dims, k_rope order)"),
+        )
+        return ops_mla.mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping, rope_fn, split)
+
+    def mla_attention(
+        self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+    ) -> torch.Tensor:
+        d = self._attn_decision(
+            q_latent.shape[-1], q_rope.shape[-1], q_latent.shape[1], kv_cache.shape[1], kv_cache.dtype
+        )
+        if not d.native:
+            return ref_mla.mla_attention(
+                q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+            )
+        return ops_mla.mla_attention_fia(
+            q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, softmax_scale,
+            self._lim().fia_max_q_per_request,
+        )
+
+    def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        return ops_mla.mla_epilogue(out_latent, w)
+
+    # ---- MoE -----------------------------------------------------------------------------------------------
+    def moe_gating_topk(self, router_logits, bias, params: GatingParams):
+        d = self._decide(
+            "moe_gating_topk",
+            (params, bias is not None),
+            lambda: caps.decide_gating(
+                self._lim(), params.scoring_func, params.topk_method, params.norm_topk_prob, bias is not None,
+                params.num_experts, params.n_group, params.topk_group, params.top_k,
+            ),
+        )
+        if not d.native:
+            return ref_moe.moe_gating_topk(router_logits, bias, params)
+        return ops_moe.moe_gating_topk(router_logits, bias, params)
+
+    def moe_dispatch(self, hidden, ids, num_experts: int):
+        d = self._decide("moe_dispatch", (num_experts,), lambda: caps.decide_dispatch(self._lim(), num_experts))
+        if not d.native:
+            return ref_moe.moe_dispatch(hidden, ids, num_experts)
+        return ops_moe.moe_dispatch(hidden, ids, num_experts)
+
+    def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
+        d = self._decide("grouped_mlp", (w13.dtype,), lambda: caps.decide_grouped_mlp(self._lim(), w13.dtype))
+        if not d.native:
+            return ref_moe.grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+        return ops_moe.grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+
+    def moe_combine(self, expert_out, state: DispatchState, weights):
+        self._decisions.setdefault(
+            "moe_combine",
+            caps.Decision(True, "torch_npu.npu_moe_token_unpermute (after npu_moe_init_routing_v2; else the "
+                                "reference un-permute)"),
+        )
+        return ops_moe.moe_combine(expert_out, state, weights)
+
+    def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
+        from deepinfer_npu.backends.cpu.sampling import sample
+
+        return sample(logits, sampling_tensors)
+
+    # ---- reporting -----------------------------------------------------------------------------------------
+    def plan_for_config(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, str]:
+        """The decisions a model would get, before any forward (``--list-ops`` with a model, tests)."""
+        return {op: d.report() for op, d in caps.plan_for_config(self._lim(), cfg, dtype, block_size).items()}
+
+    def op_report(self) -> dict[str, str]:
+        report = {"note": NOT_RUN_NOTE, "profile": self._lim().name}
+        for op in self.OPS:
+            if op in _FIXED:
+                report[op] = f"native ({_FIXED[op]})"
+            elif op in self._decisions:
+                report[op] = self._decisions[op].report()
+            elif op in self.FALLBACK_REASONS:
+                report[op] = f"fallback ({self.FALLBACK_REASONS[op]})"
+            else:
+                report[op] = "pending (decided at the op's first call from the model's shapes)"
+        return report

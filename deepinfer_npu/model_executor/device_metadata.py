@@ -1,0 +1,60 @@
+"""AttentionMetadata built from device tensors without any host synchronisation (the ZOS launch path).
+
+``build_attention_metadata`` builds from host arrays; under zero-overhead scheduling the lengths are corrected on
+the device, so the positions and cache slots must be derived there too. ``num_tokens`` and the ``max_seqlen_*``
+bounds are host values the CPU fixed when it planned the step (upper bounds are fine).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention_metadata import AttentionMetadata
+
+
+def build_device_metadata(
+    seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    num_tokens: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_prefill: bool,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """-> ``(attn, row_of_token [T], j_of_token [T])``. Positions past a row's block table (draft chains that run
+    ahead of the reservation) map to block 0, the padding block, which no sequence reads as its own."""
+    device = seqlens_q.device
+    q = seqlens_q.to(torch.int64)
+    k = seqlens_k.to(torch.int64)
+    b = q.shape[0]
+    cu = torch.zeros(b + 1, dtype=torch.int64, device=device)
+    cu[1:] = torch.cumsum(q, dim=0)
+    row = torch.repeat_interleave(torch.arange(b, device=device), q, output_size=num_tokens)
+    j = torch.arange(num_tokens, device=device) - cu.index_select(0, row)
+    positions = k.index_select(0, row) - q.index_select(0, row) + j
+    tables = block_tables.to(torch.int64)
+    col = (positions // block_size).clamp(max=tables.shape[1] - 1)
+    block = torch.where(positions // block_size < tables.shape[1], tables[row, col], torch.zeros_like(col))
+    slot_mapping = block * block_size + positions % block_size
+    attn = AttentionMetadata(
+        seqlens_q=q.to(torch.int32),
+        seqlens_k=k.to(torch.int32),
+        cu_seqlens_q=cu.to(torch.int32),
+        block_tables=block_tables.to(torch.int32),
+        slot_mapping=slot_mapping,
+        positions=positions,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
+        is_prefill=is_prefill,
+    )
+    return attn, row, j
+
+
+def pad_block_tables(block_tables: torch.Tensor, max_position: int, block_size: int) -> torch.Tensor:
+    """Widen ``block_tables`` with padding (block 0) so positions up to ``max_position`` have a column."""
+    need = max_position // block_size + 1
+    if block_tables.shape[1] >= need:
+        return block_tables
+    pad = block_tables.new_zeros((block_tables.shape[0], need - block_tables.shape[1]))
+    return torch.cat([block_tables, pad], dim=1)

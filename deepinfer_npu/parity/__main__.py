@@ -1,0 +1,59 @@
+"""``python -m deepinfer_npu.parity record|compare`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import recorder, rules
+
+
+def compare_docs(golden: dict, candidate: dict) -> list[rules.Verdict]:
+    """One verdict per prompt, by the golden's dtype rule; prompts must match."""
+    verdicts = []
+    for g, c in zip(golden["traces"], candidate["traces"]):
+        if g["prompt_token_ids"] != c["prompt_token_ids"]:
+            verdicts.append(rules.Verdict(False, "prompt token ids differ (different tokenizer or prompt set)"))
+            continue
+        verdicts.append(rules.compare_trace(golden["dtype"], recorder.as_rule_input(g), recorder.as_rule_input(c)))
+    if len(golden["traces"]) != len(candidate["traces"]):
+        verdicts.append(rules.Verdict(False, "different number of prompts"))
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deepinfer_npu.parity")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="record a golden trace on a backend")
+    r.add_argument("--backend", required=True, help="cpu | cuda | ascend | any registered name")
+    r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    r.add_argument("--model", default=None, help="model directory (default: the shipped reference model)")
+    r.add_argument("--max-tokens", type=int, default=recorder.P.MAX_TOKENS)
+    r.add_argument("--out", default=None, help="output file (default parity_tests/golden/<backend>-<dtype>.json)")
+    c = sub.add_parser("compare", help="run a backend on a golden's prompts and apply the dtype's rule")
+    c.add_argument("--golden", required=True)
+    c.add_argument("--backend", default="cpu")
+    c.add_argument("--model", default=None)
+    args = p.parse_args(argv)
+
+    if args.cmd == "record":
+        doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens)
+        out = Path(args.out) if args.out else recorder.golden_path(args.backend, args.dtype)
+        recorder.write(doc, out)
+        print(f"wrote {out} ({len(doc['traces'])} prompts, {doc['seconds']} s)")
+        return 0
+    golden = json.loads(Path(args.golden).read_text())
+    cand = recorder.record(args.backend, golden["dtype"], args.model, golden["max_tokens"])
+    verdicts = compare_docs(golden, cand)
+    for i, v in enumerate(verdicts):
+        print(f"prompt {i}: {'OK ' if v.ok else 'FAIL'} {v.message}")
+    ok = all(v.ok for v in verdicts)
+    print(f"{'PASS' if ok else 'FAIL'}: {args.backend} vs {golden['backend']}-{golden['dtype']} "
+          f"({'tokens identical' if golden['dtype'] == 'float32' else 'logprobs-close'} rule)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Varlen verification (DSpark varlen, seed §7.2): the step-time curve and the online estimators.
+
+* At start-up the forward time of a decode step is profiled per graph size (total_q tokens): 5 runs, drop the
+  largest and smallest, mean. The curve is cached in a file keyed by the model, dtype, backend and sizes
+  (``$DEEPINFER_CACHE_DIR`` or ``~/.cache/deepinfer_npu``).
+* ``ForwardRuntimeEstimator``: the curve ignores context length, so online a per-token slope of the extra time
+  (measured minus curve, divided by the graph size) is kept over the last 5000 decode steps as a two-level median
+  (median of per-group medians), robust to outliers.
+* ``SamplerRuntimeEstimator``: the median of the last 9 sampling times per batch size.
+
+The C++ allocator (``_core.varlen_allocate`` inside ``Scheduler.schedule``) picks total_q maximising expected
+tokens / (curve[graph] + slope * graph + sampler_ms). Under ZOS the CPU only has the confidences of step N-2 when
+it plans N (they decide total_q, hence the graph); the device re-splits with N-1's (``zos_fixup``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+GRAPH_SIZE_INTERVAL = int(os.environ.get("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "8"))
+
+
+def build_graph_sizes(max_tokens: int, interval: int = GRAPH_SIZE_INTERVAL) -> list[int]:
+    """1, 2, 4, ... up to ``interval``, then every ``interval`` up to ``max_tokens`` (always included)."""
+    sizes, s = [], 1
+    while s < interval and s < max_tokens:
+        sizes.append(s)
+        s *= 2
+    s = interval
+    while s < max_tokens:
+        sizes.append(s)
+        s += interval
+    sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+def trimmed_mean(samples: list[float]) -> float:
+    """Mean after dropping one largest and one smallest sample (the seed's 5-run rule)."""
+    if len(samples) <= 2:
+        return float(sum(samples) / len(samples))
+    s = sorted(samples)[1:-1]
+    return float(sum(s) / len(s))
+
+
+class ForwardRuntimeEstimator:
+    def __init__(self, window: int = 5000, groups: int = 50) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+        self.groups = groups
+
+    def add(self, extra_ms_per_token: float) -> None:
+        self.samples.append(extra_ms_per_token)
+
+    def slope(self) -> float:
+        if not self.samples:
+            return 0.0
+        data = list(self.samples)
+        size = max(1, len(data) // self.groups)
+        medians = [statistics.median(data[i : i + size]) for i in range(0, len(data), size)]
+        return max(0.0, float(statistics.median(medians)))
+
+
+class SamplerRuntimeEstimator:
+    def __init__(self, history: int = 9) -> None:
+        self.by_batch: dict[int, deque[float]] = defaultdict(lambda: deque(maxlen=history))
+
+    def add(self, batch_size: int, ms: float) -> None:
+        self.by_batch[batch_size].append(ms)
+
+    def estimate(self, batch_size: int) -> float:
+        hist = self.by_batch.get(batch_size)
+        if hist:
+            return float(statistics.median(hist))
+        known = [statistics.median(h) for h in self.by_batch.values() if h]
+        return float(statistics.median(known)) if known else 0.0
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer_npu")) / "varlen"
+
+
+def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int = 5) -> list[float]:
+    """Forward time (ms) of a decode step of each total_q in ``sizes`` (dummy rows of ``num_drafts + 1`` tokens
+    over a short context written to the padding block 0, so no sequence's cache is touched)."""
+    from deepinfer_npu.model_executor.attention_metadata import build_attention_metadata
+
+    q_per_row = num_drafts + 1
+    gen = torch.Generator().manual_seed(0)
+    curve = []
+    for size in sizes:
+        rows = -(-size // q_per_row)
+        q = np.full(rows, q_per_row, dtype=np.int64)
+        q[-1] = size - q_per_row * (rows - 1)
+        k = q + 16
+        tables = np.zeros((rows, -(-int(k.max()) // runner.block_size)), dtype=np.int64)
+        attn = build_attention_metadata(q, k, tables, runner.block_size, runner.device, is_prefill=False)
+        ids = torch.randint(0, runner.model_config.vocab_size, (size,), generator=gen).to(runner.device)
+        times = []
+        for _ in range(runs):
+            runner.backend.synchronize()
+            t0 = time.perf_counter()
+            hidden, _ = runner.forward(ids, attn)
+            runner.logits(hidden, None)
+            runner.backend.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        curve.append(trimmed_mean(times))
+    return curve
+
+
+class VarlenController:
+    """Profiles (or loads) the curve, configures the scheduler, and feeds it the online estimates."""
+
+    def __init__(self, engine, sched_cfg) -> None:
+        self.engine = engine
+        k = engine.config.nextn
+        max_tokens = min(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs * (k + 1))
+        self.sizes = build_graph_sizes(max_tokens)
+        self.curve = self._load_or_profile(engine.runner, k)
+        engine.scheduler.configure_varlen(np.asarray(self.sizes, dtype=np.int32),
+                                          np.asarray(self.curve, dtype=np.float64))
+        self.forward_est = ForwardRuntimeEstimator()
+        self.sampler_est = SamplerRuntimeEstimator()
+
+    def _key(self, runner, k: int) -> str:
+        blob = json.dumps({
+            "model": runner.model_config.to_dict() if hasattr(runner.model_config, "to_dict")
+            else repr(runner.model_config),
+            "dtype": str(runner.dtype), "backend": runner.backend.name, "block": runner.block_size,
+            "sizes": self.sizes, "k": k, "torch": torch.__version__,
+        }, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def _load_or_profile(self, runner, k: int) -> list[float]:
+        path = _cache_dir() / f"{self._key(runner, k)}.json"
+        if path.exists():
+            try:
+                data = json.loads(path.read_text())
+                if data.get("sizes") == self.sizes:
+                    return [float(x) for x in data["ms"]]
+            except (OSError, ValueError, KeyError):
+                logger.warning("ignoring unreadable varlen curve cache %s", path)
+        t0 = time.perf_counter()
+        curve = profile_step_time_curve(runner, self.sizes, k)
+        logger.info("profiled %d graph sizes in %.1f s", len(self.sizes), time.perf_counter() - t0)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"sizes": self.sizes, "ms": curve, "backend": runner.backend.name}))
+        except OSError as e:  # a read-only home must not stop the engine
+            logger.warning("could not cache the varlen curve at %s: %s", path, e)
+        return curve
+
+    def graph_size(self, total_q: int) -> int:
+        for s in self.sizes:
+            if s >= total_q:
+                return s
+        return self.sizes[-1]
+
+    def observe(self, res) -> None:
+        """Feed one finished step's timings; push the estimates and fresh confidences to the scheduler."""
+        sched = self.engine.scheduler
+        if res.draft_probs is not None and res.proposing_rows is not None and len(res.proposing_rows):
+            ids = res.seq_ids[res.proposing_rows]
+            live = np.array([self.engine._by_seq.get(int(s)) is not None for s in ids], dtype=bool)
+            if live.any():
+                sched.set_draft_probs(ids[live].astype(np.int64),
+                                      np.ascontiguousarray(res.draft_probs[live], dtype=np.float32))
+        if res.is_prefill or res.num_tokens == 0:
+            return
+        g = self.graph_size(res.num_tokens)
+        base = self.curve[self.sizes.index(g)]
+        self.forward_est.add((res.model_ms - base) / g)
+        self.sampler_est.add(len(res.seq_ids), res.sample_ms)
+        sched.set_runtime_estimates(self.forward_est.slope(), self.sampler_est.estimate(len(res.seq_ids)))
