@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-zos", action="store_true", help="disable zero-overhead scheduling")
+    p.add_argument("--speculative", choices=["mtp", "dflash"], default=None,
+                   help="speculative decoding with the model's MTP layer or the DFlash drafter")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--no-varlen", action="store_true", help="verify a fixed number of drafts per request")
+    p.add_argument("--speculative-model", default=None, help="DFlash drafter directory (default <model>/dflash)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
     p.add_argument("--list-ops", action="store_true", help="print the backend's op report (native / fallback)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -88,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         llm = LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-                  zero_overhead_scheduling=not args.no_zos)
+                  zero_overhead_scheduling=not args.no_zos, speculative_method=args.speculative,
+                  num_speculative_tokens=args.num_speculative_tokens, varlen_verification=not args.no_varlen,
+                  speculative_model=args.speculative_model)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -110,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
         "backend": llm.llm_engine.backend.name, "dtype": str(llm.llm_engine.runner.dtype).replace("torch.", ""),
         "model": str(llm.llm_engine.config.model_dir),
     }
+    stats = llm.get_stats()
+    if args.speculative:
+        summary.update({
+            "speculative": args.speculative,
+            "mean_accepted_length": round(stats["mean_accepted_length"], 3),
+            "mean_verify_length": round(stats["mean_verify_length"], 3),
+            "per_position_acceptance": [None if x is None else round(x, 3)
+                                        for x in stats["per_position_acceptance"]],
+            "varlen": stats["varlen_verification"],
+        })
     for i, out in enumerate(outputs):
         c = out.outputs[0]
         if args.json:
@@ -129,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{gen_s:.2f} s ({summary['output_tok_s']} tok/s output), load {load_s:.2f} s, "
             f"backend {summary['backend']} ({summary['dtype']}), model {summary['model']}"
         )
+        if args.speculative:
+            print(
+                f"--- speculative {args.speculative}: {summary['mean_accepted_length']} tokens per verify step "
+                f"(bonus included), {summary['mean_verify_length']} drafts verified per request-step, "
+                f"per-position acceptance {summary['per_position_acceptance']}, varlen {summary['varlen']}"
+            )
     return 0
 
 

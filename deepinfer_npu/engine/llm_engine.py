@@ -26,9 +26,9 @@ from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
 from deepinfer_npu.sampling import min_tokens_banned_ids
-from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
+from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.step_io import StepPlan, StepRequests, StepResult
 from deepinfer_npu.worker.worker import Worker
 
@@ -79,7 +79,7 @@ class LLMEngine:
         self.stats = {
             "num_steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
             "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
-            "forward_ms": 0.0, "sample_ms": 0.0, "step_ms": 0.0,
+            "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0,
             "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
             "spec_emitted_tokens": 0,
         }
@@ -321,6 +321,7 @@ class LLMEngine:
         for res in results:
             self.stats["forward_ms"] += res.forward_ms
             self.stats["sample_ms"] += res.sample_ms
+            self.stats["model_ms"] += res.model_ms
             if res.num_drafts is not None and self.config.nextn:
                 self._record_spec(res)
             if self.varlen is not None:

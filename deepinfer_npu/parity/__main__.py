@@ -15,9 +15,13 @@ def compare_docs(golden: dict, candidate: dict) -> list[rules.Verdict]:
     verdicts = []
     for g, c in zip(golden["traces"], candidate["traces"]):
         if g["prompt_token_ids"] != c["prompt_token_ids"]:
-            verdicts.append(rules.Verdict(False, "prompt token ids differ (different tokenizer or prompt set)"))
+            verdicts.append(
+                rules.Verdict(False, "prompt token ids differ (different tokenizer or prompt set)")
+            )
             continue
-        verdicts.append(rules.compare_trace(golden["dtype"], recorder.as_rule_input(g), recorder.as_rule_input(c)))
+        verdicts.append(
+            rules.compare_trace(golden["dtype"], recorder.as_rule_input(g), recorder.as_rule_input(c))
+        )
     if len(golden["traces"]) != len(candidate["traces"]):
         verdicts.append(rules.Verdict(False, "different number of prompts"))
     return verdicts
@@ -31,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--model", default=None, help="model directory (default: the shipped reference model)")
     r.add_argument("--max-tokens", type=int, default=recorder.P.MAX_TOKENS)
-    r.add_argument("--out", default=None, help="output file (default parity_tests/golden/<backend>-<dtype>.json)")
+    r.add_argument(
+        "--out", default=None, help="output file (default parity_tests/golden/<backend>-<dtype>.json)"
+    )
     c = sub.add_parser("compare", help="run a backend on a golden's prompts and apply the dtype's rule")
     c.add_argument("--golden", required=True)
     c.add_argument("--backend", default="cpu")
@@ -50,8 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, v in enumerate(verdicts):
         print(f"prompt {i}: {'OK ' if v.ok else 'FAIL'} {v.message}")
     ok = all(v.ok for v in verdicts)
-    print(f"{'PASS' if ok else 'FAIL'}: {args.backend} vs {golden['backend']}-{golden['dtype']} "
-          f"({'tokens identical' if golden['dtype'] == 'float32' else 'logprobs-close'} rule)")
+    print(
+        f"{'PASS' if ok else 'FAIL'}: {args.backend} vs {golden['backend']}-{golden['dtype']} "
+        f"({'tokens identical' if golden['dtype'] == 'float32' else 'logprobs-close'} rule)"
+    )
     return 0 if ok else 1
 
 

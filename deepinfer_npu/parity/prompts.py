@@ -1,5 +1,6 @@
 """The fixed prompt set. Text prompts for models with a tokenizer (the reference model is trained on Python's
-standard library, so code-like prompts give it peaked, meaningful distributions); token-id prompts otherwise."""
+standard library, so code-like prompts give it peaked, meaningful distributions); token-id prompts
+otherwise."""
 
 from __future__ import annotations
 

@@ -52,8 +52,14 @@ def environment(backend) -> dict:
     return info
 
 
-def record(backend: str, dtype: str, model_dir: Path | None = None, max_tokens: int = P.MAX_TOKENS,
-           block_size: int = 64, **engine_kwargs) -> dict:
+def record(
+    backend: str,
+    dtype: str,
+    model_dir: Path | None = None,
+    max_tokens: int = P.MAX_TOKENS,
+    block_size: int = 64,
+    **engine_kwargs,
+) -> dict:
     """Greedy ``max_tokens`` per prompt with top-5 logprobs on ``backend``; returns the trace document."""
     from deepinfer_npu import LLM, SamplingParams
 
@@ -77,14 +83,18 @@ def record(backend: str, dtype: str, model_dir: Path | None = None, max_tokens: 
         comp = out.outputs[0]
         top = []
         for pos in comp.logprobs or []:
-            ranked = sorted(((lp.rank, tok, lp.logprob) for tok, lp in pos.items() if lp.rank <= P.TOP_LOGPROBS))
+            ranked = sorted(
+                ((lp.rank, tok, lp.logprob) for tok, lp in pos.items() if lp.rank <= P.TOP_LOGPROBS)
+            )
             top.append([[tok, lp] for _rank, tok, lp in ranked])
-        traces.append({
-            "prompt": prompt,
-            "prompt_token_ids": list(out.prompt_token_ids),
-            "tokens": list(comp.token_ids),
-            "top5": top,
-        })
+        traces.append(
+            {
+                "prompt": prompt,
+                "prompt_token_ids": list(out.prompt_token_ids),
+                "tokens": list(comp.token_ids),
+                "top5": top,
+            }
+        )
     return {
         "format": FORMAT_VERSION,
         "backend": backend,

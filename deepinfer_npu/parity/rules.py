@@ -21,8 +21,11 @@ def tokens_identical(a: list[int], b: list[int]) -> Verdict:
     if a == b:
         return Verdict(True, f"{len(a)} tokens identical")
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    return Verdict(False, f"tokens differ at position {first}: {a[first:first + 4]} vs {b[first:first + 4]} "
-                          f"(lengths {len(a)}, {len(b)})")
+    return Verdict(
+        False,
+        f"tokens differ at position {first}: {a[first : first + 4]} vs {b[first : first + 4]} "
+        f"(lengths {len(a)}, {len(b)})",
+    )
 
 
 def logprobs_close(
@@ -34,8 +37,11 @@ def logprobs_close(
             continue
         if x in b_top[i] and y in a_top[i]:
             return Verdict(True, f"first difference at {i} ({x} vs {y}) is within both top-{len(a_top[i])}")
-        return Verdict(False, f"position {i}: {x} vs {y}; {x} in other's top: {x in b_top[i]}, "
-                              f"{y} in this top: {y in a_top[i]}")
+        return Verdict(
+            False,
+            f"position {i}: {x} vs {y}; {x} in other's top: {x in b_top[i]}, "
+            f"{y} in this top: {y in a_top[i]}",
+        )
     if len(a_tokens) != len(b_tokens):
         return Verdict(False, f"same prefix but lengths differ ({len(a_tokens)} vs {len(b_tokens)})")
     return Verdict(True, f"{len(a_tokens)} tokens identical")

@@ -4,8 +4,8 @@
   largest and smallest, mean. The curve is cached in a file keyed by the model, dtype, backend and sizes
   (``$DEEPINFER_CACHE_DIR`` or ``~/.cache/deepinfer_npu``).
 * ``ForwardRuntimeEstimator``: the curve ignores context length, so online a per-token slope of the extra time
-  (measured minus curve, divided by the graph size) is kept over the last 5000 decode steps as a two-level median
-  (median of per-group medians), robust to outliers.
+  (measured minus curve) is fitted over the last 5000 decode steps as a two-level median (median of per-group
+  median pairwise slopes), robust to outliers; the remainder per step is kept as an intercept.
 * ``SamplerRuntimeEstimator``: the median of the last 9 sampling times per batch size.
 
 The C++ allocator (``_core.varlen_allocate`` inside ``Scheduler.schedule``) picks total_q maximising expected
@@ -55,20 +55,43 @@ def trimmed_mean(samples: list[float]) -> float:
 
 
 class ForwardRuntimeEstimator:
+    """Online correction of the start-up curve from the last ``window`` decode steps.
+
+    Each step adds ``(graph_size, extra_ms)`` with ``extra_ms = measured - curve[graph_size]``. ``slope()`` is the
+    per-token extra time: a two-level median (median over groups of the median pairwise slope between steps of
+    different sizes, Theil-Sen style, robust to outliers); ``intercept()`` is the median per-step remainder
+    (context-length cost the curve, profiled at a short context, does not see). When the sizes barely vary the
+    slope is not identifiable and stays 0, so the remainder lands in the intercept instead of being spread per
+    token.
+    """
+
     def __init__(self, window: int = 5000, groups: int = 50) -> None:
-        self.samples: deque[float] = deque(maxlen=window)
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.groups = groups
 
-    def add(self, extra_ms_per_token: float) -> None:
-        self.samples.append(extra_ms_per_token)
+    def add(self, graph_size: int, extra_ms: float) -> None:
+        self.samples.append((graph_size, extra_ms))
 
     def slope(self) -> float:
+        data = list(self.samples)
+        if len(data) < 4:
+            return 0.0
+        size = max(2, len(data) // self.groups)
+        medians = []
+        for i in range(0, len(data), size):
+            group = data[i : i + size]
+            pair_slopes = [(e2 - e1) / (g2 - g1) for (g1, e1), (g2, e2) in zip(group, group[1:]) if g2 != g1]
+            if pair_slopes:
+                medians.append(statistics.median(pair_slopes))
+        if len(medians) < 2:
+            return 0.0
+        return max(0.0, float(statistics.median(medians)))
+
+    def intercept(self) -> float:
         if not self.samples:
             return 0.0
-        data = list(self.samples)
-        size = max(1, len(data) // self.groups)
-        medians = [statistics.median(data[i : i + size]) for i in range(0, len(data), size)]
-        return max(0.0, float(statistics.median(medians)))
+        b = self.slope()
+        return max(0.0, float(statistics.median(e - b * g for g, e in self.samples)))
 
 
 class SamplerRuntimeEstimator:
@@ -131,6 +154,7 @@ class VarlenController:
                                           np.asarray(self.curve, dtype=np.float64))
         self.forward_est = ForwardRuntimeEstimator()
         self.sampler_est = SamplerRuntimeEstimator()
+        self.chosen_total_q: list[int] = []  # total_q of every decode step (what varlen picked), for reports
 
     def _key(self, runner, k: int) -> str:
         blob = json.dumps({
@@ -177,8 +201,11 @@ class VarlenController:
                                       np.ascontiguousarray(res.draft_probs[live], dtype=np.float32))
         if res.is_prefill or res.num_tokens == 0:
             return
+        self.chosen_total_q.append(res.num_tokens)
         g = self.graph_size(res.num_tokens)
         base = self.curve[self.sizes.index(g)]
-        self.forward_est.add((res.model_ms - base) / g)
+        self.forward_est.add(g, res.model_ms - base)
         self.sampler_est.add(len(res.seq_ids), res.sample_ms)
-        sched.set_runtime_estimates(self.forward_est.slope(), self.sampler_est.estimate(len(res.seq_ids)))
+        # The allocator's per-step constant is the sampler time plus the curve's per-step remainder.
+        sched.set_runtime_estimates(self.forward_est.slope(),
+                                    self.sampler_est.estimate(len(res.seq_ids)) + self.forward_est.intercept())

@@ -5,9 +5,9 @@ negative control)."""
 from __future__ import annotations
 
 import torch
-
 from deepinfer_npu.backends.cpu.sampling import sample
 from deepinfer_npu.backends.cpu.spec_verify import spec_verify
+
 from deepinfer_npu.engine.sampling_params import SamplingParams
 from deepinfer_npu.sampling import SamplingTensors
 
