@@ -1,8 +1,11 @@
-"""Which torch_npu fused op serves each KernelSet op: documented limits per chip, decided once per model shape.
+"""Which torch_npu fused op serves each KernelSet op: documented limits per chip, decided once per model
+shape.
 
 Every limit below is copied from the op's documentation (cited per entry); a shape or dtype outside it sends
-the op to its fallback. A decision depends only on static facts (dims, dtype, expert counts, block size), so it
-is taken at the op's first call and memoised: the model's first forward fixes the plan, and ``op_report`` shows
+the op to its fallback. A decision depends only on static facts (dims, dtype, expert counts, block size), so
+it
+is taken at the op's first call and memoised: the model's first forward fixes the plan, and ``op_report``
+shows
 it. :func:`plan_for_config` takes the same decisions up front from a model config (``--list-ops``, tests).
 
 Profiles: ``a2_a3`` (Atlas A2/A3, the documented limits), ``950`` (Ascend 950: the newer aclnn docs widen the
@@ -28,12 +31,15 @@ class Limits:
     name: str
     fixed_dims: bool  # False only for the emulation profile
     # npu_interleave_rope: x [B, N, S, D] fp16/bf16, D = 64 (MLA rope dim).
-    # Doc: Ascend/pytorch docs, torch_npu-npu_interleave_rope.md; usage vllm_ascend/attention/mla_v1.py (rope_single)
+    # Doc: Ascend/pytorch docs, torch_npu-npu_interleave_rope.md; usage vllm_ascend/attention/mla_v1.py
+    # (rope_single)
     interleave_rope_dims: tuple[int, ...] = (64,)
     interleave_rope_dtypes: tuple[torch.dtype, ...] = HALF
     # npu_fused_infer_attention_score, MLA mode (query_rope/key_rope given): q/k head dim 512, rope dim 64,
-    # fp16/bf16, heads a power of two <= 128, PagedAttention block size a multiple of 16 up to 512, and at most 16
-    # query tokens per request (sparse_mode=3). Doc: torch_npu-npu_fused_infer_attention_score.md (Ascend/pytorch
+    # fp16/bf16, heads a power of two <= 128, PagedAttention block size a multiple of 16 up to 512, and at
+    # most 16
+    # query tokens per request (sparse_mode=3). Doc: torch_npu-npu_fused_infer_attention_score.md
+    # (Ascend/pytorch
     # docs; hiascend Pytorch/700 ptaoplist_001232); usage vllm_ascend/attention/mla_v1.py (_forward_decode).
     fia_latent_dims: tuple[int, ...] = (512,)
     fia_rope_dims: tuple[int, ...] = (64,)
@@ -50,13 +56,16 @@ class Limits:
     # npu_grouped_matmul (split_item=2, group_type=0, group_list_type=1): fp16/bf16 weights and activations.
     # Doc: torch_npu-npu_grouped_matmul.md; usage vllm_ascend/ops/fused_moe (moe_mlp.py).
     gmm_dtypes: tuple[torch.dtype, ...] = HALF
-    # npu_moe_init_routing_v2: expert_num <= 10240 outside key_value mode. Doc: torch_npu-npu_moe_init_routing_v2.md
+    # npu_moe_init_routing_v2: expert_num <= 10240 outside key_value mode. Doc:
+    # torch_npu-npu_moe_init_routing_v2.md
     routing_max_experts: int = 10240
     extra: dict = field(default_factory=dict)
 
 
 A2_A3 = Limits(name="a2_a3", fixed_dims=True)
-ASCEND_950 = Limits(name="950", fixed_dims=True, gating_experts=None, gating_max_experts=2048, gating_k_group=None)
+ASCEND_950 = Limits(
+    name="950", fixed_dims=True, gating_experts=None, gating_max_experts=2048, gating_k_group=None
+)
 EMULATION = Limits(
     name="emulation",
     fixed_dims=False,
@@ -106,7 +115,9 @@ def decide_rope(lim: Limits, interleaved: bool, rope_dim: int, dtype: torch.dtyp
     if not interleaved:
         return Decision(True, "torch_npu.npu_rotary_mul (NeoX halves layout)")
     if not _in(rope_dim, lim.interleave_rope_dims):
-        return Decision(False, f"npu_interleave_rope takes D={lim.interleave_rope_dims}, model has {rope_dim}")
+        return Decision(
+            False, f"npu_interleave_rope takes D={lim.interleave_rope_dims}, model has {rope_dim}"
+        )
     if dtype not in lim.interleave_rope_dtypes:
         return Decision(False, f"npu_interleave_rope takes fp16/bf16, model runs {dtype}")
     return Decision(True, "torch_npu.npu_interleave_rope")
@@ -136,8 +147,15 @@ def decide_attention(
 
 
 def decide_gating(
-    lim: Limits, scoring_func: str, topk_method: str, norm_topk_prob: bool, has_bias: bool,
-    num_experts: int, n_group: int, topk_group: int, top_k: int,
+    lim: Limits,
+    scoring_func: str,
+    topk_method: str,
+    norm_topk_prob: bool,
+    has_bias: bool,
+    num_experts: int,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
 ) -> Decision:
     why = []
     if topk_method == "noaux_tc" and scoring_func != "sigmoid":
@@ -185,8 +203,15 @@ def plan_for_config(lim: Limits, cfg, dtype: torch.dtype, block_size: int) -> di
     }
     if cfg.n_routed_experts:
         plan["moe_gating_topk"] = decide_gating(
-            lim, cfg.scoring_func, cfg.topk_method, bool(cfg.norm_topk_prob), cfg.topk_method == "noaux_tc",
-            cfg.n_routed_experts, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+            lim,
+            cfg.scoring_func,
+            cfg.topk_method,
+            bool(cfg.norm_topk_prob),
+            cfg.topk_method == "noaux_tc",
+            cfg.n_routed_experts,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
         )
         plan["moe_dispatch"] = decide_dispatch(lim, cfg.n_routed_experts)
         plan["grouped_mlp"] = decide_grouped_mlp(lim, dtype)

@@ -6,12 +6,14 @@ tables, seqlens — lives in a static device buffer that the launch path refresh
 so ZOS corrections made on the device (seqlens_k by accepted count, input ids gathered from the previous step)
 flow into the replay with no host involvement.
 
-The one exception is FIA's ``actual_seq_lengths(_kv)``: eager torch_npu takes them as host int lists baked into
+The one exception is FIA's ``actual_seq_lengths(_kv)``: eager torch_npu takes them as host int lists baked
+into
 the captured task. Those must be re-issued with ``torch.npu.graph_task_update_begin/end`` on a side stream
 before replay (vllm_ascend/compilation/acl_graph.py: ``update_attn_params``; Ascend/pytorch docs
 pytorch_npugraph_desc.md). :meth:`NpuGraphRunner.patch_host_params` is that hook: unavoidable host patching,
 said so. It also means corrected seqlens_k must be known on the host at patch time, which fights CPU-ahead
-scheduling (mission anchors: vllm-ascend syncs the stream before replay); torchair's tiling-sink mode takes them
+scheduling (mission anchors: vllm-ascend syncs the stream before replay); torchair's tiling-sink mode takes
+them
 as device tensors instead — the route to drop the patch (docs/ascend.md).
 
 Not exercised by the engine yet: the worker does not ask for a graph runner today (HAL ``graph_runner()``).
@@ -91,7 +93,8 @@ class NpuGraphRunner:
 
     def patch_host_params(self, size: int, handle: Any, reissue: Callable[[], None], stream: Any) -> None:
         """Re-issue one captured task (e.g. FIA with new host ``actual_seq_lengths_kv``) in place, on
-        ``stream``: ``graph_task_update_begin(stream, handle)``, the op call, ``graph_task_update_end(stream)``.
+        ``stream``: ``graph_task_update_begin(stream, handle)``, the op call,
+        ``graph_task_update_end(stream)``.
         ``handle`` comes from ``graph_task_group_begin/end`` around that op during capture."""
         with self.ns.stream(stream):
             self.ns.graph_task_update_begin(stream, handle)

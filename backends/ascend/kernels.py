@@ -13,17 +13,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from deepinfer_npu.backends.cpu import mla as ref_mla
 from deepinfer_npu.backends.cpu import moe as ref_moe
 from deepinfer_npu.backends.cpu import rope as ref_rope
+
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
 from . import ops_dense, ops_mla, ops_moe
 
-NOT_RUN_NOTE = "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
+NOT_RUN_NOTE = (
+    "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
+)
 _FIXED = {
     "rms_norm": "torch_npu.npu_rms_norm",
     "add_rms_norm": "torch_npu.npu_add_rms_norm",
@@ -64,7 +66,9 @@ class AscendKernelSet(KernelSet):
 
     def _rope_decision(self, interleaved: bool, rdim: int, dtype: torch.dtype) -> caps.Decision:
         return self._decide(
-            "rope", (interleaved, rdim, dtype), lambda: caps.decide_rope(self._lim(), interleaved, rdim, dtype)
+            "rope",
+            (interleaved, rdim, dtype),
+            lambda: caps.decide_rope(self._lim(), interleaved, rdim, dtype),
         )
 
     def _attn_decision(self, lrank: int, rdim: int, heads: int, block: int, dtype) -> caps.Decision:
@@ -95,8 +99,13 @@ class AscendKernelSet(KernelSet):
 
     # ---- MLA -----------------------------------------------------------------------------------------------
     def mla_prolog(
-        self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
-        kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+        self,
+        hidden: torch.Tensor,
+        w: MLAWeights,
+        positions: torch.Tensor,
+        rope: RopeLike,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rope_fn = self._rope_fn(rope.interleaved, w.qk_rope_head_dim, hidden.dtype)
         # The cache layout follows the attention decision, so writer and reader always agree.
@@ -105,8 +114,11 @@ class AscendKernelSet(KernelSet):
         ).native
         self._decisions.setdefault(
             "mla_prolog",
-            caps.Decision(True, "composed: F.linear + torch_npu.npu_rms_norm + the rope op above + cache scatter "
-                                "(npu_mla_prolog_v2/_v3 not used: NZ weights, fixed dims, k_rope order)"),
+            caps.Decision(
+                True,
+                "composed: F.linear + torch_npu.npu_rms_norm + the rope op above + cache scatter "
+                "(npu_mla_prolog_v2/_v3 not used: NZ weights, fixed dims, k_rope order)",
+            ),
         )
         return ops_mla.mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping, rope_fn, split)
 
@@ -121,7 +133,13 @@ class AscendKernelSet(KernelSet):
                 q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
             )
         return ops_mla.mla_attention_fia(
-            q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, softmax_scale,
+            q_latent,
+            q_rope,
+            kv_cache,
+            block_tables,
+            seqlens_q,
+            seqlens_k,
+            softmax_scale,
             self._lim().fia_max_q_per_request,
         )
 
@@ -134,8 +152,15 @@ class AscendKernelSet(KernelSet):
             "moe_gating_topk",
             (params, bias is not None),
             lambda: caps.decide_gating(
-                self._lim(), params.scoring_func, params.topk_method, params.norm_topk_prob, bias is not None,
-                params.num_experts, params.n_group, params.topk_group, params.top_k,
+                self._lim(),
+                params.scoring_func,
+                params.topk_method,
+                params.norm_topk_prob,
+                bias is not None,
+                params.num_experts,
+                params.n_group,
+                params.topk_group,
+                params.top_k,
             ),
         )
         if not d.native:
@@ -143,7 +168,9 @@ class AscendKernelSet(KernelSet):
         return ops_moe.moe_gating_topk(router_logits, bias, params)
 
     def moe_dispatch(self, hidden, ids, num_experts: int):
-        d = self._decide("moe_dispatch", (num_experts,), lambda: caps.decide_dispatch(self._lim(), num_experts))
+        d = self._decide(
+            "moe_dispatch", (num_experts,), lambda: caps.decide_dispatch(self._lim(), num_experts)
+        )
         if not d.native:
             return ref_moe.moe_dispatch(hidden, ids, num_experts)
         return ops_moe.moe_dispatch(hidden, ids, num_experts)
@@ -157,8 +184,11 @@ class AscendKernelSet(KernelSet):
     def moe_combine(self, expert_out, state: DispatchState, weights):
         self._decisions.setdefault(
             "moe_combine",
-            caps.Decision(True, "torch_npu.npu_moe_token_unpermute (after npu_moe_init_routing_v2; else the "
-                                "reference un-permute)"),
+            caps.Decision(
+                True,
+                "torch_npu.npu_moe_token_unpermute (after npu_moe_init_routing_v2; else the "
+                "reference un-permute)",
+            ),
         )
         return ops_moe.moe_combine(expert_out, state, weights)
 

@@ -1,6 +1,8 @@
-"""The latent KV cache as the fused attention op wants it: separate contiguous ``k_nope`` and ``k_rope`` caches.
+"""The latent KV cache as the fused attention op wants it: separate contiguous ``k_nope`` and ``k_rope``
+caches.
 
-The HAL allocates one tensor per layer, ``[num_blocks, block_size, L + R]`` (FlashMLA layout). Ascend's MLA ops
+The HAL allocates one tensor per layer, ``[num_blocks, block_size, L + R]`` (FlashMLA layout). Ascend's MLA
+ops
 (``npu_fused_infer_attention_score`` with ``query_rope``/``key_rope``, ``npu_mla_prolog_v2``,
 ``npu_kv_rmsnorm_rope_cache``) take two contiguous caches ``[num_blocks, block_size, 1, L]`` and ``[..., R]``.
 Slicing the last dim would give non-contiguous views, so instead we *reinterpret the same storage*: its first
@@ -8,7 +10,8 @@ Slicing the last dim would give non-contiguous views, so instead we *reinterpret
 the memory budget is unchanged.
 
 Consequence (reported by the backend): with this layout, code outside this backend must not address the cache
-by block (``cache[block]``). Today only ``ModelRunner.apply_block_ops`` does (fork copy-on-write, which the engine
+by block (``cache[block]``). Today only ``ModelRunner.apply_block_ops`` does (fork copy-on-write, which the
+engine
 does not produce yet: ``n > 1`` is rejected); the HAL change that removes the caveat is a
 ``KernelSet.copy_kv_blocks(cache, src, dst)`` hook (asked for in the hand-off note).
 The layout is used only when mla_prolog and mla_attention both run natively, so the reference ops (which read
@@ -21,7 +24,8 @@ import torch
 
 
 def split_views(kv_cache: torch.Tensor, latent_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_nope [nb, bs, 1, L], k_rope [nb, bs, 1, R])`` views over ``kv_cache``'s storage (both contiguous)."""
+    """``(k_nope [nb, bs, 1, L], k_rope [nb, bs, 1, R])`` views over ``kv_cache``'s storage (both
+    contiguous)."""
     nb, bs, width = kv_cache.shape
     if width != latent_dim + rope_dim:
         raise ValueError(f"kv cache width {width} != kv_lora_rank {latent_dim} + rope dim {rope_dim}")
@@ -39,7 +43,8 @@ def write_split(
 ) -> None:
     """Scatter ``c_kv`` [T, L] and ``k_pe`` [T, R] into the split caches at ``slot_mapping`` [T].
 
-    Negative slots (padding) are redirected to slot 0, which lies in block 0: the scheduler never hands block 0
+    Negative slots (padding) are redirected to slot 0, which lies in block 0: the scheduler never hands block
+    0
     out, so it is a write-only sink. This keeps the scatter free of a data-dependent mask (``x[mask]`` would
     need a device->host sync to size its result).
     """

@@ -1,6 +1,7 @@
 """Norms, SwiGLU and RoPE on torch_npu fused ops.
 
-Each call cites the op's documentation (Ascend/pytorch repository, ``docs/.../torch_npu-<op>.md``; the same pages
+Each call cites the op's documentation (Ascend/pytorch repository, ``docs/.../torch_npu-<op>.md``; the same
+pages
 are published at hiascend.com "Ascend Extension for PyTorch 自定义API") and where vllm-ascend uses it.
 """
 
@@ -29,7 +30,8 @@ def add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     # torch_npu.npu_swiglu(x, dim=-1): splits x in two halves along dim, returns silu(first) * second — our
-    # [gate | up] order. Doc: torch_npu-npu_swiglu.md; usage: vllm_ascend/ops/activation.py (AscendSiluAndMul).
+    # [gate | up] order. Doc: torch_npu-npu_swiglu.md; usage: vllm_ascend/ops/activation.py
+    # (AscendSiluAndMul).
     return runtime.load().npu_swiglu(x, dim=-1)
 
 
@@ -60,12 +62,12 @@ def rope(
         # (x[2i], x[2i+1]), de-interleaves them and applies x*cos + rotate_half(x)*sin, so the result is in
         # halves order (as npu_kv_rmsnorm_rope_cache writes k_rope). We re-interleave to keep the HAL layout
         # contract; a later version can keep halves order end to end for q and k alike (dot products agree).
-        # Doc: torch_npu-npu_interleave_rope.md; usage: vllm_ascend/attention/mla_v1.py (rope_single: B=T, S=1).
-        y = npu.npu_interleave_rope(
-            x.reshape(t, h, 1, r), cos.reshape(t, 1, 1, r), sin.reshape(t, 1, 1, r)
-        )
+        # Doc: torch_npu-npu_interleave_rope.md; usage: vllm_ascend/attention/mla_v1.py (rope_single: B=T,
+        # S=1).
+        y = npu.npu_interleave_rope(x.reshape(t, h, 1, r), cos.reshape(t, 1, 1, r), sin.reshape(t, 1, 1, r))
         return deinterleaved_to_interleaved(y.reshape(t, h, r))
-    # torch_npu.npu_rotary_mul(x, r1=cos, r2=sin): x*cos + rotate_half(x)*sin, broadcasting cos/sin [B, S, 1, D]
+    # torch_npu.npu_rotary_mul(x, r1=cos, r2=sin): x*cos + rotate_half(x)*sin, broadcasting cos/sin [B, S, 1,
+    # D]
     # over x [B, S, N, D]. Doc: torch_npu-npu_rotary_mul.md; usage: vllm_ascend/ops/rotary_embedding.py.
     y = npu.npu_rotary_mul(x.reshape(t, 1, h, r), cos.reshape(t, 1, 1, r), sin.reshape(t, 1, 1, r))
     return y.reshape(t, h, r)

@@ -23,7 +23,8 @@ from deepinfer_npu.hal.types import MLAWeights, RopeLike
 from . import kv_layout, runtime
 from .ops_dense import rms_norm
 
-#: sparse_mode=3 ("rightDownCausal") takes this fixed, compressed mask (doc: atten_mask 2048x2048, 1 = masked).
+#: sparse_mode=3 ("rightDownCausal") takes this fixed, compressed mask (doc: atten_mask 2048x2048, 1 =
+# masked).
 FIA_MASK_SIZE = 2048
 #: Times a host length list was read inside ``forbid_sync()`` (see :func:`host_list`); tests read it.
 HOST_READS_IN_LAUNCH_PATH = 0
@@ -69,7 +70,8 @@ def mla_prolog(
 
     The single fused ``npu_mla_prolog_v2/_v3`` is not called: it needs FRACTAL_NZ weights (``npu_format_cast``
     at load; the HAL has no load hook yet), fixes He=7168/Hcq=1536/L=512/D=128/R=64, and writes k_rope in
-    de-interleaved order while the HAL contract returns q_rope interleaved. Same for npu_kv_rmsnorm_rope_cache.
+    de-interleaved order while the HAL contract returns q_rope interleaved. Same for
+    npu_kv_rmsnorm_rope_cache.
     Doc: torch_npu-npu_mla_prolog_v2.md, torch_npu-npu_kv_rmsnorm_rope_cache.md (Ascend/pytorch docs).
     """
     num_tokens = hidden.shape[0]
@@ -77,7 +79,9 @@ def mla_prolog(
     if w.q_proj is not None:
         q = F.linear(hidden, w.q_proj)
     else:
-        q = F.linear(rms_norm(F.linear(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
+        q = F.linear(
+            rms_norm(F.linear(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj
+        )
     q = q.view(num_tokens, w.num_heads, nope + rdim)
     q_nope, q_pe = q.split([nope, rdim], dim=-1)
     q_latent = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)  # W_UK absorption (aten bmm on the NPU)
@@ -102,7 +106,8 @@ def split_requests(
     """Pieces of <= ``max_q`` queries: ``(cumulative query ends, key lengths, source request, query counts)``.
 
     Piece ``[s, e)`` of a request with ``q`` queries and ``k`` keys ends at position ``k - q + e - 1``, so its
-    key length is ``k - q + e``; with causal masking aligned to the end of the keys (sparse_mode=3) each of its
+    key length is ``k - q + e``; with causal masking aligned to the end of the keys (sparse_mode=3) each of
+    its
     queries sees exactly what it sees in the whole request. Empty requests are dropped.
     """
     ends, kv, src, counts = [], [], [], []

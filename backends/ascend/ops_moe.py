@@ -42,7 +42,8 @@ def moe_gating_topk(
 @dataclass
 class AscendDispatchState(DispatchState):
     """Adds the routing op's ``expanded_row_idx`` [T*k] int32 (flat assignment ``t*k + j`` -> its row in the
-    expert-sorted buffer), which the un-permute op consumes directly. ``order`` (the HAL field) is its inverse."""
+    expert-sorted buffer), which the un-permute op consumes directly. ``order`` (the HAL field) is its
+    inverse."""
 
     expanded_row_idx: torch.Tensor | None = None
 
@@ -90,12 +91,21 @@ def grouped_mlp(
     npu = runtime.load()
     counts = tokens_per_expert.to(torch.int64)
     gate_up = npu.npu_grouped_matmul(
-        x=[sorted_hidden], weight=[w13.transpose(1, 2)], split_item=2, group_list_type=1, group_type=0,
+        x=[sorted_hidden],
+        weight=[w13.transpose(1, 2)],
+        split_item=2,
+        group_list_type=1,
+        group_type=0,
         group_list=counts,
     )[0]
     act = npu.npu_swiglu(gate_up, dim=-1)
     return npu.npu_grouped_matmul(
-        x=[act], weight=[w2.transpose(1, 2)], split_item=2, group_list_type=1, group_type=0, group_list=counts,
+        x=[act],
+        weight=[w2.transpose(1, 2)],
+        split_item=2,
+        group_list_type=1,
+        group_type=0,
+        group_list=counts,
     )[0]
 
 

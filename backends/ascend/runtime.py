@@ -3,7 +3,8 @@
 Why lazy: installing torch_npu without CANN breaks ``import torch`` unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
 (DESIGN §3), so nothing may import it before the user asks for the Ascend backend.
 
-Contract emulation (parity_tests/ascend_emulation) installs a fake ``torch_npu`` module in ``sys.modules`` whose
+Contract emulation (parity_tests/ascend_emulation) installs a fake ``torch_npu`` module in ``sys.modules``
+whose
 device namespace maps to the CPU; it marks itself with ``__deepinfer_emulation__ = True`` and every device
 decision below goes through :func:`device_type` so the same backend code runs on either.
 """
@@ -17,7 +18,8 @@ import sys
 from types import ModuleType
 from typing import Any
 
-#: ``ASCEND_RT_VISIBLE_DEVICES`` is read by the CANN runtime itself (like CUDA_VISIBLE_DEVICES): device index 0
+#: ``ASCEND_RT_VISIBLE_DEVICES`` is read by the CANN runtime itself (like CUDA_VISIBLE_DEVICES): device index
+# 0
 #: of this process is the first listed physical device. We only read it to name the device in messages.
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 
@@ -29,19 +31,22 @@ def _cann_hint() -> str:
     if home:
         return f"CANN at {home}"
     if os.path.isdir("/usr/local/Ascend/ascend-toolkit"):
-        return "CANN found at /usr/local/Ascend/ascend-toolkit but its environment is not sourced (set_env.sh)"
+        return (
+            "CANN found at /usr/local/Ascend/ascend-toolkit but its environment is not sourced (set_env.sh)"
+        )
     return "CANN toolkit not found (ASCEND_HOME_PATH unset, no /usr/local/Ascend/ascend-toolkit)"
 
 
 def unavailable_reason() -> str | None:
     """None when torch_npu imports and at least one NPU is visible; else what is missing, in words.
 
-    Probing never imports torch_npu when its package is absent (``find_spec`` only), so a CPU-only machine pays
-    nothing; when it is present we must import it to ask the driver about devices.
+    Probing never imports torch_npu when its package is absent (``find_spec`` only), so a CPU-only
+    machine pays nothing; when it is present we must import it to ask the driver about devices.
     """
     if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
         return (
-            f"torch_npu is not installed (pip install torch_npu matching your torch and CANN, see docs/ascend.md); "
+            "torch_npu is not installed (pip install torch_npu matching your torch and CANN, see "
+            "docs/ascend.md); "
             f"{_cann_hint()}"
         )
     try:

@@ -10,7 +10,8 @@ from . import runtime
 
 
 class NpuEvent:
-    """Wraps ``torch.npu.Event`` so that ``synchronize()`` inside ``forbid_sync()`` raises like the HAL asks."""
+    """Wraps ``torch.npu.Event`` so that ``synchronize()`` inside ``forbid_sync()`` raises like the HAL
+    asks."""
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.event = runtime.npu_namespace().Event(enable_timing=enable_timing)
@@ -40,7 +41,8 @@ class NpuEvent:
 
 
 class NpuStream:
-    """Wraps ``torch.npu.Stream``; ``stream`` is the torch_npu object (use it with ``torch.npu.stream(...)``)."""
+    """Wraps ``torch.npu.Stream``; ``stream`` is the torch_npu object (use it with
+    ``torch.npu.stream(...)``)."""
 
     def __init__(self, stream: Any = None, device_index: int = 0) -> None:
         ns = runtime.npu_namespace()

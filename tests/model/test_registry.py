@@ -29,14 +29,14 @@ def fake_registered():
 def test_cpu_backend_resolves_once():
     cpu = get_backend("cpu")
     assert get_backend("cpu") is cpu
-    assert get_backend("auto") is cpu  # no ascend/cuda registered: detection falls through to cpu
+    assert get_backend("auto") is cpu  # ascend is registered but unavailable here: detection falls through
     assert (cpu.name, cpu.device_type, cpu.dist_backend) == ("cpu", "cpu", "gloo")
     assert cpu.device == torch.device("cpu")
-    assert registry.registered_backends() == ["cpu"]
+    assert registry.registered_backends() == ["ascend", "cpu"]
 
 
 def test_unknown_backend_lists_registered():
-    with pytest.raises(ValueError, match=r"unknown backend 'tpu'; registered backends: cpu"):
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'; registered backends: ascend, cpu"):
         get_backend("tpu")
 
 

@@ -1,0 +1,80 @@
+"""Contract emulation of ``torch_npu``: CPU implementations of exactly the torch_npu ops backends/ascend
+calls.
+
+What it proves: the Ascend backend calls each fused op with the documented argument order, layouts (BNSD / TND
+/ paged BNSD keys), dtypes and returned tuples, and that the engine's tokens through backends/ascend equal the
+CPU backend's when each op does what its documentation says. What it does not prove: anything about the
+hardware, CANN's kernels, performance, or bf16 numerics on an NPU.
+
+``install()`` puts a fake ``torch_npu`` module in ``sys.modules`` (and ``torch.npu``); ``uninstall()`` removes
+both and forgets cached backends. Use the ``emulated_npu()`` context manager in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+
+from . import ops_attention, ops_dense, ops_moe
+from .contract import CALLS, ContractError
+from .device import FakeNpuNamespace
+
+__all__ = ["install", "uninstall", "emulated_npu", "CALLS", "ContractError"]
+
+OPS = {
+    "npu_rms_norm": ops_dense.npu_rms_norm,
+    "npu_add_rms_norm": ops_dense.npu_add_rms_norm,
+    "npu_swiglu": ops_dense.npu_swiglu,
+    "npu_interleave_rope": ops_dense.npu_interleave_rope,
+    "npu_rotary_mul": ops_dense.npu_rotary_mul,
+    "npu_fused_infer_attention_score": ops_attention.npu_fused_infer_attention_score,
+    "npu_moe_gating_top_k": ops_moe.npu_moe_gating_top_k,
+    "npu_moe_init_routing_v2": ops_moe.npu_moe_init_routing_v2,
+    "npu_grouped_matmul": ops_moe.npu_grouped_matmul,
+    "npu_moe_token_unpermute": ops_moe.npu_moe_token_unpermute,
+}
+
+
+def _reset_backend_caches() -> None:
+    from deepinfer_npu.backends.ascend import runtime
+
+    from deepinfer_npu.hal import registry
+
+    runtime.reset()
+    registry.clear_cache()
+
+
+def install() -> types.ModuleType:
+    if "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "__deepinfer_emulation__", False):
+        raise RuntimeError("a real torch_npu is imported; refusing to shadow it with the emulation")
+    mod = types.ModuleType("torch_npu")
+    mod.__deepinfer_emulation__ = True
+    mod.__version__ = "emulation"
+    mod.npu_namespace = FakeNpuNamespace()
+    for name, fn in OPS.items():
+        setattr(mod, name, fn)
+    sys.modules["torch_npu"] = mod
+    torch.npu = mod.npu_namespace  # type: ignore[attr-defined]
+    CALLS.clear()
+    _reset_backend_caches()
+    return mod
+
+
+def uninstall() -> None:
+    sys.modules.pop("torch_npu", None)
+    if hasattr(torch, "npu"):
+        delattr(torch, "npu")
+    _reset_backend_caches()
+
+
+@contextlib.contextmanager
+def emulated_npu() -> Iterator[types.ModuleType]:
+    mod = install()
+    try:
+        yield mod
+    finally:
+        uninstall()

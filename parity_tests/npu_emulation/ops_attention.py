@@ -1,0 +1,103 @@
+"""CPU implementation of ``torch_npu.npu_fused_infer_attention_score`` in the mode the backend uses (MLA:
+``query_rope``/``key_rope``, PagedAttention, TND queries, sparse_mode=3), from its documentation.
+
+Doc: Ascend/pytorch docs torch_npu-npu_fused_infer_attention_score.md (hiascend Pytorch/700 ptaoplist_001232):
+query TND [T, N, D]; key/value paged [block_num, N_kv, block_size, D] with ``block_table`` [B, max_blocks]
+int32;
+``actual_seq_lengths`` in TND = cumulative query ends per request; ``actual_seq_lengths_kv`` = key lengths;
+sparse_mode=3 = causal aligned to the bottom-right (query i of q sees keys <= k - q + i) with the 2048x2048
+mask (1 = masked); MLA mode limits each request to <= 16 queries; returns (attention_out, softmax_lse).
+Other modes raise: the emulation only vouches for what it implements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import check, record
+
+MAX_Q_MLA = 16
+
+
+def npu_fused_infer_attention_score(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    pse_shift=None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths: list[int] | None = None,
+    actual_seq_lengths_kv: list[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    pre_tokens: int = 2147483647,
+    next_tokens: int = 2147483647,
+    input_layout: str = "BSH",
+    num_key_value_heads: int = 0,
+    sparse_mode: int = 0,
+    inner_precise: int = 0,
+    block_size: int = 0,
+    antiquant_mode: int = 0,
+    antiquant_scale=None,
+    softmax_lse_flag: bool = False,
+    **unsupported,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    record("npu_fused_infer_attention_score")
+    check(not unsupported, f"FIA emulation: unsupported arguments {sorted(unsupported)}")
+    check(input_layout == "TND", "FIA emulation implements input_layout='TND' only")
+    check(query_rope is not None and key_rope is not None, "FIA emulation implements the MLA mode only")
+    check(
+        block_table is not None and block_table.dtype == torch.int32, "block_table must be int32 [B, blocks]"
+    )
+    check(query.dim() == 3 and query.shape[1] == num_heads, "query must be [T, num_heads, D]")
+    check(query_rope.shape[:2] == query.shape[:2], "query_rope must be [T, num_heads, Dr]")
+    check(query.is_contiguous() and query_rope.is_contiguous(), "FIA does not take non-contiguous queries")
+    check(
+        key.dim() == 4 and key.shape[1] == num_key_value_heads == 1, "key must be [blocks, 1, block_size, D]"
+    )
+    check(key.shape[2] == block_size and key_rope.shape[:3] == key.shape[:3], "key/key_rope block layout")
+    check(value is key or torch.equal(value, key), "MLA mode: value is the latent key")
+    check(key.dtype == query.dtype and key_rope.dtype == query.dtype, "query and cache dtypes must match")
+    check(sparse_mode == 3, "FIA emulation implements sparse_mode=3 only")
+    check(
+        atten_mask is not None and tuple(atten_mask.shape) == (2048, 2048),
+        "sparse_mode=3 takes a 2048^2 mask",
+    )
+    check(
+        bool(torch.equal(atten_mask.bool(), torch.triu(torch.ones_like(atten_mask, dtype=torch.bool), 1))),
+        "sparse_mode=3 mask must be the upper triangle (1 = masked)",
+    )
+    ends, kv_lens = list(actual_seq_lengths or []), list(actual_seq_lengths_kv or [])
+    check(all(isinstance(v, int) for v in ends + kv_lens), "actual_seq_lengths(_kv) are host int lists")
+    check(
+        len(ends) == len(kv_lens) == block_table.shape[0],
+        "one length pair and one block-table row per request",
+    )
+    check(ends and ends[-1] == query.shape[0], "TND: the last cumulative query end is T")
+
+    t, n, d = query.shape
+    out = torch.zeros_like(query)
+    lse = torch.full((t, n, 1), float("-inf"), dtype=torch.float32)
+    k_flat = key.reshape(-1, block_size, d)  # [blocks, bs, D] (N_kv = 1)
+    r_flat = key_rope.reshape(-1, block_size, key_rope.shape[-1])
+    start = 0
+    for b, (end, k_len) in enumerate(zip(ends, kv_lens)):
+        q_len = end - start
+        check(0 < q_len <= MAX_Q_MLA, f"MLA mode takes 1..{MAX_Q_MLA} queries per request, got {q_len}")
+        check(q_len <= k_len, "each request needs at least as many keys as queries")
+        nblk = -(-k_len // block_size)
+        rows = block_table[b, :nblk].long()
+        c = k_flat[rows].reshape(-1, d)[:k_len].float()
+        kr = r_flat[rows].reshape(-1, r_flat.shape[-1])[:k_len].float()
+        q = query[start:end].float()
+        qr = query_rope[start:end].float()
+        s = (torch.einsum("qhl,kl->hqk", q, c) + torch.einsum("qhr,kr->hqk", qr, kr)) * scale
+        q_pos = torch.arange(k_len - q_len, k_len)
+        s = s.masked_fill(torch.arange(k_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
+        lse[start:end] = torch.logsumexp(s, dim=-1).transpose(0, 1).unsqueeze(-1)
+        out[start:end] = torch.einsum("hqk,kl->qhl", torch.softmax(s, dim=-1), c).to(out.dtype)
+        start = end
+    return out, lse

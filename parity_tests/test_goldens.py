@@ -1,0 +1,74 @@
+"""Cross-backend parity: the CPU backend against every golden trace in parity_tests/golden/.
+
+fp32 goldens: tokens identical. bf16 goldens: vLLM's logprobs-close rule. With no goldens recorded yet, the
+rules themselves are checked on synthetic traces, including negative controls that must fail, and the recorder
+is exercised end to end on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from deepinfer_npu.parity import recorder, rules
+from deepinfer_npu.parity.__main__ import compare_docs
+
+GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", GOLDENS, ids=[p.name for p in GOLDENS])
+def test_cpu_backend_against_golden(path):
+    golden = json.loads(path.read_text())
+    model_dir = Path(golden["model"]["dir"])
+    if not (model_dir / "config.json").exists():
+        model_dir = REFERENCE_MODEL_DIR
+    fp = recorder.model_fingerprint(model_dir)
+    assert (
+        fp["config_sha256"] == golden["model"]["config_sha256"]
+        and fp["weights"] == golden["model"]["weights"]
+    ), f"{path.name} was recorded on a different model; re-record it on the current reference model"
+    cand = recorder.record("cpu", golden["dtype"], model_dir, golden["max_tokens"])
+    verdicts = compare_docs(golden, cand)
+    assert all(v.ok for v in verdicts), [v.message for v in verdicts if not v.ok]
+
+
+def _trace(tokens, tops):
+    return {"tokens": tokens, "top": tops}
+
+
+def test_fp32_rule_identical_passes_and_one_token_off_fails():
+    a = _trace([5, 6, 7, 8], [[5, 1], [6, 2], [7, 3], [8, 4]])
+    assert rules.compare_trace("float32", a, a).ok
+    b = _trace([5, 6, 9, 8], a["top"])
+    v = rules.compare_trace("float32", a, b)
+    assert not v.ok and "position 2" in v.message
+
+
+def test_bf16_rule_accepts_a_swap_within_top5_then_ignores_divergence():
+    a = _trace([5, 6, 7, 1, 1], [[5], [6], [7, 9, 2, 3, 4], [1], [1]])
+    b = _trace([5, 6, 9, 2, 3], [[5], [6], [9, 7, 2, 3, 4], [2], [3]])
+    assert rules.compare_trace("bfloat16", a, b).ok
+
+
+def test_bf16_rule_negative_control_fails_outside_top5():
+    a = _trace([5, 6, 7], [[5], [6], [7, 2, 3, 4, 10]])
+    b = _trace([5, 6, 9], [[5], [6], [9, 7, 2, 3, 4]])  # 9 is not in a's top-5 at position 2
+    v = rules.compare_trace("bfloat16", a, b)
+    assert not v.ok and "position 2" in v.message
+
+
+def test_recorder_end_to_end_on_cpu_with_negative_control(tmp_path):
+    if not (REFERENCE_MODEL_DIR / "model.safetensors").exists():
+        pytest.skip(f"the reference model is not shipped yet ({REFERENCE_MODEL_DIR})")
+    doc = recorder.record("cpu", "float32", REFERENCE_MODEL_DIR, max_tokens=8)
+    path = recorder.write(doc, tmp_path / "cpu-float32.json")
+    again = json.loads(path.read_text())
+    assert again["environment"]["backend"] == "cpu" and len(again["traces"]) == len(doc["traces"])
+    assert all(len(t["tokens"]) == 8 and all(len(p) == 5 for p in t["top5"]) for t in again["traces"])
+    assert all(v.ok for v in compare_docs(again, doc))
+    bad = json.loads(path.read_text())
+    bad["traces"][0]["tokens"][3] = (bad["traces"][0]["tokens"][3] + 1) % 4096
+    assert not all(v.ok for v in compare_docs(bad, doc))  # the rule catches a changed token
