@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_npu.sampling.metadata import LogprobsTensors, SamplingTensors
-from deepinfer_npu.sampling.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, hash_uniform, hash_uniform_cols
+from deepinfer_npu.sampling.rng import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    STREAM_SAMPLE,
+    hash_uniform,
+    hash_uniform_cols,
+)
 
 from .sampling import compute_logprobs, top_k_top_p_mask
 
