@@ -75,6 +75,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .drafter import Drafter
+
 FORMAT = "deepinfer-dflash-v1"
 CONFIG_NAME = "dflash_config.json"
 WEIGHTS_NAME = "dflash.safetensors"
@@ -117,8 +119,17 @@ class DFlashConfig:
             raise bad("target_layer_ids", "must be a non-empty list of distinct layer indices")
         if any(i < 0 for i in self.target_layer_ids):
             raise bad("target_layer_ids", "must be >= 0")
-        for name in ("hidden_size", "vocab_size", "num_layers", "num_heads", "head_dim", "intermediate_size",
-                     "window", "num_speculative_tokens", "markov_rank"):
+        for name in (
+            "hidden_size",
+            "vocab_size",
+            "num_layers",
+            "num_heads",
+            "head_dim",
+            "intermediate_size",
+            "window",
+            "num_speculative_tokens",
+            "markov_rank",
+        ):
             if int(getattr(self, name)) < 1:
                 raise bad(name, "must be >= 1")
         if self.head_dim % 2:
@@ -246,18 +257,20 @@ class DFlashAttention(nn.Module):
         b, k, _ = x.shape
         q = apply_rope(self.q_proj(x).unflatten(-1, (self.h, self.hd)), positions, self.theta)
         kb, vb = self.kv(x, positions)
-        # zero the masked context entries too: stale ring cells (or NaN/inf garbage) can then never leak through
-        # 0 * garbage in the softmax-weighted sum, and the result is bit-identical whatever those cells hold
-        keep = ctx_valid[:, :, None, None]
-        ctx_k = torch.where(keep, ctx_k.to(kb.dtype), 0)
-        ctx_v = torch.where(keep, ctx_v.to(vb.dtype), 0)
-        keys = torch.cat([ctx_k, kb], dim=1).transpose(1, 2)  # [B, H, C+k, hd]
-        vals = torch.cat([ctx_v, vb], dim=1).transpose(1, 2)
-        mask = torch.cat([ctx_valid, torch.ones(b, k, dtype=torch.bool, device=x.device)], dim=1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, vals, attn_mask=mask[:, None, None, :], scale=self.hd**-0.5
-        )
-        return self.o_proj(o.transpose(1, 2).reshape(b, k, self.h * self.hd))
+        # Scores against the context and against the block separately (no concatenation of the [B, C, H, hd]
+        # ring), masked softmax over both in fp32. Masked entries get probability exactly 0, so a stale ring cell
+        # contributes exactly nothing (ring cells are always finite: zeroed at allocation / zero_slots, then only
+        # ever written with K/V of captured hidden states).
+        scale = self.hd**-0.5
+        kb = kb.to(q.dtype)
+        s_ctx = torch.einsum("bkhd,bchd->bhkc", q, ctx_k.to(q.dtype)).float() * scale
+        s_blk = torch.einsum("bkhd,bjhd->bhkj", q, kb).float() * scale
+        s_ctx = s_ctx.masked_fill(~ctx_valid[:, None, None, :], float("-inf"))
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(vb.dtype)
+        c = ctx_k.shape[1]
+        o = torch.einsum("bhkc,bchd->bkhd", p[..., :c], ctx_v.to(vb.dtype))
+        o = o + torch.einsum("bhkj,bjhd->bkhd", p[..., c:], vb)
+        return self.o_proj(o.reshape(b, k, self.h * self.hd))
 
 
 class DFlashMLP(nn.Module):
@@ -381,13 +394,19 @@ class DFlashModel(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 # Inference
 # ----------------------------------------------------------------------------------------------------------------
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     """Inference-side DFlash drafter over a target model's embedding and head (see the module docstring).
 
-    ``DFlashDrafter.from_pretrained(dflash_dir, target_model, num_state_slots)``; the engine then calls
-    :meth:`capture` after every main forward, :meth:`propose` after every verification, and
+    ``DFlashDrafter.from_pretrained(dflash_dir, target_model, num_state_slots)`` (or :meth:`load`, the factory's
+    spelling); the engine then calls :meth:`capture` (or the contract's :meth:`on_main_forward`) after every main
+    forward, :meth:`propose` after every verification (explicit tensors, or a ``DraftContext``), and
     :meth:`zero_slots` / :meth:`clone_slots` for ``zero_states`` / ``clone_states``.
+
+    ``num_speculative_tokens`` may be set below the trained block length ``cfg.num_speculative_tokens``: the block
+    is still the trained ``[golden, noise x (k-1)]`` and only the first drafts are returned.
     """
+
+    name = "dflash"
 
     def __init__(
         self,
@@ -400,12 +419,19 @@ class DFlashDrafter:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         rms_norm: RmsNormFn | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
+        k = cfg.num_speculative_tokens if num_speculative_tokens is None else int(num_speculative_tokens)
+        if not 1 <= k <= cfg.num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens {k} must be in [1, {cfg.num_speculative_tokens}] (the drafter's trained block)"
+            )
+        super().__init__(k)
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else embed_weight.device
         self.dtype = dtype or embed_weight.dtype
-        self.num_speculative_tokens = cfg.num_speculative_tokens
         self.target_layer_ids = tuple(cfg.target_layer_ids)
+        self.capture_layer_ids = self.target_layer_ids  # the contract's name: layers the main forward must capture
         model = DFlashModel(cfg, embed_weight.to(self.device), lm_head_weight.to(self.device))
         expected = model.state_dict()
         missing = sorted(set(expected) - set(weights))
@@ -429,8 +455,14 @@ class DFlashDrafter:
         self.num_state_slots = int(num_state_slots)
         c = cfg
         self.ring = torch.zeros(
-            self.num_state_slots, c.ring_size, c.num_layers, 2, c.num_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
+            self.num_state_slots,
+            c.ring_size,
+            c.num_layers,
+            2,
+            c.num_heads,
+            c.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         self._ring_offsets = torch.arange(c.ring_size, device=self.device)
         self._block_offsets = torch.arange(c.num_speculative_tokens, device=self.device)
@@ -444,6 +476,7 @@ class DFlashDrafter:
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> DFlashDrafter:
         """Load ``dflash_config.json`` + ``dflash.safetensors`` from ``path`` for ``target_model`` (our
         ``DeepseekForCausalLM``: its embedding / lm_head / backend / dtype are used)."""
@@ -474,6 +507,30 @@ class DFlashDrafter:
             device=device,
             dtype=dtype or getattr(target_model, "dtype", None),
             rms_norm=rms,
+            num_speculative_tokens=num_speculative_tokens,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        target_model,
+        backend=None,
+        *,
+        num_state_slots: int,
+        num_speculative_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> DFlashDrafter:
+        """:meth:`from_pretrained` with an explicit backend (its device; its ``rms_norm`` kernel is already taken
+        from the target model's backend)."""
+        device = backend.device if backend is not None else None
+        return cls.from_pretrained(
+            path,
+            target_model,
+            num_state_slots,
+            device=device,
+            dtype=dtype,
+            num_speculative_tokens=num_speculative_tokens,
         )
 
     # ---- state slots ---------------------------------------------------------------------------------------
@@ -482,10 +539,15 @@ class DFlashDrafter:
         slots = torch.as_tensor(slots, device=self.device).to(torch.int64).reshape(-1)
         self.ring.index_fill_(0, slots, 0)
 
-    def clone_slots(self, pairs: torch.Tensor) -> None:
-        """Copy ring ``src -> dst`` for each row of ``pairs`` [c, 2] (forks)."""
-        pairs = torch.as_tensor(pairs, device=self.device).to(torch.int64).reshape(-1, 2)
-        self.ring[pairs[:, 1]] = self.ring[pairs[:, 0]]
+    def clone_slots(self, pairs: torch.Tensor, dst: torch.Tensor | None = None) -> None:
+        """Copy ring ``src -> dst`` for each row of ``pairs`` [c, 2] (forks); or ``clone_slots(src [c], dst [c])``."""
+        if dst is None:
+            pairs = torch.as_tensor(pairs, device=self.device).to(torch.int64).reshape(-1, 2)
+            src, dst = pairs[:, 0], pairs[:, 1]
+        else:
+            src = torch.as_tensor(pairs, device=self.device).to(torch.int64).reshape(-1)
+            dst = torch.as_tensor(dst, device=self.device).to(torch.int64).reshape(-1)
+        self.ring[dst] = self.ring[src]
 
     # ---- capture -------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -515,6 +577,11 @@ class DFlashDrafter:
         src = best[cell] % max(t, 1)
         self.ring[slots, idx] = kv[src]
 
+    def on_main_forward(self, attn, captured: dict[int, torch.Tensor] | None, slots_per_token: torch.Tensor) -> None:
+        """The drafter contract's hook (``spec/drafter.py``): :meth:`capture` at ``attn.positions``."""
+        if captured is not None:
+            self.capture(captured, attn.positions, slots_per_token)
+
     # ---- propose -------------------------------------------------------------------------------------------
     def context_mask(self, golden_positions: torch.Tensor) -> torch.Tensor:
         """[B, ring_size] bool: ring index i holds (as read at P) position p_i = P-1 - ((P-1-i) mod R); valid iff
@@ -527,12 +594,17 @@ class DFlashDrafter:
     @torch.no_grad()
     def propose(
         self,
-        golden_tokens: torch.Tensor,
-        golden_positions: torch.Tensor,
-        slots: torch.Tensor,
+        golden_tokens,
+        golden_positions: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """golden_tokens [B] (the bonus token), golden_positions [B] (its position P; context < P must have been
-        captured), slots [B] -> (drafts [B, k] int64 for positions P+1..P+k, confidences [B, k] fp32)."""
+        captured), slots [B] -> (drafts [B, k] int64 for positions P+1..P+k, confidences [B, k] fp32).
+
+        ``propose(ctx)`` with a ``DraftContext`` reads ``ctx.bonus_tokens / bonus_positions / slots``."""
+        if golden_positions is None:
+            ctx_in = golden_tokens
+            golden_tokens, golden_positions, slots = ctx_in.bonus_tokens, ctx_in.bonus_positions, ctx_in.slots
         cfg, m = self.cfg, self.model
         k = cfg.num_speculative_tokens
         golden = golden_tokens.to(device=self.device, dtype=torch.int64)
@@ -546,7 +618,7 @@ class DFlashDrafter:
         base = m.base_logits(h)  # [B, k, V] fp32
         drafts, confs = [], []
         prev = golden
-        for j in range(k):
+        for j in range(self.num_speculative_tokens):
             e = m.markov_embed(prev)
             nxt = torch.argmax(base[:, j] + m.markov_correction(e), dim=-1)
             confs.append(torch.sigmoid(m.confidence_logit(h[:, j], e)))
@@ -559,8 +631,9 @@ class DFlashDrafter:
         return self.ring[0].numel() * self.ring.element_size()
 
 
-def save_dflash(directory: str | os.PathLike, cfg: DFlashConfig, model: DFlashModel,
-                dtype: torch.dtype = torch.bfloat16) -> None:
+def save_dflash(
+    directory: str | os.PathLike, cfg: DFlashConfig, model: DFlashModel, dtype: torch.dtype = torch.bfloat16
+) -> None:
     """Write ``dflash_config.json`` and ``dflash.safetensors`` (``dtype``) to ``directory``."""
     from safetensors.torch import save_file
 

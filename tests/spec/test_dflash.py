@@ -45,10 +45,23 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     cfg = RefConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-        v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-        max_position_embeddings=512, initializer_range=0.2,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=512,
+        initializer_range=0.2,
     )
     model = DeepseekV3Ref(cfg)
     model.init_weights(0)
@@ -68,9 +81,20 @@ def tiny_target(tiny_target_dir):
 
 def _dflash_cfg(target, **kw) -> DFlashConfig:
     tc = target.config
-    args = dict(target_layer_ids=LAYER_IDS, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size, num_layers=2,
-                num_heads=2, head_dim=16, intermediate_size=48, window=W, num_speculative_tokens=K,
-                noise_token_id=2, markov_rank=8, rope_theta=10000.0)
+    args = dict(
+        target_layer_ids=LAYER_IDS,
+        hidden_size=tc.hidden_size,
+        vocab_size=tc.vocab_size,
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        intermediate_size=48,
+        window=W,
+        num_speculative_tokens=K,
+        noise_token_id=2,
+        markov_rank=8,
+        rope_theta=10000.0,
+    )
     args.update(kw)
     return DFlashConfig.make(**args)
 
@@ -90,8 +114,14 @@ def _random_weights(cfg: DFlashConfig, target, seed: int = 0) -> dict[str, torch
 
 def _drafter(target, slots: int = 6, seed: int = 0, **kw) -> DFlashDrafter:
     cfg = _dflash_cfg(target, **kw)
-    return DFlashDrafter(cfg, _random_weights(cfg, target, seed), target.model.embed_tokens.weight,
-                         target.lm_head.weight, slots, rms_norm=target.backend.kernels.rms_norm)
+    return DFlashDrafter(
+        cfg,
+        _random_weights(cfg, target, seed),
+        target.model.embed_tokens.weight,
+        target.lm_head.weight,
+        slots,
+        rms_norm=target.backend.kernels.rms_norm,
+    )
 
 
 def _hidden(target, n: int, seed: int) -> dict[int, torch.Tensor]:
@@ -187,10 +217,16 @@ def test_markov_chain_uses_previous_draft(tiny_target):
 
 def test_ring_index_interpretation():
     """context_mask marks exactly the ring cells holding positions max(0, P-W)..P-1."""
-    cfg = DFlashConfig.make(target_layer_ids=[0], hidden_size=8, vocab_size=16, num_heads=1, head_dim=4,
-                            window=W, num_speculative_tokens=K)
-    dr = DFlashDrafter(cfg, {k: v for k, v in DFlashModel(cfg, torch.zeros(16, 8), torch.zeros(16, 8))
-                             .state_dict().items()}, torch.zeros(16, 8), torch.zeros(16, 8), 2)
+    cfg = DFlashConfig.make(
+        target_layer_ids=[0], hidden_size=8, vocab_size=16, num_heads=1, head_dim=4, window=W, num_speculative_tokens=K
+    )
+    dr = DFlashDrafter(
+        cfg,
+        {k: v for k, v in DFlashModel(cfg, torch.zeros(16, 8), torch.zeros(16, 8)).state_dict().items()},
+        torch.zeros(16, 8),
+        torch.zeros(16, 8),
+        2,
+    )
     r = cfg.ring_size
     for p in range(0, 3 * r):
         mask = dr.context_mask(torch.tensor([p]))[0]
@@ -349,15 +385,57 @@ def test_training_script_runs(tmp_path, tiny_target_dir):
     rng = np.random.default_rng(0)
     for name, n in (("train.npy", 4000), ("heldout.npy", 1200)):
         arr = rng.integers(3, 128, n).astype(np.uint16)
-        arr[:: 200] = 0  # document starts
+        arr[::200] = 0  # document starts
         np.save(data / name, arr)
     out = tmp_path / "out"
-    argv = ["--stage", "all", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out),
-            "--device", "cpu", "--steps", "3", "--batch-rows", "2", "--seq-len", "48", "--anchors", "3",
-            "--self-gen-seqs", "2", "--self-gen-prompt", "16", "--eval-every", "3", "--log-every", "1",
-            "--target-layer-ids", "0,2", "--num-layers", "1", "--num-heads", "2", "--head-dim", "16",
-            "--intermediate-size", "32", "--window", "8", "--markov-rank", "4",
-            "--eval-prompts", "2", "--eval-prompt-len", "20", "--eval-new-tokens", "12"]
+    argv = [
+        "--stage",
+        "all",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--batch-rows",
+        "2",
+        "--seq-len",
+        "48",
+        "--anchors",
+        "3",
+        "--self-gen-seqs",
+        "2",
+        "--self-gen-prompt",
+        "16",
+        "--eval-every",
+        "3",
+        "--log-every",
+        "1",
+        "--target-layer-ids",
+        "0,2",
+        "--num-layers",
+        "1",
+        "--num-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--intermediate-size",
+        "32",
+        "--window",
+        "8",
+        "--markov-rank",
+        "4",
+        "--eval-prompts",
+        "2",
+        "--eval-prompt-len",
+        "20",
+        "--eval-new-tokens",
+        "12",
+    ]
     assert train_dflash.main(argv) == 0
     cfg = json.loads((out / "dflash_config.json").read_text())
     assert cfg["window"] == 8 and cfg["target_layer_ids"] == [0, 2] and cfg["training"]["steps_run"] == 3
@@ -394,3 +472,63 @@ def test_shipped_weights_accept(tmp_path):
     assert all(res["lossless_check"]["identical_to_plain_greedy"])
     assert res["mean_accepted_length"] >= 1.5, res
     assert res["per_position_acceptance"][0] >= 0.4, res
+
+
+def test_no_host_reads_in_capture_and_propose(tiny_target, monkeypatch):
+    """capture / propose never read device values on the host (no .item() / .tolist() / bool() / int() / numpy),
+    so they stay sync-free on device backends and capturable in graphs."""
+    dr = _drafter(tiny_target, slots=4)
+    hid = _hidden_target_free(dr, 12, seed=0)
+    pos, slots = torch.arange(12), torch.full((12,), 1)
+
+    def boom(*_a, **_k):
+        raise AssertionError("host read of a tensor value")
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    dr.capture(hid, pos, slots)
+    drafts, conf = dr.propose(torch.tensor([3, 4]), torch.tensor([12, 12]), torch.tensor([1, 1]))
+    dr.zero_slots(torch.tensor([2]))
+    dr.clone_slots(torch.tensor([[1, 3]]))
+    monkeypatch.undo()
+    assert drafts.shape == (2, K)
+
+
+def test_drafter_contract_adapters(tmp_path, tiny_target):
+    """The spec/drafter.py contract spellings: load(), on_main_forward(), propose(DraftContext),
+    clone_slots(src, dst), capture_layer_ids, and a k below the trained block length."""
+    from deepinfer_npu.model_executor import build_attention_metadata
+    from deepinfer_npu.spec.drafter import DraftContext, Drafter
+
+    cfg = _dflash_cfg(tiny_target)
+    m = DFlashModel(cfg, tiny_target.model.embed_tokens.weight, tiny_target.lm_head.weight)
+    m.load_state_dict(_random_weights(cfg, tiny_target))
+    save_dflash(tmp_path, cfg, m)
+    full = DFlashDrafter.load(tmp_path, tiny_target, tiny_target.backend, num_state_slots=4)
+    short = DFlashDrafter.load(tmp_path, tiny_target, tiny_target.backend, num_state_slots=4, num_speculative_tokens=3)
+    assert isinstance(full, Drafter) and full.capture_layer_ids == tuple(LAYER_IDS)
+    assert full.num_speculative_tokens == K and short.num_speculative_tokens == 3
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        DFlashDrafter.load(tmp_path, tiny_target, num_state_slots=4, num_speculative_tokens=K + 1)
+    attn = build_attention_metadata([7, 4], [7, 4], [[1], [2]], 16)
+    hid = _hidden_target_free(full, 11, seed=3)
+    slots_per_token = torch.tensor([1] * 7 + [2] * 4)
+    for dr in (full, short):
+        dr.on_main_forward(attn, hid, slots_per_token)
+    ctx = DraftContext(
+        attn=attn,
+        hidden=torch.zeros(11, 32),
+        target_tokens=torch.zeros(11, dtype=torch.int64),
+        anchor_rows=torch.tensor([6, 10]),
+        bonus_tokens=torch.tensor([9, 4]),
+        bonus_positions=torch.tensor([7, 4]),
+        slots=torch.tensor([1, 2]),
+    )
+    d_full, c_full = full.propose(ctx)
+    d_short, c_short = short.propose(ctx)
+    d_expl, _ = full.propose(torch.tensor([9, 4]), torch.tensor([7, 4]), torch.tensor([1, 2]))
+    assert torch.equal(d_full, d_expl)
+    assert d_short.shape == (2, 3) and torch.equal(d_short, d_full[:, :3])
+    torch.testing.assert_close(c_short, c_full[:, :3])
+    full.clone_slots(torch.tensor([1]), torch.tensor([3]))
+    assert torch.equal(full.ring[3], full.ring[1])
