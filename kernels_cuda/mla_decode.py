@@ -232,12 +232,21 @@ def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, 
 
 
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
-    """Compile several (heads, m_tiles, num_splits) configurations in parallel (nvcc runs as subprocesses)."""
+    """Compile several (heads, m_tiles, num_splits) configurations ahead of use."""
     import concurrent.futures as cf
 
     configs = [c for c in dict.fromkeys(configs)]
-    with cf.ThreadPoolExecutor(num_workers or min(len(configs), 16)) as ex:
-        list(ex.map(lambda c: get_kernel(c[0], c[1], c[2], float(softmax_scale)), configs))
+    # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
+    # cache then serves get_kernel, which re-parses serially but does not recompile.
+    funcs = [build_mla_decode(c[0], c[1], c[2], float(softmax_scale)) for c in configs]
+
+    def one(func):
+        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
+
+    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+        list(ex.map(one, funcs))
+    for c in configs:
+        get_kernel(c[0], c[1], c[2], float(softmax_scale))
 
 
 CI_CONFIGS = [
@@ -253,12 +262,15 @@ def ci_compile(configs=None):
 
     cfgs = configs or CI_CONFIGS
 
-    def one(c):
-        func = build_mla_decode(c[0], c[1], c[2], HEAD_DIM**-0.5)
+    # Build the prim funcs (Python AST parsing) on this thread: CPython 3.11's ast.parse is not thread-safe
+    # ("AST constructor recursion depth mismatch" seen here); only nvcc runs in parallel.
+    funcs = [build_mla_decode(c[0], c[1], c[2], HEAD_DIM**-0.5) for c in cfgs]
+
+    def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
-    with cf.ThreadPoolExecutor(len(cfgs)) as ex:
-        return list(ex.map(one, cfgs))
+    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+        return list(ex.map(one, funcs))
 
 
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:

@@ -115,11 +115,13 @@ def ci_compile(configs=None):
 
     cfgs = configs or CI_CONFIGS
 
-    def one(c):
-        return tilelang.compile(build_rms_norm(*c), out_idx=None, target=dict(SM90_TARGET))
+    funcs = [build_rms_norm(*c) for c in cfgs]  # AST parsing on this thread (ast.parse is not thread-safe)
 
-    with cf.ThreadPoolExecutor(len(cfgs)) as ex:
-        return list(ex.map(one, cfgs))
+    def one(func):
+        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
+
+    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+        return list(ex.map(one, funcs))
 
 
 def add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
