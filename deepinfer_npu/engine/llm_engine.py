@@ -81,7 +81,7 @@ class LLMEngine:
             "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
             "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0,
             "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-            "spec_emitted_tokens": 0,
+            "spec_emitted_tokens": 0, "varlen_resplit_rows": 0,
         }
         k = config.nextn
         self._pos_drafted = np.zeros(max(k, 1), dtype=np.int64)
@@ -347,6 +347,8 @@ class LLMEngine:
         st["spec_draft_tokens"] += int(d.sum())
         st["spec_accepted_tokens"] += int(a.sum())
         st["spec_emitted_tokens"] += int((a + 1).sum())
+        if res.planned_drafts is not None:  # rows whose split the device changed (ZOS + varlen, N-1 rule)
+            st["varlen_resplit_rows"] += int((res.planned_drafts[live] != d).sum())
         for pos in range(len(self._pos_drafted)):
             self._pos_drafted[pos] += int((d > pos).sum())
             self._pos_accepted[pos] += int((a > pos).sum())

@@ -15,6 +15,7 @@ from .backend import Backend
 _REGISTRY: dict[str, str] = {
     "cpu": "deepinfer_npu.backends.cpu.backend:CpuBackend",
     "ascend": "deepinfer_npu.backends.ascend.backend:AscendBackend",
+    "cuda": "deepinfer_npu.backends.cuda.backend:CudaBackend",
 }
 #: ``auto`` tries these in order, skipping names that are not registered.
 DETECTION_ORDER: tuple[str, ...] = ("ascend", "cuda", "cpu")

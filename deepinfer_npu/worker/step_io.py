@@ -99,6 +99,7 @@ class StepResult:
     token_ids: list[list[int]]
     logprobs: list[list[tuple] | None] = field(default_factory=list)
     num_drafts: np.ndarray | None = None
+    planned_drafts: np.ndarray | None = None  # the scheduler's split (before a device re-split)
     num_accepted: np.ndarray | None = None
     draft_probs: np.ndarray | None = None
     proposing_rows: np.ndarray | None = None

@@ -259,6 +259,7 @@ class Worker:
                             forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms)
         if not plan.is_prefill:
             result.num_drafts = step.seqlens_q.cpu().numpy().astype(np.int64) - 1
+            result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
             result.num_accepted = step.accepted.cpu().numpy()
         if step.draft_probs is not None:
             result.draft_probs = step.draft_probs.cpu().numpy()
