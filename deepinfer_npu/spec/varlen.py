@@ -141,6 +141,43 @@ def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int
     return curve
 
 
+class ConfidenceCalibrator:
+    """Online per-position calibration of draft confidences: ``calibrated_j = min(1, conf_j * r_j)`` with
+    ``r_j`` = accepted drafts / summed confidence at position ``j``, over drafts that were verified there (given
+    the earlier ones were accepted), with exponential forgetting. MTP's confidence is the draft token's
+    probability, which on our reference model is under-confident (it made varlen cut drafts that were accepted);
+    a trained confidence head (DFlash) is already calibrated and keeps ``r_j`` near 1."""
+
+    def __init__(self, k: int, decay: float = 0.999, prior: float = 20.0) -> None:
+        self.accepted = np.full(k, prior * 0.5)
+        self.conf = np.full(k, prior * 0.5)
+        self.decay = decay
+        self.last: dict[int, np.ndarray] = {}
+
+    def observe_verify(self, seq_ids: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
+        for sid, d, a in zip(seq_ids.tolist(), drafts.tolist(), accepted.tolist()):
+            conf = self.last.get(sid)
+            if conf is None or d <= 0:
+                continue
+            reached = min(d, a + 1)  # positions 0..reached-1 were verified with all earlier drafts accepted
+            self.accepted *= self.decay
+            self.conf *= self.decay
+            self.conf[:reached] += conf[:reached]
+            self.accepted[: min(a, d)] += 1.0
+
+    def ratio(self) -> np.ndarray:
+        return self.accepted / np.maximum(self.conf, 1e-6)
+
+    def calibrate(self, seq_ids: np.ndarray, probs: np.ndarray) -> np.ndarray:
+        out = np.clip(probs * self.ratio()[None, : probs.shape[1]], 0.0, 1.0).astype(np.float32)
+        for sid, row in zip(seq_ids.tolist(), probs):
+            self.last[sid] = row.astype(np.float64)
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.last.pop(seq_id, None)
+
+
 class VarlenController:
     """Profiles (or loads) the curve, configures the scheduler, and feeds it the online estimates."""
 
@@ -155,6 +192,7 @@ class VarlenController:
         self.forward_est = ForwardRuntimeEstimator()
         self.sampler_est = SamplerRuntimeEstimator()
         self.chosen_total_q: list[int] = []  # total_q of every decode step (what varlen picked), for reports
+        self.calibrator = ConfidenceCalibrator(k)
 
     def _key(self, runner, k: int) -> str:
         blob = json.dumps({
@@ -193,12 +231,14 @@ class VarlenController:
     def observe(self, res) -> None:
         """Feed one finished step's timings; push the estimates and fresh confidences to the scheduler."""
         sched = self.engine.scheduler
+        if res.num_drafts is not None:
+            self.calibrator.observe_verify(res.seq_ids, res.num_drafts, res.num_accepted)
         if res.draft_probs is not None and res.proposing_rows is not None and len(res.proposing_rows):
             ids = res.seq_ids[res.proposing_rows]
             live = np.array([self.engine._by_seq.get(int(s)) is not None for s in ids], dtype=bool)
             if live.any():
-                sched.set_draft_probs(ids[live].astype(np.int64),
-                                      np.ascontiguousarray(res.draft_probs[live], dtype=np.float32))
+                probs = self.calibrator.calibrate(ids[live], res.draft_probs[live])
+                sched.set_draft_probs(ids[live].astype(np.int64), np.ascontiguousarray(probs))
         if res.is_prefill or res.num_tokens == 0:
             return
         self.chosen_total_q.append(res.num_tokens)
