@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 try:
     from pybind11.setup_helpers import Pybind11Extension, build_ext
@@ -45,6 +45,10 @@ ext_modules = [
 
 DEVICE_DIRS = {"backends": "backends", "kernels_cuda": "kernels_cuda", "kernels_ascend": "kernels_ascend"}
 packages = find_packages(include=["deepinfer_npu", "deepinfer_npu.*"])
+# Data-only folders (the shipped reference model and its drafter) are namespace packages carrying package data.
+ASSET_PACKAGES = [p for p in find_namespace_packages(include=["deepinfer_npu.assets", "deepinfer_npu.assets.*"])
+                  if "__pycache__" not in p]
+packages += [p for p in ASSET_PACKAGES if p not in packages]
 package_dir = {"deepinfer_npu": "deepinfer_npu"}
 for ns, folder in DEVICE_DIRS.items():
     if os.path.isdir(folder):
@@ -58,7 +62,7 @@ for ns, folder in DEVICE_DIRS.items():
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"deepinfer_npu": ["assets/**/*"]},
+    package_data={p: ["*"] for p in ASSET_PACKAGES},
     include_package_data=True,
     ext_modules=ext_modules,
     cmdclass={"build_ext": build_ext},
