@@ -104,8 +104,10 @@ def spec_verify(
     target_tokens = torch.where(j_of_token < acc_tok, safe_draft, at_stop)
 
     emitted = torch.full((num_rows, max_q), -1, dtype=torch.int64, device=device)
+    # Every (row, j) pair is written once: the token where j <= accepted, -1 past it (no data-dependent shape,
+    # so no host synchronisation on devices).
     live = j_of_token <= acc_tok
-    emitted[row_of_token[live], j_of_token[live]] = target_tokens[live]
+    emitted[row_of_token, j_of_token] = torch.where(live, target_tokens, torch.full_like(target_tokens, -1))
     logprobs = None
     if raw_logprobs is not None:
         assert t.max_num_logprobs is not None

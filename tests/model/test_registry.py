@@ -29,23 +29,24 @@ def fake_registered():
 def test_cpu_backend_resolves_once():
     cpu = get_backend("cpu")
     assert get_backend("cpu") is cpu
-    assert get_backend("auto") is cpu  # ascend is registered but unavailable here: detection falls through
+    # ascend (and cuda, on a machine without a CUDA device) are registered but unavailable: detection falls through
+    assert get_backend("auto") is (get_backend("cuda") if torch.cuda.is_available() else cpu)
     assert (cpu.name, cpu.device_type, cpu.dist_backend) == ("cpu", "cpu", "gloo")
     assert cpu.device == torch.device("cpu")
-    assert registry.registered_backends() == ["ascend", "cpu"]
+    assert sorted(registry.registered_backends()) == ["ascend", "cpu", "cuda"]
 
 
 def test_unknown_backend_lists_registered():
-    with pytest.raises(ValueError, match=r"unknown backend 'tpu'; registered backends: ascend, cpu"):
+    with pytest.raises(ValueError, match=r"unknown backend 'tpu'; registered backends: ascend, cuda, cpu"):
         get_backend("tpu")
 
 
 def test_unavailable_backend_gives_its_reason(fake_registered):
     with pytest.raises(
-        RuntimeError, match=r"'fakeaccel' is not available: no fakeaccel driver .*available: cpu"
+        RuntimeError, match=r"'fakeaccel' is not available: no fakeaccel driver .*available: (cuda, )?cpu"
     ):
         get_backend("fakeaccel")
-    assert get_backend("auto").name == "cpu"  # auto skips unavailable backends
+    assert get_backend("auto").name == ("cuda" if torch.cuda.is_available() else "cpu")  # skips unavailable ones
 
 
 def test_cpu_hooks():

@@ -1,0 +1,400 @@
+"""CudaKernelSet: each HAL op on a TileLang kernel (``kernels_cuda/``) where dtype and shapes fit, on a sync-free
+torch rewrite of the reference where that was cheap, else on the CPU reference op running on CUDA tensors.
+
+Decisions are taken per call from host facts only (dtypes, shapes, the host bound on the query length), never
+from device values, and every path taken is remembered for :meth:`op_report`. Kernels are imported and compiled
+lazily on the first call that selects them (TileLang caches them per configuration, in memory and on disk).
+
+What is native today (first slice of issue 6):
+
+- ``mla_attention``: ``kernels_cuda.mla_decode`` (paged absorbed MLA, FlashMLA layout) for steps whose host max
+  query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
+  draft verification. Prefill chunks and toy dims run the reference, which reads lengths on the host (a sync).
+- ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
+- ``mla_prolog``, ``moe_dispatch``, ``moe_combine``: the reference arithmetic rewritten without host reads
+  (the reference's boolean-mask cache write and CUDA ``bincount`` both synchronise).
+- ``grouped_mlp``: ``torch._grouped_mm`` (CUTLASS grouped GEMM, bf16, offsets on the device: no sync) for bf16;
+  the reference loops over experts after ``tokens_per_expert.tolist()`` (a sync).
+
+The host max query length for the MLA kernel: the op contract carries no host int, so the kernel set takes
+``max_seqlen_q`` as an optional keyword (the model layer should pass ``attn.max_seqlen_q``; see the backend's
+docstring) and otherwise uses the bound ``T - B + 1`` from the shapes, exact for decode without drafts (T == B)
+and valid whenever every request has at least one query token, as the worker's rows always do.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from deepinfer_npu.hal.kernel_set import KernelSet
+from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
+
+logger = logging.getLogger(__name__)
+
+KV_LORA, ROPE, PAGE = 512, 64, 64  # what kernels_cuda.mla_decode is built for (FlashMLA layout)
+MAX_Q = 16  # query tokens per request the decode kernel handles (speculative verification)
+NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
+
+#: Reference ops that read device values on the host (a host-device sync per call on CUDA).
+SYNCING_REFERENCE = {
+    "mla_attention": "int(seqlens_q[b]) / int(seqlens_k[b]) per request",
+    "grouped_mlp": "tokens_per_expert.tolist()",
+    "mla_prolog": "boolean-mask cache write (slot_mapping >= 0)",
+    "moe_dispatch": "torch.bincount (CUDA computes max() on the host)",
+}
+
+_STATIC_FALLBACK = {
+    "linear": "reference op on CUDA tensors: F.linear -> cuBLAS; sync-free",
+    "silu_and_mul": "reference op on CUDA tensors (2 elementwise kernels); sync-free",
+    "rope": "reference op on CUDA tensors (gather + elementwise); sync-free",
+    "mla_epilogue": "reference op on CUDA tensors: einsum (bmm) + F.linear; sync-free",
+    "moe_gating_topk": "reference op on CUDA tensors (softmax/sigmoid + topk); sync-free",
+    "sample": "reference sampler on CUDA tensors (seeded counter-based noise must match the CPU bit for bit)",
+    "spec_verify": "reference op on CUDA tensors",
+    "zos_fixup": "reference op on CUDA tensors",
+}
+
+
+def _ref(module: str):
+    return importlib.import_module(f"deepinfer_npu.backends.cpu.{module}")
+
+
+def tilelang_importable() -> bool:
+    """Whether ``tilelang`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec("tilelang") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class CudaKernelSet(KernelSet):
+    FALLBACK_REASONS = dict(_STATIC_FALLBACK)
+
+    def __init__(self) -> None:
+        self.num_sms: int | None = None  # set by CudaBackend; read lazily otherwise
+        # op -> {path description: (native?, syncs?)}; filled as ops are called
+        self._paths: dict[str, dict[str, tuple[bool, bool]]] = {}
+        self._calls = 0
+        self._kernel_modules: dict[str, Any] = {}
+        self._kernel_error: dict[str, str] = {}
+        self._grouped_mm_error: str | None = None
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------------
+    def _note(self, op: str, path: str, native: bool, syncs: bool = False) -> None:
+        self._calls += 1
+        d = self._paths.setdefault(op, {})
+        if path not in d:
+            d[path] = (native, syncs)
+            if syncs:
+                logger.info("cuda backend: %s takes a syncing path: %s", op, path)
+
+    def has_run(self) -> bool:
+        """True once any op has been called (the model's first forward decides which paths are taken)."""
+        return self._calls > 0
+
+    def syncing_ops(self) -> dict[str, list[str]]:
+        """Ops that took a path reading device values on the host, with those paths."""
+        return {op: [p for p, (_n, s) in d.items() if s] for op, d in self._paths.items() if any(
+            s for _n, s in d.values())}
+
+    def _kernel(self, name: str):
+        """``deepinfer_npu.kernels_cuda.<name>`` when tilelang imports, else None (reason kept)."""
+        if name in self._kernel_modules:
+            return self._kernel_modules[name]
+        mod = None
+        if not tilelang_importable():
+            self._kernel_error[name] = "tilelang is not installed (pip install tilelang==0.1.15)"
+        else:
+            try:
+                mod = importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}")
+                if getattr(mod, "tilelang", None) is None:
+                    self._kernel_error[name] = "tilelang failed to import"
+                    mod = None
+            except Exception as e:  # noqa: BLE001 - any import failure means: use the reference
+                self._kernel_error[name] = f"kernels_cuda.{name} failed to import: {type(e).__name__}: {e}"
+                mod = None
+        self._kernel_modules[name] = mod
+        return mod
+
+    def _sms(self, device: torch.device) -> int:
+        if self.num_sms is None:
+            self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return self.num_sms
+
+    # ---- norms ---------------------------------------------------------------------------------------------
+    def _norm_reason(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
+        n = x.shape[-1]
+        if not x.is_cuda:
+            return "tensor not on a CUDA device"
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+            return f"{x.dtype}: kernels_cuda.rms_norm is bf16-only"
+        if not (NORM_MIN <= n <= NORM_MAX and n % NORM_MULT == 0):
+            return f"width {n}: kernel checked for {NORM_MIN}..{NORM_MAX}, multiples of {NORM_MULT}"
+        if x.numel() == 0:
+            return "empty input"
+        if self._kernel("rms_norm") is None:
+            return self._kernel_error["rms_norm"]
+        return None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        why = self._norm_reason(x, weight)
+        if why is not None:
+            self._note("rms_norm", f"reference ({why})", False)
+            return _ref("norm").rms_norm(x, weight, eps)
+        self._note("rms_norm", f"kernels_cuda.rms_norm (bf16, N={x.shape[-1]})", True)
+        return self._kernel("rms_norm").rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        why = self._norm_reason(x, weight)
+        if why is None and residual.dtype != torch.bfloat16:
+            why = f"residual {residual.dtype}: kernel is bf16-only"
+        if why is not None:
+            self._note("add_rms_norm", f"reference ({why})", False)
+            return _ref("norm").add_rms_norm(x, residual, weight, eps)
+        self._note("add_rms_norm", f"kernels_cuda.rms_norm fused add (bf16, N={x.shape[-1]})", True)
+        return self._kernel("rms_norm").add_rms_norm(
+            x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps)
+        )
+
+    # ---- dense (reference ops, sync-free on CUDA) ----------------------------------------------------------
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        self._note("linear", "reference", False)
+        return _ref("linear").linear(x, weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        self._note("silu_and_mul", "reference", False)
+        return _ref("linear").silu_and_mul(x)
+
+    def rope(self, x, positions, cos_sin_cache, interleaved):
+        self._note("rope", "reference", False)
+        return _ref("rope").rope(x, positions, cos_sin_cache, interleaved)
+
+    # ---- MLA -----------------------------------------------------------------------------------------------
+    def mla_prolog(
+        self,
+        hidden: torch.Tensor,
+        w: MLAWeights,
+        positions: torch.Tensor,
+        rope: RopeLike,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's arithmetic (backends/cpu/mla.py), with the norms on this kernel set and a cache write
+        that needs no host read: padding rows (negative slots) rewrite slot 0 (block 0, the reserved padding
+        block that no sequence owns) with its own current contents, so nothing visible changes."""
+        self._note("mla_prolog", "composed torch, sync-free cache write", True)
+        lin, apply_rope = _ref("linear").linear, _ref("rope").rope
+        num_tokens = hidden.shape[0]
+        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+        if w.q_proj is not None:
+            q = lin(hidden, w.q_proj)
+        else:
+            q = lin(self.rms_norm(lin(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
+        q = q.view(num_tokens, w.num_heads, nope + rdim)
+        q_nope, q_pe = q.split([nope, rdim], dim=-1)
+        q_latent = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)
+        q_rope = apply_rope(q_pe, positions, rope.cos_sin_cache, rope.interleaved)
+        kv = lin(hidden, w.kv_a_proj, w.kv_a_bias)
+        c_kv, k_pe = kv.split([lrank, rdim], dim=-1)
+        c_kv = self.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
+        k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
+        if num_tokens:
+            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+        return q_latent, q_rope
+
+    def _attn_reason(self, q_latent, q_rope, kv_cache, block_tables, max_q: int) -> str | None:
+        lrank, rdim = q_latent.shape[-1], q_rope.shape[-1]
+        if not q_latent.is_cuda:
+            return "tensor not on a CUDA device"
+        if q_latent.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or q_rope.dtype != torch.bfloat16:
+            return f"{q_latent.dtype}: kernels_cuda.mla_decode is bf16-only"
+        if lrank != KV_LORA or rdim != ROPE:
+            return f"kv_lora {lrank} + rope {rdim}: kernel built for the DeepSeek dims {KV_LORA} + {ROPE}"
+        if kv_cache.shape[1] != PAGE:
+            return f"block_size {kv_cache.shape[1]}: kernel reads pages of {PAGE}"
+        if block_tables.shape[0] == 0:
+            return "no requests"
+        if not 1 <= max_q <= MAX_Q:
+            return f"prefill (max query length {max_q} > {MAX_Q})"
+        if self._kernel("mla_decode") is None:
+            return self._kernel_error["mla_decode"]
+        return None
+
+    def mla_attention(
+        self,
+        q_latent,
+        q_rope,
+        kv_cache,
+        block_tables,
+        seqlens_q,
+        seqlens_k,
+        cu_seqlens_q,
+        softmax_scale,
+        max_seqlen_q: int | None = None,
+    ) -> torch.Tensor:
+        """``max_seqlen_q``: the host max query length (``AttentionMetadata.max_seqlen_q``); when not given,
+        the shape bound ``T - B + 1`` (every request has >= 1 query token)."""
+        num_tokens, num_reqs = q_latent.shape[0], block_tables.shape[0]
+        max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
+        why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, max_q)
+        if why is not None:
+            self._note("mla_attention", f"reference ({why})", False, syncs=q_latent.is_cuda)
+            return _ref("mla").mla_attention(
+                q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+            )
+        mod = self._kernel("mla_decode")
+        self._note(
+            "mla_attention",
+            f"kernels_cuda.mla_decode (bf16, H={q_latent.shape[1]}, q<= {mod.bucket_q(max_q)})",
+            True,
+        )
+        i32 = torch.int32
+        out, _lse = mod.mla_decode(
+            q_latent.contiguous(),
+            q_rope.contiguous(),
+            kv_cache,
+            block_tables.to(i32).contiguous(),
+            seqlens_q.to(i32),
+            seqlens_k.to(i32),
+            cu_seqlens_q.to(i32),
+            float(softmax_scale),
+            max_seqlen_q=max_q,
+            num_sms=self._sms(q_latent.device),
+        )
+        return out
+
+    def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        self._note("mla_epilogue", "reference", False)
+        return _ref("mla").mla_epilogue(out_latent, w)
+
+    # ---- MoE -----------------------------------------------------------------------------------------------
+    def moe_gating_topk(self, router_logits, bias, params: GatingParams):
+        self._note("moe_gating_topk", "reference", False)
+        return _ref("moe").moe_gating_topk(router_logits, bias, params)
+
+    def moe_dispatch(self, hidden, ids, num_experts: int):
+        """The reference's stable sort; expert counts by ``scatter_add_`` (CUDA ``bincount`` syncs)."""
+        self._note("moe_dispatch", "composed torch (stable argsort + scatter_add counts), sync-free", True)
+        num_tokens, top_k = ids.shape
+        flat_ids = ids.reshape(-1).long()
+        order = torch.argsort(flat_ids, stable=True)
+        sorted_hidden = hidden.index_select(0, order // top_k)
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+        counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+        return sorted_hidden, counts, DispatchState(order=order, num_tokens=num_tokens, top_k=top_k)
+
+    def _grouped_mm_reason(self, sorted_hidden, w13, w2) -> str | None:
+        if not sorted_hidden.is_cuda:
+            return "tensor not on a CUDA device"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._grouped_mm"
+        if self._grouped_mm_error is not None:
+            return self._grouped_mm_error
+        if sorted_hidden.dtype != torch.bfloat16 or w13.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+            return f"{sorted_hidden.dtype}: torch._grouped_mm path is bf16-only"
+        d, inter = w13.shape[2], w2.shape[2]
+        if d % 8 or inter % 8:  # 16-byte row alignment of A, B and the intermediate
+            return f"D={d}, I={inter}: grouped GEMM needs multiples of 8"
+        return None
+
+    def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
+        why = self._grouped_mm_reason(sorted_hidden, w13, w2)
+        if why is None and sorted_hidden.shape[0] > 0:
+            try:
+                offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+                h = torch._grouped_mm(sorted_hidden.contiguous(), w13.transpose(1, 2), offs=offs)
+                h = _ref("linear").silu_and_mul(h)
+                out = torch._grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)
+                self._note("grouped_mlp", "torch._grouped_mm (bf16 grouped GEMM, device offsets)", True)
+                return out
+            except Exception as e:  # noqa: BLE001 - disable for good, run the reference
+                self._grouped_mm_error = f"torch._grouped_mm failed: {type(e).__name__}: {str(e)[:160]}"
+                logger.warning("cuda backend: %s; grouped_mlp falls back to the reference", self._grouped_mm_error)
+                why = self._grouped_mm_error
+        self._note("grouped_mlp", f"reference ({why or 'empty'})", False, syncs=sorted_hidden.is_cuda)
+        return _ref("moe").grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+
+    def moe_combine(self, expert_out, state: DispatchState, weights):
+        """The reference's arithmetic with ``index_copy_`` for the un-permute."""
+        self._note("moe_combine", "composed torch (index_copy_ + weighted sum in fp32), sync-free", True)
+        unsorted = torch.empty_like(expert_out, dtype=torch.float32)
+        unsorted.index_copy_(0, state.order, expert_out.float())
+        per_token = unsorted.view(state.num_tokens, state.top_k, -1)
+        return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
+
+    # ---- sampling / speculative decoding -------------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
+        self._note("sample", "reference", False)
+        return _ref("sampling").sample(logits, sampling_tensors)
+
+    def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
+                    ban_mask=None):
+        self._note("spec_verify", "reference", False)
+        return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
+                                               ban_mask)
+
+    def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
+        self._note("zos_fixup", "reference", False)
+        return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+
+    # ---- reporting -----------------------------------------------------------------------------------------
+    PLANNED = {
+        "rms_norm": "kernels_cuda.rms_norm for bf16, width 512..7168 (x256); else the reference",
+        "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
+        "mla_prolog": "composed torch with a sync-free cache write",
+        "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
+        "else the reference (syncs)",
+        "moe_dispatch": "composed torch, sync-free",
+        "grouped_mlp": "torch._grouped_mm for bf16; else the reference (syncs)",
+        "moe_combine": "composed torch, sync-free",
+    }
+
+    def op_report(self) -> dict[str, str]:
+        """Per op: ``native (...)`` when every call so far took a native path, ``fallback (...)`` when every
+        call took the reference, ``native (...; fallback for ...)`` when both happened; before the first call,
+        the planned decision."""
+        report = {}
+        for op in self.OPS:
+            paths = self._paths.get(op)
+            if not paths:
+                if op in self.PLANNED:
+                    report[op] = f"pending ({self.PLANNED[op]})"
+                else:
+                    report[op] = f"fallback ({_STATIC_FALLBACK[op]})"
+                continue
+            native = [p for p, (n, _s) in paths.items() if n]
+            fallback = [p for p, (n, _s) in paths.items() if not n]
+            syncing = [p for p, (_n, s) in paths.items() if s]
+
+            def fb_text(items, op=op, syncing=syncing):
+                out = []
+                for p in items:
+                    if p == "reference":
+                        out.append(_STATIC_FALLBACK.get(op, "reference op on CUDA tensors"))
+                    else:
+                        out.append(p + ("; syncs: " + SYNCING_REFERENCE[op] if p in syncing
+                                        and op in SYNCING_REFERENCE else ""))
+                return "; ".join(out)
+
+            if native and fallback:
+                report[op] = f"native ({'; '.join(native)}; fallback for {fb_text(fallback)})"
+            elif native:
+                report[op] = f"native ({'; '.join(native)})"
+            else:
+                report[op] = f"fallback ({fb_text(fallback)})"
+        return report
+
+
+def write_kv_cache_sync_free(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``flat[slot] = latents`` for ``slot >= 0`` without a data-dependent shape: padding rows (negative
+    slots) are sent to slot 0 carrying slot 0's current value (block 0 is reserved: never a sequence's)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    valid = slot_mapping >= 0
+    idx = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    vals = torch.where(valid.unsqueeze(-1), latents.to(kv_cache.dtype), flat[0].unsqueeze(0))
+    flat.index_copy_(0, idx, vals)

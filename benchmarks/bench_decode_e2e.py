@@ -1,0 +1,345 @@
+"""End-to-end decode on the DeepSeek-V2-Lite shape: the engine vs Hugging Face transformers vs the roofline.
+
+Random bf16 weights (the engine's ``load_format="dummy"``; transformers' own init), prompt ``--prompt-len``,
+greedy, ``--gen`` decode tokens per request timed after the prefill, at each ``--batch``. Both sides are timed
+decode-only the same way: wall clock over the decode steps, device synchronised at both ends (the engine: steps
+after the first token; transformers: ``generate`` with 1 + N new tokens minus ``generate`` with 1).
+
+Roofline: bytes that must move per decode step / the device-to-device copy bandwidth measured in this run
+(bytes read + written). Bytes per step = attention weights of every layer + the dense MLP + router and shared
+experts + the routed experts expected to be hit at that batch (E * (1 - (1 - k/E)^B), uniform routing) + lm_head
++ the latent KV cache read (B * context * 576 values per layer at the mean context of the timed window), in the
+weights' dtype. Output, one JSON line per batch::
+
+    {"bench": "decode_e2e", "hardware": ..., "batch": B, "engine_tok_s": x, "hf_tok_s": y,
+     "roofline_tok_s": z, "frac_of_roofline": f, ...}
+
+GPU:  python benchmarks/bench_decode_e2e.py --backend cuda --out benchmarks/results/h200_decode_e2e.jsonl
+CPU rehearsal (tiny shapes):  python benchmarks/bench_decode_e2e.py --backend cpu --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax",
+    "moe_layer_freq": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+}
+# Same structure, tiny sizes: the CPU rehearsal of every code path (engine, transformers, roofline).
+TINY = dict(V2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)
+
+
+def hardware(device_type: str) -> str:
+    import torch
+
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu} ({os.cpu_count()} cores)"
+
+
+def sync(device_type: str) -> None:
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device_type: str) -> float:
+    """Bytes read + written per second of a large device-to-device copy (median of timed copies)."""
+    import torch
+
+    if device_type == "cuda":
+        n = 1 << 30  # 2 GiB of bf16
+        a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+        b = torch.empty_like(a)
+        for _ in range(5):
+            b.copy_(a)
+        times = []
+        for _ in range(30):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / 1e3)
+        t = sorted(times)[len(times) // 2]
+        del a, b
+        torch.cuda.empty_cache()
+        return 2 * n * 2 / t
+    a = torch.empty(1 << 26, dtype=torch.float32).normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / sorted(times)[3]
+
+
+def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2) -> dict:
+    """Bytes a decode step must move (see the module docstring), by part."""
+    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
+    e, k, mi = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    if cfg.get("q_lora_rank"):
+        q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
+    else:
+        q = h * (nope + rope) * d
+    attn = q + (lrank + rope) * d + h * (nope + v) * lrank + d * h * v
+    dense = 3 * d * cfg["intermediate_size"]
+    hit = e * (1.0 - (1.0 - k / e) ** batch)
+    moe = e * d + 3 * d * mi * cfg["n_shared_experts"] + hit * 3 * d * mi
+    weights = layers * attn + dense_layers * dense + (layers - dense_layers) * moe + cfg["vocab_size"] * d
+    kv = layers * batch * context * (lrank + rope)
+    return {"weights": weights * itemsize, "kv": kv * itemsize, "experts_hit": hit,
+            "total": (weights + kv) * itemsize}
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, salt: int = 0) -> list[list[int]]:
+    return [[(7 * i + 13 * b + 101 * salt) % (vocab - 3) + 3 for i in range(prompt_len)] for b in range(batch)]
+
+
+def precompile_engine_kernels(engine, batches, max_model_len: int) -> str:
+    """Compile the MLA decode configurations the timed steps will use, in parallel (nvcc in threads)."""
+    import math
+
+    backend = engine.backend
+    if backend.name != "cuda":
+        return "not cuda"
+    try:
+        from deepinfer_npu.kernels_cuda import mla_decode as md
+
+        if md.tilelang is None:
+            return "tilelang not importable"
+        scales = {float(m.softmax_scale) for m in engine.runner.model.modules() if hasattr(m, "softmax_scale")}
+        if len(scales) != 1:
+            return f"softmax scales {scales}"
+        scale = scales.pop()
+        width = math.ceil(max_model_len / 64)
+        sms = torch_sms()
+        cfgs = [(16, md.m_tiles_for(16, 1), md.default_num_splits(b, 16, 1, width, sms)) for b in batches]
+        t0 = time.time()
+        md.precompile(cfgs, softmax_scale=scale)
+        return f"{len(set(cfgs))} configs {sorted(set(cfgs))} in {time.time() - t0:.1f}s"
+    except Exception as e:  # noqa: BLE001 - the warm-up compiles them anyway
+        return f"precompile skipped: {type(e).__name__}: {e}"
+
+
+def torch_sms() -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
+    from deepinfer_npu import LLM, SamplingParams
+
+    max_model_len = 64 * -(-(args.prompt_len + args.gen + 8) // 64)
+    blocks = max(args.batch) * (max_model_len // 64) + 2
+    llm = LLM(model_dir, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
+              max_num_seqs=max(args.batch), num_kv_blocks=blocks,
+              max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len))  # one prefill step per batch
+    engine = llm.llm_engine
+    dev = engine.backend.device_type
+    log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
+        f"blocks={blocks}")
+    log("precompile: " + precompile_engine_kernels(engine, args.batch, max_model_len))
+    for batch in args.batch:
+        # warm-up: prefill + a few decode steps (compiles this batch's kernel configurations, cuBLAS plans)
+        for i, p in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=1)):
+            engine.add_request(f"w{batch}-{i}", {"prompt_token_ids": p},
+                               SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        params = SamplingParams(max_tokens=args.gen + 1, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"])):
+            engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": p}, params)
+        # Prefill until EVERY request has its first token (the whole batch fits one prefill step; counting
+        # generation_tokens alone would stop early when decode steps of the first admitted requests interleave
+        # with later prefill chunks - that flaw is in the first H200 run's batch 16 / 64 numbers).
+        started: set[str] = set()
+        prefill_steps = 0
+        while len(started) < batch:
+            for o in engine.step():
+                if o.outputs and len(o.outputs[0].token_ids) >= 1:
+                    started.add(o.request_id)
+            prefill_steps += 1
+        sync(dev)
+        engine.stats["generation_tokens"] = 0
+        steps = 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        sync(dev)
+        elapsed = time.perf_counter() - t0
+        tokens = engine.stats["generation_tokens"]
+        clean = tokens == batch * args.gen and steps <= args.gen + 1
+        out[batch] = {"engine_tok_s": tokens / elapsed, "engine_step_ms": 1e3 * elapsed / max(steps, 1),
+                      "engine_tokens": tokens, "engine_steps": steps, "prefill_steps": prefill_steps,
+                      "pure_decode_window": clean}
+        log(f"engine batch={batch}: {tokens} tokens in {elapsed:.3f}s ({tokens / elapsed:.1f} tok/s, "
+            f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean})")
+    out["op_report"] = engine.backend.op_report()
+    del llm, engine
+    gc.collect()
+    if dev == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    hf_cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                       "rope_scaling", "scoring_func", "moe_layer_freq")}
+    config = DeepseekV2Config(**hf_cfg)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = DeepseekV2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model = model.to(device=device, dtype=dtype).eval()
+    log(f"transformers model built ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
+    for batch in args.batch:
+        ids = torch.tensor(prompts_for(batch, args.prompt_len, cfg["vocab_size"]), device=device)
+        mask = torch.ones_like(ids)
+
+        def gen(n: int, model=model, ids=ids, mask=mask) -> float:
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                res = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     pad_token_id=0, use_cache=True)
+            sync(device)
+            assert res.shape[1] == args.prompt_len + n, res.shape
+            return time.perf_counter() - t0
+
+        gen(2)  # warm-up
+        t_short = gen(1)
+        t_long = gen(1 + args.gen)
+        decode = max(t_long - t_short, 1e-9)
+        out[batch] = {"hf_tok_s": batch * args.gen / decode, "hf_prefill_s": t_short}
+        log(f"transformers batch={batch}: decode {args.gen} steps in {decode:.3f}s "
+            f"({batch * args.gen / decode:.1f} tok/s; prefill+1 {t_short:.3f}s)")
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--gen", type=int, default=32, help="decode tokens per request timed after the prefill")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--no-engine", action="store_true", help="skip the engine")
+    p.add_argument("--out", default=None, help="append the JSON lines here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    cfg = TINY if args.tiny else V2_LITE
+    device = "cuda" if args.backend == "cuda" else "cpu"
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    hw = hardware(device)
+    bw = copy_bandwidth(device)
+    log(f"hardware: {hw}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+    tmp = tempfile.mkdtemp(prefix="bench_decode_e2e_")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    eng, hf = {}, {}
+    if not args.no_engine:
+        try:
+            run_engine(args, tmp, cfg, log, eng)
+        except Exception:  # noqa: BLE001 - report what was measured, then the error
+            log("engine failed:\n" + traceback.format_exc())
+        for batch in args.batch:
+            if batch in eng:
+                print(json.dumps({"bench": "decode_e2e_engine_partial", "batch": batch, **eng[batch]}), flush=True)
+    if not args.no_hf:
+        try:
+            run_hf(args, cfg, device, log, hf)
+        except Exception:  # noqa: BLE001
+            log("transformers failed:\n" + traceback.format_exc())
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    context = args.prompt_len + args.gen / 2.0
+    lines = []
+    for batch in args.batch:
+        by = bytes_per_step(cfg, batch, context, itemsize)
+        roof = batch / (by["total"] / bw)
+        e_tok = eng.get(batch, {}).get("engine_tok_s")
+        row = {
+            "bench": "decode_e2e", "hardware": hw, "batch": batch,
+            "engine_tok_s": round(e_tok, 2) if e_tok is not None else None,
+            "hf_tok_s": round(hf[batch]["hf_tok_s"], 2) if batch in hf else None,
+            "roofline_tok_s": round(roof, 1),
+            "frac_of_roofline": round(e_tok / roof, 4) if e_tok is not None else None,
+            "hf_frac_of_roofline": round(hf[batch]["hf_tok_s"] / roof, 4) if batch in hf else None,
+            "engine_step_ms": round(eng[batch]["engine_step_ms"], 3) if batch in eng else None,
+            "engine_steps": eng.get(batch, {}).get("engine_steps"),
+            "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
+            "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
+            "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
+            "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
+            "dtype": args.dtype, "prompt_len": args.prompt_len, "decode_tokens": args.gen,
+            "backend": args.backend, "torch": torch.__version__,
+            "timing": "wall clock over decode steps, device synchronised at both ends; eager (no CUDA graphs)",
+        }
+        lines.append(row)
+        print(json.dumps(row), flush=True)
+    if "op_report" in eng:
+        print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, **eng["op_report"]}),
+              flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            for row in lines:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

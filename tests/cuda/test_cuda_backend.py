@@ -1,0 +1,266 @@
+"""CUDA backend (backends/cuda): availability and import hygiene everywhere; op report, sync-guard arming, kernel
+selection and numerics against the CPU reference ops on a machine with a CUDA device (skipped elsewhere)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer_npu.hal import registry, sync_guard
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
+
+
+def _has_tilelang() -> bool:
+    from deepinfer_npu.backends.cuda.kernels import tilelang_importable
+
+    return tilelang_importable()
+
+
+needs_tilelang = pytest.mark.skipif(
+    not (HAS_CUDA and _has_tilelang()), reason="needs a CUDA device and tilelang==0.1.15"
+)
+
+
+def _attention_inputs(device, batch, heads, lrank, rdim, q_len, dtype, block=64, seed=0):
+    """Random paged problem (finite cache, shuffled blocks, block 0 unused) for the mla_attention contract."""
+    g = torch.Generator().manual_seed(seed)
+    sk = [int(v) for v in torch.randint(q_len, 300, (batch,), generator=g)]
+    nbs = [-(-k // block) for k in sk]
+    width = max(nbs) + 1
+    perm = torch.randperm(sum(nbs), generator=g) + 1
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    o = 0
+    for b, n in enumerate(nbs):
+        tables[b, :n] = perm[o : o + n].int()
+        o += n
+    cache = torch.randn(sum(nbs) + 1, block, lrank + rdim, generator=g).to(dtype)
+    t = batch * q_len
+    cu = torch.arange(0, t + 1, q_len, dtype=torch.int32)
+    return dict(
+        q_latent=torch.randn(t, heads, lrank, generator=g).to(dtype).to(device),
+        q_rope=torch.randn(t, heads, rdim, generator=g).to(dtype).to(device),
+        kv_cache=cache.to(device),
+        block_tables=tables.to(device),
+        seqlens_q=torch.full((batch,), q_len, dtype=torch.int32, device=device),
+        seqlens_k=torch.tensor(sk, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu.to(device),
+        softmax_scale=(lrank + rdim) ** -0.5,
+    )
+
+
+def toy_attention_inputs(device):
+    return _attention_inputs(device, 3, 4, 64, 32, 1, torch.float32)
+
+
+def real_attention_inputs(device, batch, heads, q_len):
+    return _attention_inputs(device, batch, heads, 512, 64, q_len, torch.bfloat16)
+
+
+# ---- everywhere ------------------------------------------------------------------------------------------------
+def test_import_touches_neither_tilelang_nor_cuda():
+    code = (
+        "import sys, torch\n"
+        "import deepinfer_npu\n"
+        "from deepinfer_npu.backends.cuda import backend, kernels, stream, graph\n"
+        "from deepinfer_npu.hal import registry\n"
+        "registry._load_class('cuda').unavailable_reason()\n"
+        "assert 'tilelang' not in sys.modules, 'tilelang imported'\n"
+        "assert not any(m.startswith('deepinfer_npu.kernels_cuda.') for m in sys.modules), 'kernels imported'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_registered_with_hal_attributes():
+    cls = registry._load_class("cuda")
+    assert (cls.name, cls.device_type, cls.dist_backend) == ("cuda", "cuda", "nccl")
+    assert "cuda" in registry.registered_backends()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
+def test_unavailable_here_with_a_readable_reason():
+    cls = registry._load_class("cuda")
+    assert cls.is_available() is False
+    reason = cls.unavailable_reason()
+    assert reason and ("CUDA" in reason or "cuda" in reason)
+    with pytest.raises(RuntimeError, match=r"backend 'cuda' is not available: .*(CUDA|cuda)"):
+        registry.get_backend("cuda")
+
+
+def test_kernel_set_report_before_any_call_and_on_cpu_tensors():
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    ks = CudaKernelSet()
+    rep = ks.op_report()
+    assert set(rep) == set(ks.OPS)
+    assert all(v.startswith(("pending (", "fallback (")) for v in rep.values()), rep
+    # On host tensors every decision is a fallback and nothing claims a sync (host reads are free there).
+    x = torch.randn(3, 512)
+    y = ks.rms_norm(x, torch.ones(512), 1e-6)
+    assert torch.equal(y, __import__("deepinfer_npu.backends.cpu.norm", fromlist=["x"]).rms_norm(
+        x, torch.ones(512), 1e-6))
+    assert ks.op_report()["rms_norm"].startswith("fallback (reference (tensor not on a CUDA device")
+    assert ks.syncing_ops() == {}
+
+
+def test_sync_free_rewrites_match_the_reference_on_cpu():
+    """moe_dispatch / moe_combine / the mla_prolog cache write: same results as the reference ops."""
+    from deepinfer_npu.backends.cpu import moe as ref_moe
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet, write_kv_cache_sync_free
+
+    g = torch.Generator().manual_seed(0)
+    ks = CudaKernelSet()
+    hidden = torch.randn(7, 16, generator=g)
+    ids = torch.randint(0, 5, (7, 3), generator=g, dtype=torch.int32)
+    a = ks.moe_dispatch(hidden, ids, 5)
+    b = ref_moe.moe_dispatch(hidden, ids, 5)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(a[2].order, b[2].order)
+    w = torch.rand(7, 3, generator=g)
+    assert torch.equal(ks.moe_combine(a[0] * 2, a[2], w), ref_moe.moe_combine(b[0] * 2, b[2], w))
+
+    cache = torch.randn(4, 8, 6, generator=g)
+    ref_cache = cache.clone()
+    lat = torch.randn(5, 6, generator=g)
+    slots = torch.tensor([9, -1, 17, -1, 31])
+    write_kv_cache_sync_free(cache, lat, slots)
+    flat = ref_cache.view(-1, 6)
+    flat[slots[slots >= 0]] = lat[slots >= 0]
+    assert torch.equal(cache, ref_cache)
+
+
+# ---- on a CUDA device ----------------------------------------------------------------------------------------
+@pytest.fixture
+def cuda_backend():
+    registry.clear_cache()
+    be = registry.get_backend("cuda")
+    yield be
+    registry.clear_cache()
+
+
+@needs_cuda
+def test_backend_hooks(cuda_backend):
+    be = cuda_backend
+    assert be.device == torch.device("cuda", 0)
+    free, total = be.memory_info()
+    assert 0 < free <= total
+    s, e0, e1 = be.create_stream(), be.create_event(True), be.create_event(True)
+    e0.record(s)
+    with torch.cuda.stream(s.stream):
+        torch.ones(1 << 20, device="cuda").sum()
+    e1.record(s)
+    s.synchronize()
+    assert e0.elapsed_time(e1) >= 0.0
+    assert be.graph_runner() is not None
+    with be.forbid_sync(), pytest.raises(sync_guard.SyncForbiddenError):
+        be.synchronize()
+
+
+@needs_cuda
+def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch):
+    be = cuda_backend
+    monkeypatch.delenv("DEEPINFER_CUDA_SYNC_DEBUG", raising=False)
+    assert torch.cuda.get_sync_debug_mode() == 0
+    with be.forbid_sync():  # nothing has run yet: unknown fallbacks -> warn
+        assert torch.cuda.get_sync_debug_mode() == 1 and be.last_sync_mode == "warn"
+    assert torch.cuda.get_sync_debug_mode() == 0
+    # a syncing fallback (the reference attention on toy dims) keeps it at warn, and says so
+    be.kernels.mla_attention(**toy_attention_inputs("cuda"))
+    assert "mla_attention" in be.kernels.syncing_ops()
+    assert be.op_report()["sync_debug"].startswith("warn (syncing fallbacks used: mla_attention")
+    with be.forbid_sync():
+        assert torch.cuda.get_sync_debug_mode() == 1
+    # a kernel set that has only taken sync-free paths arms error
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    be.kernels = CudaKernelSet()
+    be.kernels.linear(torch.randn(4, 8, device="cuda"), torch.randn(8, 8, device="cuda"))
+    with be.forbid_sync():
+        assert torch.cuda.get_sync_debug_mode() == 2 and be.last_sync_mode == "error"
+        with pytest.raises(RuntimeError):
+            torch.ones(3, device="cuda").sum().item()
+    assert torch.cuda.get_sync_debug_mode() == 0
+    monkeypatch.setenv("DEEPINFER_DISABLE_SYNC_GUARD", "1")
+    with be.forbid_sync():
+        assert torch.cuda.get_sync_debug_mode() == 0 and be.last_sync_mode == "off"
+
+
+@needs_cuda
+def test_worker_style_pageable_h2d_copy_is_a_sync_for_torch():
+    """Documents the engine change "error" mode needs: a blocking pageable H2D copy trips torch's checker."""
+    import numpy as np
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError):
+            torch.from_numpy(np.arange(8)).to("cuda")
+        pinned = torch.arange(8).pin_memory()
+        pinned.to("cuda", non_blocking=True)  # the sync-free way
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@needs_tilelang
+def test_real_dims_select_kernels_and_match_reference(cuda_backend):
+    from deepinfer_npu.backends.cpu import mla as ref_mla
+    from deepinfer_npu.backends.cpu import norm as ref_norm
+
+    ks = cuda_backend.kernels
+    inp = real_attention_inputs("cuda", batch=5, heads=16, q_len=1)
+    out = ks.mla_attention(**inp)
+    ref = ref_mla.mla_attention(**{k: (v.float() if k in ("q_latent", "q_rope", "kv_cache") else v)
+                                   for k, v in inp.items()})
+    cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
+    assert cos > 0.99999, cos
+    # verification shapes (q_len 3) with the host max passed explicitly
+    inp3 = real_attention_inputs("cuda", batch=3, heads=16, q_len=3)
+    out3 = ks.mla_attention(**inp3, max_seqlen_q=3)
+    ref3 = ref_mla.mla_attention(**{k: (v.float() if k in ("q_latent", "q_rope", "kv_cache") else v)
+                                    for k, v in inp3.items()})
+    assert torch.nn.functional.cosine_similarity(out3.float().flatten(), ref3.flatten(), dim=0).item() > 0.99999
+    x = torch.randn(9, 2048, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    wt = torch.rand(2048, device="cuda").to(torch.bfloat16) + 0.5
+    y, s = ks.add_rms_norm(x, r, wt, 1e-6)
+    ry, rs = ref_norm.add_rms_norm(x, r, wt, 1e-6)
+    assert torch.equal(s, rs) and (y.float() - ry.float()).abs().max().item() <= 0.02 * ry.abs().max().item()
+    rep = ks.op_report()
+    assert rep["mla_attention"].startswith("native (kernels_cuda.mla_decode"), rep["mla_attention"]
+    assert rep["add_rms_norm"].startswith("native (kernels_cuda.rms_norm"), rep["add_rms_norm"]
+    assert "mla_attention" not in ks.syncing_ops()
+
+
+@needs_cuda
+def test_toy_dims_fall_back_with_reasons(cuda_backend):
+    ks = cuda_backend.kernels
+    ks.mla_attention(**toy_attention_inputs("cuda"))
+    ks.rms_norm(torch.randn(3, 192, device="cuda"), torch.ones(192, device="cuda"), 1e-6)
+    rep = ks.op_report()
+    assert rep["mla_attention"].startswith("fallback (reference (")
+    assert "syncs" in rep["mla_attention"]
+    assert rep["rms_norm"].startswith("fallback (reference (torch.float32")
+
+
+@needs_cuda
+def test_grouped_mlp_bf16_matches_reference(cuda_backend):
+    from deepinfer_npu.backends.cpu import moe as ref_moe
+
+    ks = cuda_backend.kernels
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E, D, inter, T, k = 8, 256, 128, 37, 3
+    hidden = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E - 1, (T, k), device="cuda", generator=g).to(torch.int32)  # expert E-1 unused
+    w13 = (torch.randn(E, 2 * inter, D, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(E, D, inter, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    sh, counts, _ = ks.moe_dispatch(hidden, ids, E)
+    out = ks.grouped_mlp(sh, counts, w13, w2)
+    ref = ref_moe.grouped_mlp(sh.float(), counts, w13.float(), w2.float())
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, (rel, ks.op_report()["grouped_mlp"])
+    assert ks.op_report()["grouped_mlp"].startswith("native (torch._grouped_mm"), ks.op_report()["grouped_mlp"]
