@@ -35,9 +35,12 @@ def zos_fixup(
     if draft_probs is not None and caps is not None:
         b = seqlens_q.shape[0]
         k = draft_probs.shape[1]
-        num_slots = seqlens_q.sum() - b  # a device scalar: total_q is fixed, only its split moves
-        cum = torch.cumprod(draft_probs.index_select(0, slots).float(), dim=1)
-        allowed = torch.arange(k, device=cum.device)[None, :] < caps[:, None]
+        # Only optimistic rows are re-split, among themselves: their drafts total stays fixed (so does total_q),
+        # rows the CPU planned with exact knowledge keep its split.
+        num_slots = torch.where(optimistic, seqlens_q - 1, torch.zeros_like(seqlens_q)).sum()  # device scalar
+        cum = torch.cumprod(draft_probs.index_select(0, slots).float().clamp(0.0, 1.0), dim=1)
+        cum = torch.nan_to_num(cum, nan=0.0)
+        allowed = (torch.arange(k, device=cum.device)[None, :] < caps[:, None]) & optimistic[:, None]
         score = torch.where(allowed, cum, torch.full_like(cum, -1.0)).flatten()
         order = torch.argsort(score, descending=True, stable=True)
         rank = torch.empty_like(order)
@@ -45,7 +48,6 @@ def zos_fixup(
         chosen = (rank < num_slots) & (score >= 0)
         new_drafts = chosen.view(b, k).sum(dim=1)
         new_q = 1 + new_drafts
-        resplit = optimistic
-        seqlens_k = torch.where(resplit, seqlens_k - seqlens_q + new_q, seqlens_k)
-        seqlens_q = torch.where(resplit, new_q, seqlens_q)
+        seqlens_k = torch.where(optimistic, seqlens_k - seqlens_q + new_q, seqlens_k)
+        seqlens_q = torch.where(optimistic, new_q, seqlens_q)
     return seqlens_q.to(torch.int32), seqlens_k.to(torch.int32)

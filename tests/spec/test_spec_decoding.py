@@ -148,3 +148,13 @@ def test_seeded_sampling_with_speculation_is_reproducible():
     _, b = _run("mtp", True, False, params=params)
     _, c = _run("mtp", True, False, params=SamplingParams(max_tokens=24, temperature=0.8, seed=12))
     assert a == b and a != c
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m])
+def test_staggered_arrivals_with_zos_varlen(baseline, method):
+    # Prefill attempts every 2 decode steps and a small token budget: new sequences join a running batch, so
+    # decode steps mix rows planned optimistically (re-split on the device) with rows the CPU knew exactly.
+    llm, tokens = _run(method, True, True, prefill_attempt_interval=2, prefill_any_attempt_interval=3,
+                       max_num_batched_tokens=24)
+    assert tokens == baseline
+    assert llm.get_stats()["prefill_steps"] > 2
