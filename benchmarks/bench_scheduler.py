@@ -32,15 +32,6 @@ def hardware() -> str:
     return f"{model} x{os.cpu_count()} ({platform.system()})"
 
 
-def graph_sizes(limit: int, interval: int = 8) -> list[int]:
-    sizes, g = [], 1
-    while g < interval:
-        sizes.append(g)
-        g *= 2
-    sizes += list(range(interval, limit + 1, interval))
-    return sizes
-
-
 def run(n: int, nextn: int, varlen: bool, steps: int, warmup: int, prompt_len: int = 512) -> dict:
     block_size = 64
     max_len = prompt_len + (steps + warmup + 2) * (nextn + 1)  # every sequence keeps running to the end
@@ -67,6 +58,8 @@ def run(n: int, nextn: int, varlen: bool, steps: int, warmup: int, prompt_len: i
             out.seq_ids, out.is_last_chunk.astype(np.int32), np.ones(int(out.is_last_chunk.sum()), np.int32)
         )
     if varlen:
+        from deepinfer_npu.hal.graph_sizes import graph_sizes
+
         sizes = graph_sizes(cfg.max_num_batched_tokens)
         s.configure_varlen(sizes, [10.0 + 0.002 * g for g in sizes])
         s.set_runtime_estimates(0.0005, 0.5)

@@ -1,11 +1,11 @@
 """ZOS ``seqlens_q`` re-split by confidence (the second half of the HAL ``zos_fixup`` op; contract:
 backends/cpu/zos.py).
 
-The CPU fixed ``total_q`` (it picks the graph) from older confidences; on the device each row keeps its golden
-token and the ``total_q - B`` draft slots go to the highest cumulative acceptance probabilities
-``cum[i, j] = prod_{m <= j} p[slot_i, m]`` (only ``j < caps[i]``), ties to the lower flat index ``i*K + j``
-(the reference's stable descending sort); optimistic rows take ``1 + (their chosen count)`` queries and move
-``seqlens_k`` by the same amount.
+The CPU fixed ``total_q`` (it picks the graph) from older confidences; on the device only the optimistic rows
+are re-split, among themselves: each keeps its golden token and their draft slots (the sum of their planned
+drafts) go to the highest cumulative acceptance probabilities ``cum[i, j] = prod_{m <= j} p[slot_i, m]`` (only
+``j < caps[i]``), ties to the lower flat index ``i*K + j`` (the reference's stable descending sort); each takes
+``1 + (its chosen count)`` queries and moves ``seqlens_k`` by the same amount. Other rows keep the CPU's split.
 
 Two kernels, one block per row: ``scores`` writes the masked cumulative products (-1 = not allowed);
 ``select`` ranks each of its row's K scores against all B*K by counting (no sort: O(K*B*K) compares per row,
@@ -28,6 +28,7 @@ def build_scores(k: int):
         draft_probs: T.Tensor([S, k], "float32"),
         slots: T.Tensor([B], "int32"),
         caps: T.Tensor([B], "int32"),
+        optimistic: T.Tensor([B], "int32"),
         score: T.Tensor([B * k], "float32"),
     ):
         with T.Kernel(B) as bx:
@@ -35,7 +36,7 @@ def build_scores(k: int):
             c = T.float64(1.0)
             for j in T.serial(k):
                 c = c * T.cast(draft_probs[slots[bx], j], "float64")
-                if j < caps[bx]:
+                if j < caps[bx] and optimistic[bx] != 0:
                     score[bx * k + j] = T.cast(c, "float32")
                 else:
                     score[bx * k + j] = T.float32(-1.0)
@@ -61,7 +62,8 @@ def build_select(k: int):
             rank = T.alloc_var("int32")
             budget = 0
             for r in T.serial(B):
-                budget = budget + seqlens_q[r] - 1
+                if optimistic[r] != 0:
+                    budget = budget + seqlens_q[r] - 1
             chosen = 0
             for j in T.serial(k):
                 rank = 0
@@ -108,7 +110,7 @@ def check(seed: int = 0, k: int = 5) -> bool:
         probs[: s // 3] = 1.0  # exact ties: the tie rule must match too
         score = torch.empty(b * k, dtype=torch.float32)
         q_out, k_out = torch.empty(b, dtype=torch.int32), torch.empty(b, dtype=torch.int32)
-        scores_k(probs, slots, caps, score)
+        scores_k(probs, slots, caps, opt, score)
         select_k(score, sq, sk, opt, q_out, k_out)
         rq, rk = reference(sq, sk, opt, slots, probs, caps)
         ok &= torch.equal(q_out, rq) and torch.equal(k_out, rk)

@@ -13,29 +13,20 @@ every decode step currently runs eagerly (the first session's benchmark numbers 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from deepinfer_npu.hal.graph_sizes import graph_sizes as _shared_graph_sizes
+
 GRAPH_INTERVAL_ENV = "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"
 
 
 def graph_sizes(max_tokens: int, interval: int | None = None) -> list[int]:
-    """1, 2, 4, ... up to ``interval``, then every 8 up to ``max_tokens`` (DESIGN §6)."""
-    interval = interval or int(os.environ.get(GRAPH_INTERVAL_ENV, "16"))
-    sizes, s = [], 1
-    while s < min(interval, max_tokens):
-        sizes.append(s)
-        s *= 2
-    s = min(interval, max_tokens)
-    while s <= max_tokens:
-        sizes.append(s)
-        s += 8
-    if sizes[-1] != max_tokens:
-        sizes.append(max_tokens)
-    return sizes
+    """Graph sizes for this backend (shared rule: ``deepinfer_npu.hal.graph_sizes``; interval from
+    ``DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL``)."""
+    return _shared_graph_sizes(max_tokens, interval, env=GRAPH_INTERVAL_ENV)
 
 
 class CudaGraphRunner:

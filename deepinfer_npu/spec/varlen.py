@@ -27,23 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepinfer_npu.hal.graph_sizes import graph_sizes
+
 logger = logging.getLogger(__name__)
 
-GRAPH_SIZE_INTERVAL = int(os.environ.get("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "8"))
-
-
-def build_graph_sizes(max_tokens: int, interval: int = GRAPH_SIZE_INTERVAL) -> list[int]:
-    """1, 2, 4, ... up to ``interval``, then every ``interval`` up to ``max_tokens`` (always included)."""
-    sizes, s = [], 1
-    while s < interval and s < max_tokens:
-        sizes.append(s)
-        s *= 2
-    s = interval
-    while s < max_tokens:
-        sizes.append(s)
-        s += interval
-    sizes.append(max_tokens)
-    return sorted(set(sizes))
+def build_graph_sizes(max_tokens: int) -> list[int]:
+    """The backend-shared graph sizes (``deepinfer_npu.hal.graph_sizes``)."""
+    return graph_sizes(max_tokens)
 
 
 def trimmed_mean(samples: list[float]) -> float:

@@ -4,7 +4,6 @@ varlen re-split of optimistic rows' drafts by the freshest confidences with tota
 from __future__ import annotations
 
 import torch
-
 from deepinfer_npu.backends.cpu.zos import zos_fixup
 
 
