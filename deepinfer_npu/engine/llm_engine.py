@@ -18,6 +18,7 @@ import numpy as np
 from deepinfer_npu import _core
 from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
 from deepinfer_npu.engine.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from deepinfer_npu.engine.request import Request
 from deepinfer_npu.engine.sampling_params import SamplingParams
@@ -25,7 +26,6 @@ from deepinfer_npu.engine.stop_checker import StopChecker
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
-from deepinfer_npu.sampling import min_tokens_banned_ids
 from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -39,7 +39,6 @@ _SCHEDULER_FINISH_REASONS = {
     _core.SeqStatus.FINISHED_PREEMPTED: "preempted",
     _core.SeqStatus.FINISHED_ABORTED: "abort",
 }
-_DROPPED_PARAMS = SamplingParams(temperature=0.0)
 _FINISH_STATUS = {"stop": _core.SeqStatus.FINISHED_STOPPED, "length": _core.SeqStatus.FINISHED_LENGTH}
 
 
@@ -153,41 +152,7 @@ class LLMEngine:
         return sorted(ids)
 
     def _tokenize(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
-        text: str | None = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                text = prompt.get("prompt")
-            elif "prompt" in prompt:
-                text = prompt["prompt"]
-                ids = None
-            else:
-                raise ValueError(f"request {request_id!r}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, (bytes, bytearray)):
-            ids = prompt
-        else:
-            raise ValueError(f"request {request_id!r}: unsupported prompt type {type(prompt).__name__}")
-        if ids is None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"request {request_id!r}: model directory {self.config.model_dir} has no tokenizer.json; "
-                    "pass token ids as {'prompt_token_ids': [...]}"
-                )
-            if not text:
-                raise ValueError(f"request {request_id!r}: the prompt is empty")
-            ids = self.tokenizer.encode(text)
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")
-        for pos, tok in enumerate(ids):
-            if not 0 <= tok < self.vocab_size:
-                raise ValueError(
-                    f"request {request_id!r}: token id {tok} at position {pos} is out of the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
-        return text, ids
+        return tokenize_prompt(request_id, prompt, self.tokenizer, self.vocab_size, self.config.model_dir)
 
     def fork_request(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None = None) -> None:
         """Branch ``child_id`` off a running request: the child shares the parent's KV blocks and state slot
@@ -274,47 +239,7 @@ class LLMEngine:
         return outputs
 
     def _step_requests(self, plan: StepPlan) -> StepRequests:
-        """Per-row request data for the worker (params, seeds, bans, prompt lengths, next prompt tokens)."""
-        n = plan.num_seqs
-        params, seeds, ban_ids = [], [], []
-        prompt_lens = np.zeros(n, dtype=np.int64)
-        min_tokens = np.zeros(n, dtype=np.int64)
-        next_tokens = np.full(n, -1, dtype=np.int64)
-        caps = np.zeros(n, dtype=np.int64)
-        max_lp = None
-        k = self.config.nextn
-        for i, seq_id in enumerate(plan.seq_ids.tolist()):
-            req = self._by_seq.get(seq_id)
-            if req is None:  # finished or aborted while scheduled: its outputs are dropped
-                params.append(_DROPPED_PARAMS)
-                seeds.append(0)
-                ban_ids.append([])
-                continue
-            p = req.params
-            params.append(p)
-            seeds.append(req.seed)
-            prompt_lens[i] = len(req.prompt_token_ids)
-            min_tokens[i] = p.min_tokens
-            ban_ids.append(self._ban_ids_for(p) if p.min_tokens > 0 else [])
-            if p.logprobs is not None:
-                max_lp = p.logprobs if max_lp is None else max(max_lp, p.logprobs)
-            if plan.is_prefill and not plan.is_last_chunk[i]:
-                all_tokens = req.prompt_token_ids + req.output_token_ids
-                next_tokens[i] = all_tokens[int(plan.seqlens_k[i])]
-            if not plan.is_prefill and k:
-                # Most drafts the device may give this row when it re-splits (varlen under ZOS): all k when the
-                # row is far from max_model_len / max_tokens even if every in-flight draft was accepted (the
-                # scheduler then reserved k + 1 slots), otherwise the CPU's own choice, which fits its reservation.
-                k1 = k + 1
-                far = len(req.prompt_token_ids) + req.num_output_tokens + 2 * k1 <= self.max_model_len
-                if p.max_tokens is not None:
-                    far = far and req.num_output_tokens + 2 * k1 <= p.max_tokens
-                caps[i] = k if far else int(plan.seqlens_q[i]) - 1
-        return StepRequests(params=params, seeds=seeds, prompt_lens=prompt_lens, min_tokens=min_tokens,
-                            ban_ids=ban_ids, next_tokens=next_tokens, draft_caps=caps, max_num_logprobs=max_lp)
-
-    def _ban_ids_for(self, p: SamplingParams) -> list[int]:
-        return min_tokens_banned_ids(p, 0, self._eos_ids)
+        return build_step_requests(plan, self._by_seq, self.config.nextn, self.max_model_len, self._eos_ids)
 
     def _apply_results(self, results: list[StepResult]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
