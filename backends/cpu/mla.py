@@ -74,6 +74,7 @@ def mla_attention(
     seqlens_k: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     softmax_scale: float,
+    host=None,
 ) -> torch.Tensor:
     """Causal absorbed attention per request over its paged cache -> ``out_latent`` [T, H, L] (q's dtype).
 

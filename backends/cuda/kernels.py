@@ -235,11 +235,14 @@ class CudaKernelSet(KernelSet):
         seqlens_k,
         cu_seqlens_q,
         softmax_scale,
+        host=None,
         max_seqlen_q: int | None = None,
     ) -> torch.Tensor:
         """``max_seqlen_q``: the host max query length (``AttentionMetadata.max_seqlen_q``); when not given,
         the shape bound ``T - B + 1`` (every request has >= 1 query token)."""
         num_tokens, num_reqs = q_latent.shape[0], block_tables.shape[0]
+        if max_seqlen_q is None and host is not None:
+            max_seqlen_q = host.max_seqlen_q
         max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
         why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, max_q)
         if why is not None:

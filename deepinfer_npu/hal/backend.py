@@ -30,6 +30,9 @@ class Backend:
     device_type: ClassVar[str] = ""  # torch device type, e.g. "cpu", "cuda", "npu"
     dist_backend: ClassVar[str] = ""  # torch.distributed backend: "gloo", "nccl", "hccl"
     kernel_set_cls: ClassVar[type[KernelSet]] = KernelSet
+    #: Whether varlen may re-split a ZOS step's query lengths on the device (the N-1 rule). A backend whose
+    #: attention API needs exact host query lengths (Ascend's fused attention) sets False: the CPU split stands.
+    supports_device_resplit: ClassVar[bool] = True
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index

@@ -110,8 +110,12 @@ class KernelSet:
         seqlens_k: torch.Tensor,
         cu_seqlens_q: torch.Tensor,
         softmax_scale: float,
+        host=None,
     ) -> torch.Tensor:
         """Absorbed MLA over the paged latent cache -> ``out_latent`` [T, H, L].
+
+        ``host`` (``HostLengths`` or None): host copies of the lengths for kernels whose API takes host ints;
+        under ZOS its ``seqlens_k`` are upper bounds (``seqlens_k_exact`` False) and the tensors are the truth.
 
         ``q_latent`` [T, H, L], ``q_rope`` [T, H, R]; keys are the cache rows [L+R] (the first L are also the
         values). ``block_tables`` [B, nb] int32, ``seqlens_q``/``seqlens_k`` [B], ``cu_seqlens_q`` [B+1]

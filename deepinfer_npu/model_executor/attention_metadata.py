@@ -11,6 +11,24 @@ import torch
 IntArray = Sequence[int] | np.ndarray | torch.Tensor
 
 
+@dataclass(frozen=True)
+class HostLengths:
+    """Host copies of a step's lengths, for kernels whose API takes host ints (Ascend's fused attention takes
+    ``actual_seq_lengths(_kv)`` lists; CUDA kernels pick a compiled variant by the max query length).
+
+    ``seqlens_q`` is exact. ``seqlens_k`` is exact when ``seqlens_k_exact``; under zero-overhead scheduling it is
+    the CPU's optimistic value and the exact lengths exist only on the device (``AttentionMetadata``). It is an
+    upper bound on backends that do not re-split query lengths on the device (``supports_device_resplit``
+    False); after a device re-split a row may have accepted more drafts than the CPU planned.
+    """
+
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    seqlens_k_exact: bool
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention inputs (device tensors except the host ints).
@@ -30,6 +48,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     is_prefill: bool
+    host: HostLengths | None = None  # None when the query lengths were re-split on the device
 
     @property
     def num_tokens(self) -> int:
@@ -86,4 +105,6 @@ def build_attention_metadata(
         max_seqlen_q=int(q.max()) if len(q) else 0,
         max_seqlen_k=int(k.max()) if len(k) else 0,
         is_prefill=bool(q.max() > 1) if is_prefill is None and len(q) else bool(is_prefill),
+        host=HostLengths(tuple(int(x) for x in q), tuple(int(x) for x in k), True,
+                         int(q.max()) if len(q) else 0, int(k.max()) if len(k) else 0),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention_metadata import AttentionMetadata
+from .attention_metadata import AttentionMetadata, HostLengths
 
 
 def build_device_metadata(
@@ -21,6 +21,7 @@ def build_device_metadata(
     max_seqlen_q: int,
     max_seqlen_k: int,
     is_prefill: bool,
+    host: HostLengths | None = None,
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """-> ``(attn, row_of_token [T], j_of_token [T])``. Positions past a row's block table (draft chains that run
     ahead of the reservation) map to block 0, the padding block, which no sequence reads as its own."""
@@ -47,6 +48,7 @@ def build_device_metadata(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         is_prefill=is_prefill,
+        host=host,
     )
     return attn, row, j
 

@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from deepinfer_npu.model_executor.attention_metadata import HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
@@ -101,23 +102,26 @@ class Worker:
         max_q, max_k = int(plan.seqlens_q.max()), int(plan.seqlens_k.max())
         host_ids = plan.input_ids.astype(np.int64)
         draft_next = None
+        host = HostLengths(tuple(plan.seqlens_q.tolist()), tuple(plan.seqlens_k.tolist()), True, max_q, max_k)
         if plan.is_prefill:
             attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
-                                                 max_q, max_k, True)
+                                                 max_q, max_k, True, host)
             ids = self._dev(host_ids)
         else:
             first_host = host_ids[plan.row_starts]
             optimistic_host = first_host < 0
-            resplit = self.varlen and bool(optimistic_host.any())
+            resplit = self.varlen and bool(optimistic_host.any()) and self.backend.supports_device_resplit
             sq, sk = self.kernels.zos_fixup(
                 sq, sk, self._dev(optimistic_host, torch.bool), slots, self.slots.correction,
                 self.slots.draft_probs if resplit else None,
                 self._dev(reqs.draft_caps) if resplit else None,
             )
-            if resplit:  # a row may now verify up to k drafts (within its reservation)
-                max_q, max_k = self.k + 1, max_k + self.k
+            if resplit:  # a row may now verify up to k drafts (within its reservation); host q lengths unknown
+                max_q, max_k, host = self.k + 1, max_k + self.k, None
+            elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds
+                host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k)
             attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
-                                                 max_q, max_k, False)
+                                                 max_q, max_k, False, host)
             slot_tok = slots.index_select(0, row)
             first = self._dev(first_host).index_select(0, row)
             first = torch.where(first >= 0, first, self.slots.last_token.index_select(0, slot_tok))

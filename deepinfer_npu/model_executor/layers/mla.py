@@ -96,6 +96,7 @@ class MLAAttention(nn.Module):
             attn.seqlens_k,
             attn.cu_seqlens_q,
             self.softmax_scale,
+            host=attn.host,
         )
         return k.mla_epilogue(out_latent, w)
 
