@@ -190,7 +190,11 @@ void Scheduler::add_seq(int64_t seq_id, const int32_t* prompt, int64_t prompt_le
   finished_status_.erase(seq_id);
 }
 
-void Scheduler::fork_seq(int64_t parent_id, int64_t child_id) {
+void Scheduler::fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_tokens) {
+  if (max_new_tokens == 0 || max_new_tokens < -1 || max_new_tokens > INT32_MAX / 2) {
+    throw std::invalid_argument("fork_seq: max_new_tokens must be >= 1, or -1 for the parent's (got " +
+                                std::to_string(max_new_tokens) + ")");
+  }
   std::lock_guard<std::mutex> lock(mu_);
   Sequence* p = find_live(parent_id);
   if (!p) throw std::invalid_argument("fork_seq: parent " + id_str(parent_id) + " is unknown or finished");
@@ -204,7 +208,8 @@ void Scheduler::fork_seq(int64_t parent_id, int64_t child_id) {
   c->seq_id = child_id;
   c->tokens = p->tokens;
   c->num_prompt_tokens = p->num_prompt_tokens;
-  c->max_new_tokens = p->max_new_tokens;
+  // The child's own generation limit (counted from the same prompt); -1 keeps the parent's.
+  c->max_new_tokens = max_new_tokens == -1 ? p->max_new_tokens : max_new_tokens;
   c->num_computed_tokens = p->num_computed_tokens;
   const int32_t bs = cfg_.block_size;
   const size_t shared = static_cast<size_t>((c->num_computed_tokens + bs - 1) / bs);

@@ -119,6 +119,7 @@ class LLMEngine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(request_id, params)
         text, ids = self._tokenize(request_id, prompt)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
         req = Request(request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=ids,
@@ -135,11 +136,26 @@ class LLMEngine:
             )
         req.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(ids))
         self._next_seq_id += 1
-        # max_tokens=None: limited by max_model_len only (a prompt too long for it is ignored by the scheduler).
-        max_new = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(ids))
-        self.scheduler.add_seq(req.seq_id, ids, max_new)
+        self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
         self._requests[request_id] = req
         self._by_seq[req.seq_id] = req
+
+    def _max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+        # max_tokens=None: limited by max_model_len only (a prompt too long for it is ignored by the scheduler).
+        return params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - prompt_len)
+
+    def _check_params(self, request_id: str, params: SamplingParams) -> None:
+        """Checks that need the model (SamplingParams validated the rest at construction)."""
+        if params.n != 1:
+            raise ValueError(
+                f"request {request_id!r}: n={params.n} is not supported yet (one completion per request); "
+                "use LLMEngine.fork_request to branch a running request"
+            )
+        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
+            )
 
     @functools.cached_property
     def _eos_ids(self) -> list[int]:
@@ -149,7 +165,7 @@ class LLMEngine:
         eos = self.model_config.eos_token_id
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
-        return sorted(ids)
+        return sorted(i for i in ids if 0 <= i < self.vocab_size)
 
     def _tokenize(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(request_id, prompt, self.tokenizer, self.vocab_size, self.config.model_dir)
@@ -172,6 +188,7 @@ class LLMEngine:
         if status not in (_core.SeqStatus.PROMPTED, _core.SeqStatus.RUNNING):
             raise ValueError(f"fork_request: parent {parent_id!r} has not finished its prefill (status {status})")
         params = sampling_params if sampling_params is not None else parent.params
+        self._check_params(child_id, params)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
         child = Request(request_id=child_id, seq_id=self._next_seq_id, prompt=parent.prompt,
                         prompt_token_ids=list(parent.prompt_token_ids), params=params, seed=seed)
@@ -181,13 +198,17 @@ class LLMEngine:
         if params.logprobs is not None:
             child.logprobs, child.cumulative_logprob = [], 0.0
         child.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(child.prompt_token_ids))
-        self.scheduler.fork_seq(parent.seq_id, child.seq_id)
+        child_max = self._max_new_tokens(params, len(child.prompt_token_ids))
+        self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max)
         self._next_seq_id += 1
         self._requests[child_id] = child
         self._by_seq[child.seq_id] = child
         if parent.output_token_ids:
             # Inherited tokens go through the child's stop checks (a smaller max_tokens may end it at once).
-            self._append_tokens(child, list(parent.output_token_ids), None)
+            inherited = None
+            if child.logprobs is not None and parent.logprobs is not None:
+                inherited = parent.logprobs_raw[: len(parent.output_token_ids)]
+            self._append_tokens(child, list(parent.output_token_ids), inherited)
             self.stats["generation_tokens"] -= len(child.output_token_ids)
             if child.finished:
                 self._pending_outputs.append(self._make_output(child))
@@ -195,7 +216,10 @@ class LLMEngine:
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests in any state; their final output (``finish_reason="abort"``) is
         returned by the next ``step()``. Unknown ids are ignored, as in vLLM."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if isinstance(request_id, (str, bytes)) or not isinstance(request_id, Iterable):
+            ids = [request_id]
+        else:
+            ids = list(request_id)
         for rid in ids:
             req = self._requests.get(str(rid))
             if req is None or req.finished:
@@ -289,6 +313,7 @@ class LLMEngine:
         if req.logprobs is not None and logprobs:
             for tok, entry in zip(tokens[:kept], logprobs[:kept]):
                 req.logprobs.append(self._logprob_dict(tok, entry))
+                req.logprobs_raw.append(entry)
                 req.cumulative_logprob += entry[0]
         if reason is not None:
             req.stop_reason = stop_reason
@@ -319,6 +344,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, message: str | None = None, notify_scheduler: bool = True):
         req.finished = True
         req.finish_reason = reason
+        if self.varlen is not None:
+            self.varlen.calibrator.forget(req.seq_id)
         req.finish_message = message
         req.finished_time = time.monotonic()
         if notify_scheduler and reason in _FINISH_STATUS:

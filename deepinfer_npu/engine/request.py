@@ -21,6 +21,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     logprobs: list | None = None
+    logprobs_raw: list = field(default_factory=list)  # sampler entries behind ``logprobs`` (fork inherits them)
     cumulative_logprob: float | None = None
     num_inflight_tokens: int = 0  # tokens of a launched step not yet post-processed (ZOS)
     finished: bool = False

@@ -181,7 +181,7 @@ class VarlenController:
                                           np.asarray(self.curve, dtype=np.float64))
         self.forward_est = ForwardRuntimeEstimator()
         self.sampler_est = SamplerRuntimeEstimator()
-        self.chosen_total_q: list[int] = []  # total_q of every decode step (what varlen picked), for reports
+        self.chosen_total_q: deque[int] = deque(maxlen=100_000)  # recent decode steps' total_q, for reports
         self.calibrator = ConfidenceCalibrator(k)
 
     def _key(self, runner, k: int) -> str:

@@ -117,7 +117,8 @@ class Worker:
                 self._dev(reqs.draft_caps) if resplit else None,
             )
             if resplit:  # a row may now verify up to k drafts (within its reservation); host q lengths unknown
-                max_q, max_k, host = self.k + 1, max_k + self.k, None
+                # The previous step may have been re-split to more drafts than planned: +k there, +k here.
+                max_q, max_k, host = self.k + 1, max_k + 2 * self.k, None
             elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds
                 host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k)
             attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
@@ -162,10 +163,11 @@ class Worker:
         ids = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
         for r, i in enumerate(rows):
             ids[r, : len(reqs.ban_ids[i])] = reqs.ban_ids[i]
+        vocab = self.runner.model_config.vocab_size
+        ids[(ids < 0) | (ids >= vocab)] = -1  # ids outside the vocabulary cannot be sampled anyway
         ban = self._dev(ids).index_select(0, rows_of_token)
         active = offsets < self._dev(reqs.min_tokens[rows]).index_select(0, rows_of_token)
         valid = (ban >= 0) & active[:, None]
-        vocab = self.runner.model_config.vocab_size
         mask = torch.zeros(ban.shape[0], vocab, dtype=torch.bool, device=self.device)
         return mask.scatter_(1, ban.clamp(min=0), valid)
 
