@@ -85,7 +85,7 @@ def main() -> None:
             "bench": "spec_acceptance", "method": method, "k": args.k, "prompts": 16, "heldout": True,
             "mean_accepted_length": round(s["mean_accepted_length"], 4),
             "per_position_acceptance": [round(x, 4) if x is not None else None for x in s["per_position_acceptance"]],
-            "tokens_per_verify_step": round(s["spec_emitted_tokens"] / max(s["spec_verify_steps"], 1), 3),
+            "emitted_tokens_per_step_all_requests": round(s["spec_emitted_tokens"] / max(s["spec_verify_steps"], 1), 3),
             "hardware": hw,
         }), flush=True)
 
