@@ -185,3 +185,223 @@ def test_backend_hooks_under_emulation():
             runner.replay(4, {"x": torch.tensor([1.0, 2.0])}), torch.tensor([3.0, 5.0, 1.0, 1.0])
         )
         assert out.data_ptr() == runner.static_out[4].data_ptr() and runner.pick(3) == 4
+
+
+# ---- ZOS: optimistic host key lengths, masked on the device (no host reads in the launch path) --------------
+class _AscendHostReads:
+    """Records host reads of tensor values (``item``/``tolist``/``bool``/boolean indexing, ...) made inside
+    ``forbid_sync()`` by code in backends/ascend/ itself. Reads inside the emulated torch_npu ops (they stand
+    for device kernels) and in the CPU reference ops (fallbacks; the engine-level detector covers the rest)
+    are not the Ascend backend's launch path and are not counted."""
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+
+        from deepinfer_npu.hal import sync_guard
+
+        reads = self.reads = []
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if sync_guard.sync_forbidden() and sync_guard._is_sync_call(func, args, kwargs):
+                    frame = sys._getframe(1)
+                    while frame is not None and (
+                        "/torch/" in frame.f_code.co_filename or frame.f_code.co_filename.endswith("sync_guard.py")
+                    ):
+                        frame = frame.f_back
+                    if frame is not None and "/backends/ascend/" in frame.f_code.co_filename:
+                        reads.append((getattr(func, "__name__", str(func)), frame.f_code.co_filename, frame.f_lineno))
+                return func(*args, **kwargs)
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+def _paged_case(q_lens, k_true, shortfall, block_size=16, lrank=16, rdim=8, heads=4, seed=0):
+    """Random split-layout cache whose keys past each request's true length are garbage (huge values)."""
+    from deepinfer_npu.backends.ascend import kv_layout
+
+    g = torch.Generator().manual_seed(seed)
+    k_host = [k + d for k, d in zip(k_true, shortfall)]
+    nb_req = [-(-k // block_size) for k in k_host]
+    num_blocks = 1 + sum(nb_req)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(q_lens), max(nb_req), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(nb_req):
+        tables[b, :n] = torch.tensor(perm[at : at + n], dtype=torch.int32)
+        at += n
+    hal = torch.randn(num_blocks, block_size, lrank + rdim, generator=g)
+    for b, (k, kk) in enumerate(zip(k_true, k_host)):  # rejected-draft garbage between true and host length
+        for pos in range(k, kk):
+            hal[tables[b, pos // block_size], pos % block_size] = 50.0
+    t = sum(q_lens)
+    q = torch.randn(t, heads, lrank, generator=g)
+    qr = torch.randn(t, heads, rdim, generator=g)
+    sq = torch.tensor(q_lens, dtype=torch.int32)
+    sk = torch.tensor(k_true, dtype=torch.int32)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(sq, 0)
+    return dict(q=q, qr=qr, hal=hal, split=kv_layout.from_hal_layout(hal, lrank, rdim), tables=tables, sq=sq,
+                sk=sk, cu=cu, k_host=k_host)
+
+
+@pytest.mark.parametrize(
+    "q_lens,k_true,shortfall,bound",
+    [
+        ([3, 1, 5], [20, 9, 33], [2, 0, 4], None),  # window padding (no bound)
+        ([5, 1, 13], [40, 17, 60], [4, 3, 1], 4),  # bound 4: 12-query pieces, the 13-query request splits
+        ([1, 1], [5, 30], [3, 0], None),  # one-query rows: padded, so sparse_mode=3 with the mask
+        ([2, 16], [18, 40], [0, 0], None),  # optimistic flag, but nothing rejected; a full 16-query request
+    ],
+)
+def test_fia_hides_rejected_draft_keys_from_device_lengths(q_lens, k_true, shortfall, bound):
+    from deepinfer_npu.backends.ascend import ops_mla
+    from deepinfer_npu.backends.cpu import mla as ref
+
+    from deepinfer_npu.model_executor.attention_metadata import HostLengths
+
+    c = _paged_case(q_lens, k_true, shortfall)
+    want = ref.mla_attention(c["q"], c["qr"], c["hal"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3)
+    host = HostLengths(tuple(q_lens), tuple(c["k_host"]), False, max(q_lens), max(c["k_host"]))
+    with emulated_npu():
+        ops_mla.reset_stats()
+        got = ops_mla.mla_attention_fia(c["q"], c["qr"], c["split"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3,
+                                        16, host=host, shortfall_bound=bound)
+        stats, dev = dict(ops_mla.STATS), ops_mla.device_stats()
+        assert CALLS["npu_fused_infer_attention_score"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert stats == {"fia_inexact": 1}
+    assert dev == {"rows_with_kv_shortfall": sum(d > 0 for d in shortfall), "shortfall_beyond_padding": 0}
+    if any(shortfall):  # negative control: taking the host lengths as exact attends the garbage
+        exact = HostLengths(tuple(q_lens), tuple(c["k_host"]), True, max(q_lens), max(c["k_host"]))
+        with emulated_npu():
+            bad = ops_mla.mla_attention_fia(c["q"], c["qr"], c["split"], c["tables"], c["sq"], c["sk"], c["cu"],
+                                            0.3, 16, host=exact)
+        assert not torch.allclose(bad, want, rtol=1e-2, atol=1e-2)
+
+
+def test_fia_counts_a_shortfall_beyond_its_padding():
+    from deepinfer_npu.backends.ascend import ops_mla
+
+    from deepinfer_npu.model_executor.attention_metadata import HostLengths
+
+    c = _paged_case([3], [20], [3])
+    host = HostLengths((3,), tuple(c["k_host"]), False, 3, c["k_host"][0])
+    with emulated_npu():
+        ops_mla.reset_stats()
+        ops_mla.mla_attention_fia(c["q"], c["qr"], c["split"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3, 16,
+                                  host=host, shortfall_bound=2)
+        assert ops_mla.device_stats()["shortfall_beyond_padding"] == 3
+
+
+def test_no_host_lengths_in_the_launch_path_takes_the_sync_free_dense_path():
+    from deepinfer_npu.backends.ascend import ops_mla
+    from deepinfer_npu.backends.cpu import mla as ref
+
+    from deepinfer_npu.hal.sync_guard import forbid_sync
+
+    c = _paged_case([1, 1, 2], [7, 30, 12], [0, 0, 0])
+    want = ref.mla_attention(c["q"], c["qr"], c["hal"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3)
+    with emulated_npu():
+        ops_mla.reset_stats()
+        with forbid_sync(), _AscendHostReads() as reads:
+            got = ops_mla.mla_attention_fia(c["q"], c["qr"], c["split"], c["tables"], c["sq"], c["sk"], c["cu"],
+                                            0.3, 16, host=None)
+        outside = ops_mla.mla_attention_fia(c["q"], c["qr"], c["split"], c["tables"], c["sq"], c["sk"], c["cu"],
+                                            0.3, 16, host=None)
+        stats = dict(ops_mla.STATS)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outside, want, rtol=1e-4, atol=1e-4)
+    assert reads.reads == []
+    assert stats == {"dense_no_host": 1, "host_reads": 2, "fia_exact": 1}  # the read fallback only outside
+
+
+def _run_engine(model_dir, backend, dtype, spec, prompts, max_tokens, fork_after_first=False):
+    """Greedy, ZOS on, varlen on, k=4; optionally fork request 0 right after its first token."""
+    llm = LLM(str(model_dir), backend=backend, dtype=dtype, block_size=16, num_kv_blocks=128,
+              zero_overhead_scheduling=True, varlen_verification=True, speculative_method=spec,
+              num_speculative_tokens=4, max_num_seqs=4)  # few graph sizes: a short varlen profile
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    final, forked = {}, not fork_after_first
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if not forked and out.request_id == "0" and out.outputs[0].token_ids:
+                engine.fork_request("0", "0-fork")
+                forked = True
+            if out.finished:
+                o = out.outputs[0]
+                top = [[t for t, lp in sorted(d.items(), key=lambda kv: kv[1].rank) if 1 <= lp.rank <= 5]
+                       for d in o.logprobs]
+                final[out.request_id] = (list(o.token_ids), top)
+    assert forked
+    engine.scheduler.check_invariants()
+    return engine, final
+
+
+ZOS_PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("spec", ["mtp", "dflash"])
+def test_reference_model_zos_spec_varlen_fork_equal_cpu_without_host_reads(reference_model, spec, dtype):
+    """ZOS + speculative decoding (k=4) + varlen + a fork right after the parent's first token, through the
+    emulated Ascend backend: tokens equal the CPU backend's (fp32: identical; bf16: identical here too, else the
+    logprobs-close rule), FIA ran with optimistic (inexact) host key lengths and really hid rejected-draft
+    keys, and the Ascend launch path read nothing from the device."""
+    from deepinfer_npu.backends.ascend import ops_mla
+
+    from deepinfer_npu.parity import rules
+
+    _, cpu = _run_engine(reference_model, "cpu", dtype, spec, ZOS_PROMPTS, 20, fork_after_first=True)
+    with emulated_npu():
+        ops_mla.reset_stats()
+        with _AscendHostReads() as reads:
+            engine, asc = _run_engine(reference_model, "ascend", dtype, spec, ZOS_PROMPTS, 20,
+                                      fork_after_first=True)
+        stats, dev = dict(ops_mla.STATS), ops_mla.device_stats()
+        fia_calls = CALLS["npu_fused_infer_attention_score"]
+        report = engine.backend.op_report()
+    assert set(asc) == set(cpu) == {"0", "1", "2", "0-fork"}
+    for rid in cpu:
+        verdict = rules.compare_trace(dtype, {"tokens": asc[rid][0], "top": asc[rid][1]},
+                                      {"tokens": cpu[rid][0], "top": cpu[rid][1]})
+        assert verdict.ok, (rid, verdict.message)
+        if dtype == "float32":
+            assert asc[rid][0] == cpu[rid][0]
+    assert asc["0-fork"][0] == asc["0"][0]  # greedy: the fork continues exactly like its parent
+    assert engine.backend.supports_device_resplit is False and engine.stats["varlen_resplit_rows"] == 0
+    assert report["mla_attention"].startswith("native (torch_npu.npu_fused_infer_attention_score")
+    assert report["copy_kv_blocks"].startswith("native (")
+    assert fia_calls > 0 and stats.get("fia_inexact", 0) > 0, stats
+    assert dev["rows_with_kv_shortfall"] > 0 and dev["shortfall_beyond_padding"] == 0, dev
+    assert stats.get("host_reads_in_launch_path", 0) == 0 and reads.reads == [], reads.reads
+    # Only the MTP chain (spec/mtp_drafter.py builds its metadata on the device, host=None) takes the
+    # sync-free dense path; the main model always passes host lengths.
+    assert (stats.get("dense_no_host", 0) > 0) == (spec == "mtp"), stats
+
+
+def test_fork_copies_blocks_in_the_split_layout(reference_model, monkeypatch):
+    """The fork's copy-on-write goes through the Ascend kernel set's copy_kv_blocks (split layout)."""
+    from deepinfer_npu.backends.ascend import kernels as ascend_kernels
+
+    copied = []
+    original = ascend_kernels.AscendKernelSet.copy_kv_blocks
+
+    def spy(self, caches, src, dst):
+        copied.append((len(caches), int(src.numel()), sum(c in self._split_caches for c in caches)))
+        return original(self, caches, src, dst)
+
+    monkeypatch.setattr(ascend_kernels.AscendKernelSet, "copy_kv_blocks", spy)
+    with emulated_npu():
+        _run_engine(reference_model, "ascend", "bfloat16", None, ZOS_PROMPTS[:1], 6, fork_after_first=True)
+    nonempty = [c for c in copied if c[1] > 0]
+    assert nonempty and all(n_split == n_caches for n_caches, _, n_split in nonempty), copied

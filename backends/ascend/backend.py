@@ -25,6 +25,12 @@ class AscendBackend(Backend):
     device_type = "npu"
     dist_backend = "hccl"
     kernel_set_cls = AscendKernelSet
+    #: No varlen re-split of a ZOS step's query lengths on the device: npu_fused_infer_attention_score's TND
+    #: layout takes the per-request query lengths as a host list (``actual_seq_lengths``, cumulative ends) that
+    #: also fixes where each request's rows start, so the CPU's split must stand and ``HostLengths.seqlens_q``
+    #: stays exact. (Key lengths may still be optimistic; ops_mla.mla_attention_fia masks the excess on the
+    #: device.)
+    supports_device_resplit = False
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)

@@ -11,10 +11,11 @@ into
 the captured task. Those must be re-issued with ``torch.npu.graph_task_update_begin/end`` on a side stream
 before replay (vllm_ascend/compilation/acl_graph.py: ``update_attn_params``; Ascend/pytorch docs
 pytorch_npugraph_desc.md). :meth:`NpuGraphRunner.patch_host_params` is that hook: unavoidable host patching,
-said so. It also means corrected seqlens_k must be known on the host at patch time, which fights CPU-ahead
-scheduling (mission anchors: vllm-ascend syncs the stream before replay); torchair's tiling-sink mode takes
-them
-as device tensors instead — the route to drop the patch (docs/ascend.md).
+said so. Under ZOS the lists patched in are the CPU's own (exact query lengths, optimistic key lengths): the
+true key lengths stay on the device and ops_mla.mla_attention_fia hides the excess keys by a device-side
+query shift, so patching needs no device read (vllm-ascend instead syncs the stream before replay). What a graph
+must still fix is the padded row count of that shift (host-planned per step); torchair's tiling-sink mode takes
+the lengths as device tensors instead — the route to drop the patch (docs/ascend.md).
 
 Not exercised by the engine yet: the worker does not ask for a graph runner today (HAL ``graph_runner()``).
 """

@@ -13,15 +13,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from deepinfer_npu.backends.cpu import cache_ops as ref_cache_ops
 from deepinfer_npu.backends.cpu import mla as ref_mla
 from deepinfer_npu.backends.cpu import moe as ref_moe
 from deepinfer_npu.backends.cpu import rope as ref_rope
+from torch.utils.weak import WeakIdKeyDictionary
 
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
-from . import ops_dense, ops_mla, ops_moe
+from . import kv_layout, ops_dense, ops_mla, ops_moe
 
 NOT_RUN_NOTE = (
     "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
@@ -32,6 +34,8 @@ _FIXED = {
     "linear": "aten matmul (F.linear) on the NPU",
     "silu_and_mul": "torch_npu.npu_swiglu",
     "mla_epilogue": "aten bmm + matmul on the NPU",
+    "copy_kv_blocks": "aten index_select + index_copy_ in the cache's layout (split k_nope / k_rope caches when "
+    "the fused attention is used)",
 }
 
 
@@ -44,10 +48,18 @@ class AscendKernelSet(KernelSet):
         ),
     }
 
+    #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
+    #: previous in-flight step's draft count, <= num_speculative_tokens). None: each request's queries are
+    #: padded to the 16-row FIA window, which covers it whenever drafts_prev + drafts_now <= 15 (always for
+    #: k <= 7); a ``HostLengths.max_kv_shortfall`` field, if the HAL grows one, takes precedence.
+    kv_shortfall_bound: int | None = None
+
     def __init__(self, limits: caps.Limits | None = None) -> None:
         self.limits = limits
         self._decisions: dict[str, caps.Decision] = {}
         self._memo: dict[tuple, caps.Decision] = {}
+        # Caches written in the split k_nope / k_rope layout -> (L, R), so block copies use that layout.
+        self._split_caches = WeakIdKeyDictionary()
 
     # ---- decisions -----------------------------------------------------------------------------------------
     def _lim(self) -> caps.Limits:
@@ -120,6 +132,8 @@ class AscendKernelSet(KernelSet):
                 "(npu_mla_prolog_v2/_v3 not used: NZ weights, fixed dims, k_rope order)",
             ),
         )
+        if split:
+            self.register_split_cache(kv_cache, w.kv_lora_rank, w.qk_rope_head_dim)
         return ops_mla.mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping, rope_fn, split)
 
     def mla_attention(
@@ -139,9 +153,30 @@ class AscendKernelSet(KernelSet):
             block_tables,
             seqlens_q,
             seqlens_k,
+            cu_seqlens_q,
             softmax_scale,
             self._lim().fia_max_q_per_request,
+            host=host,
+            shortfall_bound=self.kv_shortfall_bound,
         )
+
+    # ---- KV cache blocks -----------------------------------------------------------------------------------
+    def register_split_cache(self, kv_cache: torch.Tensor, latent_dim: int, rope_dim: int) -> None:
+        """Mark ``kv_cache`` as stored in the split k_nope / k_rope layout (the native prolog does this on its
+        first write; held weakly, by identity)."""
+        self._split_caches[kv_cache] = (latent_dim, rope_dim)
+
+    def copy_kv_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Fork copy-on-write in each cache's own layout: split k_nope / k_rope caches (written by the native
+        prolog) copy block by block in both parts; caches in the HAL layout take the reference ``index_copy_``."""
+        if src.numel() == 0:
+            return
+        for cache in caches:
+            dims = self._split_caches.get(cache)
+            if dims is None:
+                ref_cache_ops.copy_kv_blocks([cache], src, dst)
+            else:
+                kv_layout.copy_blocks_split(cache, dims[0], dims[1], src, dst)
 
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         return ops_mla.mla_epilogue(out_latent, w)

@@ -9,11 +9,10 @@ Slicing the last dim would give non-contiguous views, so instead we *reinterpret
 ``num_blocks*block_size*L`` elements are the k_nope cache and the rest the k_rope cache. Nothing is copied and
 the memory budget is unchanged.
 
-Consequence (reported by the backend): with this layout, code outside this backend must not address the cache
-by block (``cache[block]``). Today only ``ModelRunner.apply_block_ops`` does (fork copy-on-write, which the
-engine
-does not produce yet: ``n > 1`` is rejected); the HAL change that removes the caveat is a
-``KernelSet.copy_kv_blocks(cache, src, dst)`` hook (asked for in the hand-off note).
+Consequence: code outside this backend must not address the cache by block (``cache[block]``): in the split
+layout, ``cache[b]`` is not block ``b``. Fork copy-on-write goes through the HAL op
+``KernelSet.copy_kv_blocks`` (``ModelRunner.apply_block_ops`` calls it), which the Ascend kernel set implements
+with :func:`copy_blocks_split` for caches written in this layout.
 The layout is used only when mla_prolog and mla_attention both run natively, so the reference ops (which read
 the HAL layout) never see it.
 """
@@ -52,3 +51,29 @@ def write_split(
     slots = torch.where(slot_mapping >= 0, slot_mapping, torch.zeros_like(slot_mapping))
     k_nope.view(-1, c_kv.shape[-1]).index_copy_(0, slots, c_kv.to(kv_cache.dtype))
     k_rope.view(-1, k_pe.shape[-1]).index_copy_(0, slots, k_pe.to(kv_cache.dtype))
+
+
+def copy_blocks_split(
+    kv_cache: torch.Tensor, latent_dim: int, rope_dim: int, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Block copy-on-write in the split layout: block ``dst[i]`` of both the k_nope and the k_rope cache becomes
+    a copy of block ``src[i]`` (the split-layout equivalent of the reference ``index_copy_`` on dim 0). Sources
+    are gathered before destinations are written, as in the reference."""
+    k_nope, k_rope = split_views(kv_cache, latent_dim, rope_dim)
+    k_nope.index_copy_(0, dst, k_nope.index_select(0, src))
+    k_rope.index_copy_(0, dst, k_rope.index_select(0, src))
+
+
+def to_hal_layout(kv_cache: torch.Tensor, latent_dim: int, rope_dim: int) -> torch.Tensor:
+    """A copy of a split-layout cache in the HAL layout ``[num_blocks, block_size, L + R]`` (tests, debugging)."""
+    k_nope, k_rope = split_views(kv_cache, latent_dim, rope_dim)
+    return torch.cat((k_nope.squeeze(2), k_rope.squeeze(2)), dim=-1)
+
+
+def from_hal_layout(hal: torch.Tensor, latent_dim: int, rope_dim: int) -> torch.Tensor:
+    """The split-layout storage (shape ``[num_blocks, block_size, L + R]``) holding ``hal``'s rows."""
+    out = torch.empty_like(hal).contiguous()
+    k_nope, k_rope = split_views(out, latent_dim, rope_dim)
+    k_nope.copy_(hal[..., :latent_dim].unsqueeze(2))
+    k_rope.copy_(hal[..., latent_dim:].unsqueeze(2))
+    return out

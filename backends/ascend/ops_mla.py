@@ -7,12 +7,21 @@ requires. FIA takes at most 16 query tokens per request in this mode, so longer 
 many drafts) are split into pieces of <= 16 queries, each piece a pseudo-request whose key length ends at its
 last query: causal attention of the whole request equals the union of its pieces.
 
+The op's ``actual_seq_lengths(_kv)`` are host int lists; they come from ``AttentionMetadata.host``
+(``HostLengths``), never from reading the device tensors in the launch path. Under zero-overhead scheduling the
+host key lengths are the CPU's optimistic upper bounds; :func:`mla_attention_fia` hides the rejected-draft keys
+beyond the true (device) length by shifting each request's queries on the device within padded query rows —
+the only documented way, since FIA's MLA mode takes no custom mask (details in its docstring, docs/ascend.md).
+
 Doc: Ascend/pytorch docs torch_npu-npu_fused_infer_attention_score.md (hiascend Pytorch/700 ptaoplist_001232);
 usage: vllm_ascend/attention/mla_v1.py ``_forward_decode`` (SpecDecoding branch: TND, sparse_mode=3,
 ``actual_seq_lengths`` = cumulative query ends, ``actual_seq_lengths_kv`` = per-request key lengths).
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,13 +32,42 @@ from deepinfer_npu.hal.types import MLAWeights, RopeLike
 from . import kv_layout, runtime
 from .ops_dense import rms_norm
 
-#: sparse_mode=3 ("rightDownCausal") takes this fixed, compressed mask (doc: atten_mask 2048x2048, 1 =
-# masked).
+#: sparse_mode=3 ("rightDownCausal") takes this fixed, compressed mask (doc: atten_mask 2048x2048, 1 = masked).
 FIA_MASK_SIZE = 2048
-#: Times a host length list was read inside ``forbid_sync()`` (see :func:`host_list`); tests read it.
-HOST_READS_IN_LAUNCH_PATH = 0
+
+#: Host-side launch bookkeeping (tests read it; :func:`reset_stats` clears it):
+#: ``fia_exact`` / ``fia_inexact`` — FIA calls with exact / optimistic (ZOS upper-bound) host key lengths;
+#: ``host_reads`` — calls without ``host`` lengths outside ``forbid_sync()`` that read the device length tensors
+#: on the host (a sync on an NPU); ``host_reads_in_launch_path`` — the same inside ``forbid_sync()``: never done
+#: (such a call takes the sync-free dense path instead), kept so tests can assert it stays 0;
+#: ``dense_no_host`` — calls without ``host`` inside ``forbid_sync()`` served by :func:`mla_attention_dense`.
+STATS: Counter[str] = Counter()
+#: Device-side counters per device (no sync to update; tests read them): rows whose true key length was below
+#: the host's optimistic one (rejected-draft keys hidden by the query shift) and rows whose shortfall exceeded
+#: the padding the host planned (would have attended garbage; must stay 0).
+_DEVICE_STATS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 _masks: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def reset_stats() -> None:
+    STATS.clear()
+    _DEVICE_STATS.clear()
+
+
+def _device_counters(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    if key not in _DEVICE_STATS:
+        with torch.inference_mode(False):  # a normal tensor: updated both inside and outside inference mode
+            _DEVICE_STATS[key] = torch.zeros(2, dtype=torch.int64, device=device)
+    return _DEVICE_STATS[key]
+
+
+def device_stats() -> dict[str, int]:
+    """Sum of the device counters (reads device memory: tests and reports only, never the launch path)."""
+    short = sum(int(t[0]) for t in _DEVICE_STATS.values())
+    bad = sum(int(t[1]) for t in _DEVICE_STATS.values())
+    return {"rows_with_kv_shortfall": short, "shortfall_beyond_padding": bad}
 
 
 def _causal_mask(device: torch.device) -> torch.Tensor:
@@ -42,15 +80,13 @@ def _causal_mask(device: torch.device) -> torch.Tensor:
 
 
 def host_list(t: torch.Tensor, what: str) -> list[int]:
-    """FIA takes ``actual_seq_lengths(_kv)`` as host int lists (SymInt[] in eager torch_npu). The HAL passes
-    them as device tensors only, so reading them is a device->host sync. On an NPU inside ``forbid_sync()``
-    that raises (the guard's job) until AttentionMetadata carries host copies (hand-off note, gap 1); under
-    the CPU emulation the read is free, so we count it instead to keep the gap visible in tests."""
-    global HOST_READS_IN_LAUNCH_PATH
-    if sync_guard.sync_forbidden():
+    """Read a device length tensor on the host — the fallback for callers that pass no ``host`` lengths, used
+    only outside ``forbid_sync()`` (a device->host sync on an NPU). Counted in ``STATS``."""
+    if sync_guard.sync_forbidden():  # not reached from mla_attention_fia (dense path); kept as a tripwire
+        STATS["host_reads_in_launch_path"] += 1
         if t.device.type != "cpu":
             sync_guard.check_sync_allowed(f"{what}.tolist() for npu_fused_infer_attention_score")
-        HOST_READS_IN_LAUNCH_PATH += 1
+    STATS["host_reads"] += 1
     return [int(v) for v in t.tolist()]
 
 
@@ -106,21 +142,94 @@ def split_requests(
     """Pieces of <= ``max_q`` queries: ``(cumulative query ends, key lengths, source request, query counts)``.
 
     Piece ``[s, e)`` of a request with ``q`` queries and ``k`` keys ends at position ``k - q + e - 1``, so its
-    key length is ``k - q + e``; with causal masking aligned to the end of the keys (sparse_mode=3) each of
-    its
+    key length is ``k - q + e``; with causal masking aligned to the end of the keys (sparse_mode=3) each of its
     queries sees exactly what it sees in the whole request. Empty requests are dropped.
     """
-    ends, kv, src, counts = [], [], [], []
+    plan = plan_fia(seqlens_q, seqlens_k, max_q, exact=True)
+    return plan.ends, plan.kv_lens, plan.src, plan.counts
+
+
+@dataclass
+class FiaPlan:
+    """Host plan of one FIA call: one pseudo-request ("piece") per entry.
+
+    A piece holds ``counts[p]`` true queries of request ``src[p]`` (its queries ``starts[p] ..
+    starts[p] + counts[p] - 1``) in ``counts[p] + pads[p]`` FIA rows, with host key length ``kv_lens[p]``.
+    ``dest[t]`` is the FIA row of true query token ``t`` when the request's true key length equals the host's
+    (shortfall 0); a shortfall of ``d <= pads[p]`` moves the piece's queries ``d`` rows up (see
+    :func:`mla_attention_fia`). ``piece_pad[t]`` / ``token_req[t]``: the pad and the request of token ``t``.
+    """
+
+    ends: list[int]
+    kv_lens: list[int]
+    src: list[int]
+    counts: list[int]
+    pads: list[int]
+    starts: list[int]
+    dest: list[int]
+    piece_pad: list[int]
+    token_req: list[int]
+
+    @property
+    def rows(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    @property
+    def padded(self) -> bool:
+        return any(self.pads)
+
+
+def plan_fia(
+    seqlens_q: list[int] | tuple[int, ...],
+    seqlens_k: list[int] | tuple[int, ...],
+    max_q: int,
+    exact: bool,
+    shortfall_bound: int | None = None,
+) -> FiaPlan:
+    """Split requests into <= ``max_q``-row pieces; with inexact (optimistic) key lengths, pad every piece with
+    query rows so the true queries can be shifted by the device-side shortfall (see :func:`mla_attention_fia`).
+
+    Pads: ``min(bound, k - q)`` with a known shortfall bound (pieces then hold ``max_q - bound`` queries), else
+    the rest of the ``max_q`` window; never more than ``k - q`` (the true key length is at least ``q``, so the
+    shortfall is at most ``k - q``) and never past the window. Exact lengths: no pads.
+    """
+    ends, kv, src, counts, pads, starts = [], [], [], [], [], []
+    dest, piece_pad, token_req = [], [], []
+    if exact:
+        piece = max_q
+    elif shortfall_bound is not None:
+        piece = max(1, max_q - shortfall_bound)
+    else:
+        piece = max_q
     total = 0
     for b, (q, k) in enumerate(zip(seqlens_q, seqlens_k)):
-        for s in range(0, q, max_q):
-            e = min(q, s + max_q)
-            total += e - s
+        for s in range(0, q, piece):
+            e = min(q, s + piece)
+            n = e - s
+            if exact:
+                pad = 0
+            else:
+                room = max_q - n
+                pad = min(room, k - q) if shortfall_bound is None else min(shortfall_bound, room, k - q)
+                pad = max(pad, 0)
+            base = total
+            total += n + pad
             ends.append(total)
             kv.append(k - q + e)
             src.append(b)
-            counts.append(e - s)
-    return ends, kv, src, counts
+            counts.append(n)
+            pads.append(pad)
+            starts.append(s)
+            dest.extend(range(base + pad, base + pad + n))
+            piece_pad.extend([pad] * n)
+            token_req.extend([b] * n)
+    return FiaPlan(ends, kv, src, counts, pads, starts, dest, piece_pad, token_req)
+
+
+def _host_lengths(host, seqlens_q: torch.Tensor, seqlens_k: torch.Tensor):
+    if host is not None:
+        return list(host.seqlens_q), list(host.seqlens_k), bool(host.seqlens_k_exact)
+    return host_list(seqlens_q, "seqlens_q"), host_list(seqlens_k, "seqlens_k"), True
 
 
 def mla_attention_fia(
@@ -130,50 +239,144 @@ def mla_attention_fia(
     block_tables: torch.Tensor,
     seqlens_q: torch.Tensor,
     seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
     softmax_scale: float,
     max_q_per_request: int,
+    host=None,
+    shortfall_bound: int | None = None,
 ) -> torch.Tensor:
-    """HAL ``mla_attention`` through ``npu_fused_infer_attention_score`` over the split-layout cache."""
+    """HAL ``mla_attention`` through ``npu_fused_infer_attention_score`` over the split-layout cache.
+
+    Host lengths: FIA takes ``actual_seq_lengths(_kv)`` as host int lists, so they come from ``host``
+    (``HostLengths``: exact query lengths; exact key lengths, or the CPU's optimistic upper bounds under ZOS).
+    Without ``host`` inside ``forbid_sync()`` (the MTP chain builds its metadata on the device) the call takes
+    the sync-free :func:`mla_attention_dense`; outside it the device tensors are read (:func:`host_list`).
+
+    ZOS (inexact key lengths), without a sync and without a custom mask: per request the host key length ``K``
+    may exceed the true one ``k`` by ``d = K - k >= 0``; keys ``k .. K-1`` hold rejected-draft garbage. FIA's
+    MLA mode accepts no custom ``atten_mask`` (only sparse_mode=3 with the fixed 2048x2048 causal mask, or
+    sparse_mode=0 without a mask; doc constraints for query D=512 and for the TND layout), so instead each
+    piece of ``n`` true queries gets ``pad`` extra query rows (host-planned, ``pad >= d``), and the device
+    places true query ``j`` at row ``pad - d + j`` of the piece. sparse_mode=3 lets row ``r`` of a piece with
+    ``n + pad`` rows and key length ``K - q + e`` see keys ``<= K - q + e - (n + pad) + r``; for
+    ``r = pad - d + (j - s)`` that is ``k - q + j`` — exactly the true position of query ``j``, so it sees its
+    own and earlier keys and never the garbage beyond ``k``. Pad rows hold zero queries; their outputs are
+    dropped. The row index is a device tensor (``host dest - d``), so nothing is read back. A shortfall beyond
+    the pad (which a correct bound rules out) is clamped and counted on the device (:func:`device_stats`).
+    """
     num_tokens, num_heads, lrank = q_latent.shape
     rdim = q_rope.shape[-1]
     out = torch.zeros_like(q_latent)
     if num_tokens == 0:
         return out
-    q_lens = host_list(seqlens_q, "seqlens_q")
-    k_lens = host_list(seqlens_k, "seqlens_k")
-    ends, kv_lens, src, _ = split_requests(q_lens, k_lens, max_q_per_request)
-    if src == list(range(len(q_lens))):
+    if host is None and sync_guard.sync_forbidden():
+        STATS["dense_no_host"] += 1
+        return mla_attention_dense(
+            q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+        )
+    q_lens, k_lens, exact = _host_lengths(host, seqlens_q, seqlens_k)
+    bound = getattr(host, "max_kv_shortfall", None)
+    if bound is None:
+        bound = shortfall_bound
+    plan = plan_fia(q_lens, k_lens, max_q_per_request, exact, bound)
+    if not plan.ends:
+        return out
+    STATS["fia_exact" if exact else "fia_inexact"] += 1
+    device = q_latent.device
+    n_real = len(plan.dest)
+    if plan.src == list(range(len(q_lens))):
         tables = block_tables
     else:
-        tables = block_tables.index_select(0, torch.tensor(src, dtype=torch.long).to(block_tables.device))
+        tables = block_tables.index_select(0, torch.tensor(plan.src, dtype=torch.long).to(device))
+    if not plan.padded:  # rows are the true queries, in order
+        query = q_latent[:n_real].contiguous()
+        query_rope = q_rope[:n_real].contiguous()
+        dest = None
+    else:
+        # Device-side shift: d = host K - true k per request (int64 on the device; never read back).
+        k_host = torch.tensor(k_lens, dtype=torch.int64).to(device)
+        short = k_host - seqlens_k.to(torch.int64)
+        tok_req = torch.tensor(plan.token_req, dtype=torch.int64).to(device)
+        pad_tok = torch.tensor(plan.piece_pad, dtype=torch.int64).to(device)
+        d_tok = short.index_select(0, tok_req)
+        counters = _device_counters(device)
+        counters[0] += (short > 0).sum()
+        counters[1] += ((d_tok < 0) | (d_tok > pad_tok)).sum()
+        shift = torch.minimum(d_tok.clamp(min=0), pad_tok)
+        dest = torch.tensor(plan.dest, dtype=torch.int64).to(device) - shift
+        query = q_latent.new_zeros(plan.rows, num_heads, lrank).index_copy_(0, dest, q_latent[:n_real])
+        query_rope = q_rope.new_zeros(plan.rows, num_heads, rdim).index_copy_(0, dest, q_rope[:n_real])
     block_size = kv_cache.shape[1]
     k_nope, k_rope = kv_layout.split_views(kv_cache, lrank, rdim)
     nb = kv_cache.shape[0]
     # Key layout as vllm-ascend passes it: [num_blocks, num_kv_heads=1, block_size, D] (a view: N_kv is 1).
     key = k_nope.view(nb, 1, block_size, lrank)
     key_rope = k_rope.view(nb, 1, block_size, rdim)
+    # MLA mode: one query row per pseudo-request takes sparse_mode=0 without a mask, more take sparse_mode=3
+    # with the 2048x2048 mask (doc: "Q_S等于1时只支持sparse=0且不传mask，Q_S大于1时只支持sparse=3且传入mask").
+    single = all(c + p == 1 for c, p in zip(plan.counts, plan.pads))
     npu = runtime.load()
     attn, _lse = npu.npu_fused_infer_attention_score(
-        q_latent[: ends[-1]].contiguous(),
+        query,
         key,
         key,
-        query_rope=q_rope[: ends[-1]].contiguous(),
+        query_rope=query_rope,
         key_rope=key_rope,
         num_heads=num_heads,
         num_key_value_heads=1,
         input_layout="TND",
-        atten_mask=_causal_mask(q_latent.device),
-        sparse_mode=3,
+        atten_mask=None if single else _causal_mask(device),
+        sparse_mode=0 if single else 3,
         scale=softmax_scale,
         antiquant_mode=0,
         antiquant_scale=None,
         block_table=tables.to(torch.int32),
         block_size=block_size,
-        actual_seq_lengths=ends,
-        actual_seq_lengths_kv=kv_lens,
+        actual_seq_lengths=plan.ends,
+        actual_seq_lengths_kv=plan.kv_lens,
     )
-    out[: ends[-1]] = attn.to(out.dtype)
+    out[:n_real] = (attn if dest is None else attn.index_select(0, dest)).to(out.dtype)
     return out
+
+
+def mla_attention_dense(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """Sync-free MLA attention over the split-layout cache from device lengths only (plain aten ops).
+
+    For calls without host lengths inside the launch path (the MTP drafter's chain builds its metadata on the
+    device). Every request's keys are gathered up to the block table's width (a host shape), scored against
+    each of its tokens and masked at the token's device position. Memory ``T x nb*block_size x (L + R)``: meant
+    for the chain's one-token rows, not for prefill.
+    """
+    num_tokens, num_heads, lrank = q_latent.shape
+    rdim = q_rope.shape[-1]
+    b, nb = block_tables.shape
+    block_size = kv_cache.shape[1]
+    k_nope, k_rope = kv_layout.split_views(kv_cache, lrank, rdim)
+    flat_tables = block_tables.to(torch.int64).reshape(-1)
+    keys = k_nope.index_select(0, flat_tables).view(b, nb * block_size, lrank)
+    ropes = k_rope.index_select(0, flat_tables).view(b, nb * block_size, rdim)
+    cu = cu_seqlens_q.to(torch.int64)
+    t = torch.arange(num_tokens, device=q_latent.device)
+    row = torch.searchsorted(cu[1:].contiguous(), t, right=True).clamp(max=b - 1)
+    pos = seqlens_k.to(torch.int64)[row] - seqlens_q.to(torch.int64)[row] + (t - cu[row])
+    kr = keys.index_select(0, row).float()  # [T, K, L]
+    scores = torch.einsum("thl,tkl->thk", q_latent.float(), kr)
+    scores = scores + torch.einsum("thr,tkr->thk", q_rope.float(), ropes.index_select(0, row).float())
+    scores = scores * softmax_scale
+    k_pos = torch.arange(nb * block_size, device=q_latent.device)
+    scores = scores.masked_fill((k_pos[None, :] > pos[:, None])[:, None, :], float("-inf"))
+    out = torch.einsum("thk,tkl->thl", torch.softmax(scores, dim=-1), kr)
+    valid = (t < cu[-1]).to(out.dtype)[:, None, None]  # tokens past the last request (none today) stay zero
+    return (out * valid).to(q_latent.dtype)
 
 
 def mla_epilogue(out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer_npu.hal.kernel_set import KernelSet
 
+from . import cache_ops as _cache_ops
 from . import linear as _linear
 from . import mla as _mla
 from . import moe as _moe
@@ -19,7 +20,7 @@ from . import zos as _zos
 
 class CpuKernelSet(KernelSet):
     """The oracle: each op is the readable reference in this folder (norm.py, linear.py, rope.py, mla.py,
-    moe.py)."""
+    moe.py, cache_ops.py)."""
 
     rms_norm = staticmethod(_norm.rms_norm)
     add_rms_norm = staticmethod(_norm.add_rms_norm)
@@ -35,6 +36,7 @@ class CpuKernelSet(KernelSet):
     moe_combine = staticmethod(_moe.moe_combine)
     spec_verify = staticmethod(_spec_verify.spec_verify)
     zos_fixup = staticmethod(_zos.zos_fixup)
+    copy_kv_blocks = staticmethod(_cache_ops.copy_kv_blocks)
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
         """Delegates to ``backends/cpu/sampling.py: sample`` (imported lazily: a separate module)."""

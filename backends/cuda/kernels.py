@@ -49,6 +49,7 @@ SYNCING_REFERENCE = {
 }
 
 _STATIC_FALLBACK = {
+    "copy_kv_blocks": "reference index_copy on CUDA tensors (fork copy-on-write); sync-free",
     "linear": "reference op on CUDA tensors: F.linear -> cuBLAS; sync-free",
     "silu_and_mul": "reference op on CUDA tensors (2 elementwise kernels); sync-free",
     "rope": "reference op on CUDA tensors (gather + elementwise); sync-free",

@@ -49,6 +49,7 @@ class KernelSet:
         "sample",
         "spec_verify",
         "zos_fixup",
+        "copy_kv_blocks",
     )
     #: Optional per-op reasons shown in ``op_report`` for ops a subclass deliberately leaves on the reference.
     FALLBACK_REASONS: dict[str, str] = {}
@@ -186,6 +187,15 @@ class KernelSet:
         """Correct an optimistically scheduled step on the device (``seqlens_k`` by accepted counts, ``seqlens_q``
         re-split by confidences) -> ``(seqlens_q, seqlens_k)``. Contract in ``backends/cpu/zos.py``."""
         return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+
+    # ---- KV cache blocks -----------------------------------------------------------------------------------
+    def copy_kv_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Fork copy-on-write: in every cache of ``caches`` (the KV caches of one layout, e.g. all main-model and
+        drafter layers), block ``dst[i]`` becomes a copy of block ``src[i]``; ``src`` / ``dst`` [C] int64 on the
+        device. In place; sources are all read before destinations are written. Reference: ``index_copy_`` on
+        dim 0 of each ``[num_blocks, block_size, L+R]`` cache (``backends/cpu/cache_ops.py``). A backend that
+        stores the cache in another layout (Ascend's split k_nope / k_rope caches) copies in that layout."""
+        return _ref("cache_ops").copy_kv_blocks(caches, src, dst)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:

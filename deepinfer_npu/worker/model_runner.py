@@ -97,8 +97,8 @@ class ModelRunner:
         if plan.clone_blocks.size:
             src = torch.from_numpy(plan.clone_blocks[:, 0].astype(np.int64)).to(self.device)
             dst = torch.from_numpy(plan.clone_blocks[:, 1].astype(np.int64)).to(self.device)
-            for cache in [*self.kv_caches, *(extra_caches or [])]:
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+            # The backend copies in its own cache layout (Ascend reinterprets the storage as split caches).
+            self.backend.kernels.copy_kv_blocks([*self.kv_caches, *(extra_caches or [])], src, dst)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, attn, capture_layer_ids=None):

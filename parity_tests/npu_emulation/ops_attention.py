@@ -1,13 +1,20 @@
 """CPU implementation of ``torch_npu.npu_fused_infer_attention_score`` in the mode the backend uses (MLA:
-``query_rope``/``key_rope``, PagedAttention, TND queries, sparse_mode=3), from its documentation.
+``query_rope``/``key_rope``, PagedAttention, TND queries), from its documentation.
 
 Doc: Ascend/pytorch docs torch_npu-npu_fused_infer_attention_score.md (hiascend Pytorch/700 ptaoplist_001232):
-query TND [T, N, D]; key/value paged [block_num, N_kv, block_size, D] with ``block_table`` [B, max_blocks]
-int32;
-``actual_seq_lengths`` in TND = cumulative query ends per request; ``actual_seq_lengths_kv`` = key lengths;
-sparse_mode=3 = causal aligned to the bottom-right (query i of q sees keys <= k - q + i) with the 2048x2048
-mask (1 = masked); MLA mode limits each request to <= 16 queries; returns (attention_out, softmax_lse).
-Other modes raise: the emulation only vouches for what it implements.
+query TND [T, N, D]; key/value paged [block_num, N_kv, block_size, D] with ``block_table`` [B, max_blocks] int32
+(second dim >= the blocks of the longest ``actual_seq_lengths_kv``); ``actual_seq_lengths`` in TND = cumulative
+query ends per request (non-decreasing; its length is the batch); ``actual_seq_lengths_kv`` = key lengths.
+Mask rules, as documented for this mode (query D=512 with query_rope: "Q_S等于1时只支持sparse=0且不传mask，Q_S大于1
+时只支持sparse=3且传入mask"; TND: "sparse模式仅支持sparse=0且不传mask，或sparse=3且传入mask"):
+* sparse_mode=0 without ``atten_mask``: no masking, every query sees all ``actual_seq_lengths_kv`` keys;
+* sparse_mode=3 ("rightDownCausal", the lower triangle anchored at the bottom-right corner): query i of a
+  request with q queries and k keys sees keys <= k - q + i; ``atten_mask`` must be the optimised 2048x2048 mask,
+  shape (S, S), (1, S, S) or (1, 1, S, S) with S = 2048, dtype bool/int8/uint8, 1 = not computed, i.e. the strict
+  upper triangle;
+* any other mask / mode (a custom per-request mask included) is outside the documented contract and raises.
+MLA mode limits each request to 1..16 queries; returns (attention_out, softmax_lse). Other modes raise: the
+emulation only vouches for what it implements.
 """
 
 from __future__ import annotations
@@ -61,15 +68,21 @@ def npu_fused_infer_attention_score(
     check(key.shape[2] == block_size and key_rope.shape[:3] == key.shape[:3], "key/key_rope block layout")
     check(value is key or torch.equal(value, key), "MLA mode: value is the latent key")
     check(key.dtype == query.dtype and key_rope.dtype == query.dtype, "query and cache dtypes must match")
-    check(sparse_mode == 3, "FIA emulation implements sparse_mode=3 only")
-    check(
-        atten_mask is not None and tuple(atten_mask.shape) == (2048, 2048),
-        "sparse_mode=3 takes a 2048^2 mask",
-    )
-    check(
-        bool(torch.equal(atten_mask.bool(), torch.triu(torch.ones_like(atten_mask, dtype=torch.bool), 1))),
-        "sparse_mode=3 mask must be the upper triangle (1 = masked)",
-    )
+    check(sparse_mode in (0, 3), "TND / MLA mode: sparse_mode 0 (no mask) or 3 (2048^2 mask) only")
+    if sparse_mode == 0:
+        check(atten_mask is None, "TND / MLA mode: sparse_mode=0 takes no atten_mask")
+    else:
+        check(atten_mask is not None, "sparse_mode=3 needs the optimised 2048x2048 atten_mask")
+        check(
+            tuple(atten_mask.shape) in ((2048, 2048), (1, 2048, 2048), (1, 1, 2048, 2048)),
+            f"sparse_mode=3 takes a (1,)(1,)2048x2048 mask, got {tuple(atten_mask.shape)}",
+        )
+        check(atten_mask.dtype in (torch.bool, torch.int8, torch.uint8), "atten_mask dtype bool/int8/uint8")
+        m2 = atten_mask.reshape(2048, 2048).bool()
+        check(
+            bool(torch.equal(m2, torch.triu(torch.ones_like(m2), 1))),
+            "sparse_mode=3 mask must be the strict upper triangle (1 = masked)",
+        )
     ends, kv_lens = list(actual_seq_lengths or []), list(actual_seq_lengths_kv or [])
     check(all(isinstance(v, int) for v in ends + kv_lens), "actual_seq_lengths(_kv) are host int lists")
     check(
@@ -77,6 +90,11 @@ def npu_fused_infer_attention_score(
         "one length pair and one block-table row per request",
     )
     check(ends and ends[-1] == query.shape[0], "TND: the last cumulative query end is T")
+    check(all(a <= b for a, b in zip([0, *ends], ends)), "TND: actual_seq_lengths must be non-decreasing")
+    max_blocks = max(-(-k // block_size) for k in kv_lens)
+    check(block_table.shape[1] >= max_blocks, "block_table narrower than the longest actual_seq_lengths_kv")
+    used = torch.cat([block_table[b, : -(-k // block_size)] for b, k in enumerate(kv_lens)])
+    check(bool((used >= 0).all()) and bool((used < key.shape[0]).all()), "block ids must index the cache")
 
     t, n, d = query.shape
     out = torch.zeros_like(query)
@@ -88,6 +106,7 @@ def npu_fused_infer_attention_score(
         q_len = end - start
         check(0 < q_len <= MAX_Q_MLA, f"MLA mode takes 1..{MAX_Q_MLA} queries per request, got {q_len}")
         check(q_len <= k_len, "each request needs at least as many keys as queries")
+        check(sparse_mode == 3 or q_len == 1, "MLA mode: Q_S > 1 takes sparse_mode=3 with the mask only")
         nblk = -(-k_len // block_size)
         rows = block_table[b, :nblk].long()
         c = k_flat[rows].reshape(-1, d)[:k_len].float()
@@ -95,8 +114,9 @@ def npu_fused_infer_attention_score(
         q = query[start:end].float()
         qr = query_rope[start:end].float()
         s = (torch.einsum("qhl,kl->hqk", q, c) + torch.einsum("qhr,kr->hqk", qr, kr)) * scale
-        q_pos = torch.arange(k_len - q_len, k_len)
-        s = s.masked_fill(torch.arange(k_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if sparse_mode == 3:  # rightDownCausal: query i sees keys <= k_len - q_len + i
+            q_pos = torch.arange(k_len - q_len, k_len)
+            s = s.masked_fill(torch.arange(k_len)[None, None, :] > q_pos[None, :, None], float("-inf"))
         lse[start:end] = torch.logsumexp(s, dim=-1).transpose(0, 1).unsqueeze(-1)
         out[start:end] = torch.einsum("hqk,kl->qhl", torch.softmax(s, dim=-1), c).to(out.dtype)
         start = end
