@@ -27,6 +27,7 @@ class HostLengths:
     seqlens_k_exact: bool
     max_seqlen_q: int
     max_seqlen_k: int
+    max_kv_shortfall: int | None = None  # when not exact: most the true seqlens_k can fall below seqlens_k
 
 
 @dataclass

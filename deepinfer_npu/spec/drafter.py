@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata
@@ -24,6 +25,8 @@ class DraftContext:
     ``anchor_rows [B']``: flat index of the token whose successor is the new golden token, per proposing row;
     ``bonus_tokens / bonus_positions / slots [B']``: that golden token, its position, the row's state slot.
     ``captured``: residual-stream outputs of the target layers the drafter asked for (DFlash), else None.
+    ``host_rows``: the main step's row (host index) of each proposing row, so drafters can derive host length
+    bounds (``AttentionMetadata.host``) for their own attention steps without reading the device.
     """
 
     attn: AttentionMetadata
@@ -34,6 +37,7 @@ class DraftContext:
     bonus_positions: torch.Tensor
     slots: torch.Tensor
     captured: dict[int, torch.Tensor] | None = None
+    host_rows: np.ndarray | None = None  # main-step row (host index) of each proposing row, for host lengths
 
 
 class Drafter:

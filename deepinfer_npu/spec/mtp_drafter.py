@@ -10,8 +10,10 @@ before anything reads them.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from deepinfer_npu.model_executor.attention_metadata import HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata, pad_block_tables
 
 from .drafter import DraftContext, Drafter
@@ -58,6 +60,10 @@ class MtpDrafter(Drafter):
         tables = ctx.attn.block_tables.index_select(0, row_of_anchor)
         tables = pad_block_tables(tables, ctx.attn.max_seqlen_k + k + 1, self.block_size)
         ones = torch.ones(b, dtype=torch.int32, device=h.device)
+        main_host = ctx.attn.host
+        host_k = None
+        if main_host is not None and ctx.host_rows is not None:
+            host_k = np.asarray(main_host.seqlens_k, dtype=np.int64)[ctx.host_rows]
         for m in range(k):
             probs = torch.softmax(self.mtp.compute_logits(h, depth=self._depth(m)), dim=-1)
             p, tok = probs.max(dim=-1)
@@ -67,8 +73,15 @@ class MtpDrafter(Drafter):
                 break
             # Chain: MTP entry at position bonus_pos + m from (h, embed(draft_{m+1})).
             pos = ctx.bonus_positions + m
+            # Host bounds for kernels that take host lengths: the chain's key length is bonus_pos + m + 1, at most
+            # the main step's (bound on the) context length + m + 1.
+            host = None
+            if host_k is not None:
+                bound = tuple(int(x) + m + 1 for x in host_k)
+                host = HostLengths((1,) * b, bound, False, 1, max(bound) if bound else 0,
+                                   max_kv_shortfall=(main_host.max_kv_shortfall or 0) + k + 1)
             attn, _, _ = build_device_metadata(ones, (pos + 1).to(torch.int32), tables, self.block_size, b,
-                                               1, ctx.attn.max_seqlen_k + k + 1, False)
+                                               1, ctx.attn.max_seqlen_k + k + 1, False, host)
             h = self.mtp(tok, h, attn.positions, attn, self.kv_caches[self._depth(m + 1)],
                          depth=self._depth(m + 1))
         return drafts, conf

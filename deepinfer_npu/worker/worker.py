@@ -119,8 +119,9 @@ class Worker:
             if resplit:  # a row may now verify up to k drafts (within its reservation); host q lengths unknown
                 # The previous step may have been re-split to more drafts than planned: +k there, +k here.
                 max_q, max_k, host = self.k + 1, max_k + 2 * self.k, None
-            elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds
-                host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k)
+            elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds, short by
+                # at most the in-flight step's drafts (correction = planned drafts - accepted <= k)
+                host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k, max_kv_shortfall=self.k)
             attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
                                                  max_q, max_k, False, host)
             slot_tok = slots.index_select(0, row)
@@ -231,7 +232,7 @@ class Worker:
         if self.drafter is not None:
             ctx = DraftContext(attn=attn, hidden=step.hidden, target_tokens=target, anchor_rows=anchor,
                                bonus_tokens=bonus, bonus_positions=positions.index_select(0, anchor) + 1,
-                               slots=bonus_slots, captured=step.captured)
+                               slots=bonus_slots, captured=step.captured, host_rows=step.proposing_rows)
             drafts, probs = self.drafter.propose(ctx)
             if drafts.shape[0]:
                 self.slots.drafts.index_copy_(0, bonus_slots, drafts)
