@@ -7,12 +7,12 @@ or device work starts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reference"
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -48,7 +48,6 @@ class EngineConfig:
     speculative_model: str | os.PathLike | None = None  # DFlash drafter dir (default: <model>/dflash)
     num_speculative_tokens: int = 5
     varlen_verification: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deepinfer_npu.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model directory (HF layout); default: the shipped reference model")
     p.add_argument("--backend", default="auto", help="auto | cpu | cuda | ascend (default: auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--prompt-token-ids", action="append", default=None,
                    help="comma-separated token ids (repeatable), for models without a tokenizer")
@@ -56,7 +56,17 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             backend = get_backend(args.backend)
-        except (ValueError, RuntimeError) as e:
+            model_dir = args.model or (REFERENCE_MODEL_DIR if (REFERENCE_MODEL_DIR / "config.json").exists() else None)
+            if model_dir is not None:  # decide the model-dependent ops for this model, as its first forward would
+                import torch
+
+                from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+
+                cfg = DeepseekModelConfig.from_pretrained(model_dir)
+                dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+                    args.dtype, torch.float32 if backend.device_type == "cpu" else torch.bfloat16)
+                backend.kernels.plan_for_model(cfg, dtype, 64)
+        except (ValueError, RuntimeError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         report = backend.op_report()
@@ -85,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.prompt or []:
         prompts.append(text)
     for ids in args.prompt_token_ids or []:
-        prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",") if t.strip()]})
+        try:
+            prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",") if t.strip()]})
+        except ValueError:
+            print(f"error: --prompt-token-ids takes comma-separated integers, got {ids!r}", file=sys.stderr)
+            return 2
+    if args.speculative is None and args.num_speculative_tokens != 5:
+        print("note: --num-speculative-tokens has no effect without --speculative", file=sys.stderr)
     if not prompts:
         prompts = list(DEFAULT_PROMPTS)
 
@@ -130,14 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     for i, out in enumerate(outputs):
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"index": i, "prompt": out.prompt, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}))
+            print(json.dumps({"index": i, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                              "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                              "finish_message": getattr(c, "finish_message", None)}))
         else:
             prompt = out.prompt if out.prompt is not None else str(out.prompt_token_ids)
             print(f"=== completion {i} ({len(c.token_ids)} tokens, finish: {c.finish_reason}) ===")
             print(prompt + c.text if out.prompt is not None else f"{prompt} -> {c.token_ids}")
             if c.finish_reason in ("ignored", "preempted") and getattr(c, "finish_message", None):
-                print(f"[{c.finish_reason}: {c.finish_message}]")
+                message = c.finish_message
+                print(f"[{message if message.startswith(c.finish_reason) else c.finish_reason + ': ' + message}]")
     if args.json:
         print(json.dumps({"summary": summary}))
     else:

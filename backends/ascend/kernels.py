@@ -237,6 +237,12 @@ class AscendKernelSet(KernelSet):
         """The decisions a model would get, before any forward (``--list-ops`` with a model, tests)."""
         return {op: d.report() for op, d in caps.plan_for_config(self._lim(), cfg, dtype, block_size).items()}
 
+    def plan_for_model(self, model_config, dtype, block_size: int) -> None:
+        """The per-model decisions the ops would take at their first call (same functions), made now."""
+        from .capabilities import plan_for_config
+
+        self._decisions.update(plan_for_config(self._lim(), model_config, dtype, block_size))
+
     def op_report(self) -> dict[str, str]:
         report = {"note": NOT_RUN_NOTE, "profile": self._lim().name}
         for op in self.OPS:

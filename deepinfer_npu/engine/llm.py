@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -10,6 +11,8 @@ from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.engine.llm_engine import LLMEngine
 from deepinfer_npu.engine.outputs import RequestOutput
 from deepinfer_npu.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | dict | Sequence[int]
 
@@ -35,6 +38,12 @@ class LLM:
         seed: int = 0,
         **kwargs,
     ) -> None:
+        import dataclasses
+
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown keyword argument(s) {unknown}; engine options are: {sorted(known)}")
         config = EngineConfig(
             model=model, backend=backend, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed, **kwargs,
@@ -76,10 +85,7 @@ class LLM:
                 )
         engine = self.llm_engine
         for i, prompt in enumerate(prompts):
-            try:
-                engine._tokenize(f"prompt[{i}]", prompt)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+            engine._tokenize(f"prompt {i}", prompt)  # raises ValueError naming the prompt index
 
         ids = []
         for prompt, params in zip(prompts, params_list):
@@ -93,7 +99,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         bar = None
-        if use_tqdm:
+        if use_tqdm and ids:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, unit="req")
@@ -111,6 +117,12 @@ class LLM:
                         bar.set_postfix_str(f"output {generated / elapsed:.1f} tok/s")
         if bar is not None:
             bar.close()
+        preempted = sum(1 for rid in ids if rid in final and final[rid].outputs[0].finish_reason == "preempted")
+        if preempted:
+            logger.warning(
+                "%d of %d requests were preempted for lack of KV cache blocks and finished early "
+                "(finish_reason='preempted'); raise num_kv_blocks / lower max_num_seqs, or pass "
+                "stop_preempted_request=False to recompute them instead", preempted, len(ids))
         missing = [rid for rid in ids if rid not in final]
         if missing:
             raise RuntimeError(f"engine stopped with {len(missing)} requests unfinished: {missing[:5]}")

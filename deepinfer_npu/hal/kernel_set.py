@@ -197,6 +197,10 @@ class KernelSet:
         stores the cache in another layout (Ascend's split k_nope / k_rope caches) copies in that layout."""
         return _ref("cache_ops").copy_kv_blocks(caches, src, dst)
 
+    def plan_for_model(self, model_config, dtype: torch.dtype, block_size: int) -> None:
+        """Decide model-dependent op choices ahead of the first forward (``--list-ops`` shows them). Backends
+        whose native kernels depend on the model's shapes override this; the default decides at first call."""
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:
         """``{op: "native" | "fallback (reason)"}``: an op is native when this class (or a parent below

@@ -138,6 +138,11 @@ class _CheckpointReader:
         if scale_name not in self.where:
             raise CheckpointError(f"fp8 tensor {name!r} in {self.path(name)} has no {scale_name!r}")
         scale = self._raw(scale_name)
+        if tensor.dim() != 2:
+            raise CheckpointError(
+                f"fp8 tensor {name!r} in {self.path(name)} has shape {list(tensor.shape)}; block-quantised fp8 "
+                "weights must be matrices"
+            )
         b0, b1 = self.block
         want = [math.ceil(tensor.shape[0] / b0), math.ceil(tensor.shape[1] / b1)]
         if list(scale.shape) != want:
@@ -187,6 +192,11 @@ def load_weights(
         # File by file, so each shard is opened once and read sequentially.
         for name in sorted(layout.keys() & where.keys(), key=lambda k: (where[k], k)):
             tensor = reader.read(name)
+            if not tensor.is_floating_point():
+                raise CheckpointError(
+                    f"tensor {name!r} in {reader.path(name)} has dtype {tensor.dtype}; weights must be floating "
+                    "point (bf16 / fp16 / fp32, or fp8 with weight_scale_inv)"
+                )
             if tuple(tensor.shape) != layout[name].shape:
                 raise CheckpointError(
                     f"tensor {name!r} in {reader.path(name)} has shape {list(tensor.shape)}, "

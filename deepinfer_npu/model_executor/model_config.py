@@ -211,7 +211,8 @@ class DeepseekModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise fail(name, f"must be a non-negative integer, got {value!r}")
-        if not isinstance(self.rms_norm_eps, (int, float)) or self.rms_norm_eps <= 0:
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
             raise fail("rms_norm_eps", f"must be a positive number, got {self.rms_norm_eps!r}")
         if self.qk_rope_head_dim % 2:
             raise fail("qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")

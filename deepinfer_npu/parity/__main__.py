@@ -44,14 +44,33 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--model", default=None)
     args = p.parse_args(argv)
 
+    try:
+        return _run(args)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.cmd == "record":
         doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens)
         out = Path(args.out) if args.out else recorder.golden_path(args.backend, args.dtype)
         recorder.write(doc, out)
         print(f"wrote {out} ({len(doc['traces'])} prompts, {doc['seconds']} s)")
         return 0
-    golden = json.loads(Path(args.golden).read_text())
-    cand = recorder.record(args.backend, golden["dtype"], args.model, golden["max_tokens"])
+    path = Path(args.golden)
+    if not path.is_file():
+        raise FileNotFoundError(f"golden file {path} does not exist")
+    golden = json.loads(path.read_text())
+    model = args.model
+    recorded = golden.get("model") or {}
+    if model is None and recorded.get("dir") and Path(recorded["dir"]).is_dir():
+        model = recorded["dir"]  # replay on the model the golden was recorded on
+    cand = recorder.record(args.backend, golden["dtype"], model, golden["max_tokens"])
+    if recorded.get("config_sha256") and (cand.get("model") or {}).get("config_sha256") != recorded["config_sha256"]:
+        print(f"FAIL: the golden was recorded on model {recorded.get('dir')} (config sha256 "
+              f"{recorded['config_sha256'][:12]}), not on {(cand.get('model') or {}).get('dir')}; pass --model")
+        return 1
     verdicts = compare_docs(golden, cand)
     for i, v in enumerate(verdicts):
         print(f"prompt {i}: {'OK ' if v.ok else 'FAIL'} {v.message}")

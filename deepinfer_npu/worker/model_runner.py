@@ -21,7 +21,7 @@ from deepinfer_npu.worker.step_io import StepPlan
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(requested: str, backend, model_config: DeepseekModelConfig) -> torch.dtype:
