@@ -166,7 +166,8 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     blocks = max(args.batch) * (max_model_len // 64) + 2
     llm = LLM(model_dir, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=blocks,
-              max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len))  # one prefill step per batch
+              max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len),  # one prefill step per batch
+              enable_graphs=args.graphs)  # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
     engine = llm.llm_engine
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
@@ -206,8 +207,13 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
         out[batch] = {"engine_tok_s": tokens / elapsed, "engine_step_ms": 1e3 * elapsed / max(steps, 1),
                       "engine_tokens": tokens, "engine_steps": steps, "prefill_steps": prefill_steps,
                       "pure_decode_window": clean}
+        stats = engine.get_stats()
+        out[batch].update(graphs=args.graphs, engine_graph_steps=stats["graph_steps"],
+                          graphs_disabled=stats.get("graphs_disabled"))
         log(f"engine batch={batch}: {tokens} tokens in {elapsed:.3f}s ({tokens / elapsed:.1f} tok/s, "
-            f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean})")
+            f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean}; "
+            f"graphs={args.graphs}: {stats['graph_steps']} graph steps so far, "
+            f"captured {stats.get('graphs_captured')}, disabled: {stats.get('graphs_disabled')})")
     out["op_report"] = engine.backend.op_report()
     del llm, engine
     gc.collect()
@@ -273,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-engine", action="store_true", help="skip the engine")
+    p.add_argument("--graphs", action="store_true", help="engine with enable_graphs=True (captured decode graphs)")
     p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args(argv)
 
@@ -327,7 +334,9 @@ def main(argv=None) -> int:
             "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
             "dtype": args.dtype, "prompt_len": args.prompt_len, "decode_tokens": args.gen,
             "backend": args.backend, "torch": torch.__version__,
-            "timing": "wall clock over decode steps, device synchronised at both ends; eager (no CUDA graphs)",
+            "timing": "wall clock over decode steps, device synchronised at both ends; "
+            + ("decode from captured CUDA graphs (--graphs)" if args.graphs else "eager (no CUDA graphs)"),
+            "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
         }
         lines.append(row)
         print(json.dumps(row), flush=True)

@@ -21,7 +21,9 @@ class EngineConfig:
 
     ``model=None`` selects the reference model shipped in the package. ``max_model_len=None`` takes the model's
     ``max_position_embeddings``. ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory_bytes`` (CPU)
-    or the device's free memory times ``gpu_memory_utilization`` (device backends).
+    or the device's free memory times ``gpu_memory_utilization`` (device backends). ``enable_graphs``: decode steps
+    replay captured graphs (``worker/decode_graphs.py``) on backends whose ``graph_runner()`` gives a
+    ``hal.graph_runner.GraphRunner`` (CUDA); elsewhere it changes nothing.
     """
 
     model: str | os.PathLike | None = None
@@ -48,6 +50,10 @@ class EngineConfig:
     speculative_model: str | os.PathLike | None = None  # DFlash drafter dir (default: <model>/dflash)
     num_speculative_tokens: int = 5
     varlen_verification: bool = True
+    # Decode steps replayed from captured graphs (one per total_q size, worker/decode_graphs.py) on backends with
+    # a graph runner (CUDA); ignored elsewhere. graph_capture: "lazy" (at a size's first step) | "startup" (all).
+    enable_graphs: bool = False
+    graph_capture: str = "lazy"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -85,6 +91,8 @@ class EngineConfig:
         if self.num_speculative_tokens > 15:
             # drafts + 1 <= 16: the Ascend fused attention takes at most 16 query tokens per request.
             raise ValueError(f"num_speculative_tokens must be <= 15, got {self.num_speculative_tokens}")
+        if self.graph_capture not in ("lazy", "startup"):
+            raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
 

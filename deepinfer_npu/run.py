@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=["mtp", "dflash"], default=None,
                    help="speculative decoding with the model's MTP layer or the DFlash drafter")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--graphs", action="store_true",
+                   help="replay decode steps from captured graphs (backends with a graph runner: cuda)")
     p.add_argument("--no-varlen", action="store_true", help="verify a fixed number of drafts per request")
     p.add_argument("--speculative-model", default=None, help="DFlash drafter directory (default <model>/dflash)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
                   zero_overhead_scheduling=not args.no_zos, speculative_method=args.speculative,
                   num_speculative_tokens=args.num_speculative_tokens, varlen_verification=not args.no_varlen,
-                  speculative_model=args.speculative_model)
+                  speculative_model=args.speculative_model, enable_graphs=args.graphs)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,9 @@ query shift, so patching needs no device read (vllm-ascend instead syncs the str
 must still fix is the padded row count of that shift (host-planned per step); torchair's tiling-sink mode takes
 the lengths as device tensors instead — the route to drop the patch (docs/ascend.md).
 
-Not exercised by the engine yet: the worker does not ask for a graph runner today (HAL ``graph_runner()``).
+Not exercised by the engine yet: the worker's decode graphs (``worker/decode_graphs.py``) drive runners of the
+``deepinfer_npu.hal.graph_runner.GraphRunner`` interface, which fixes host lengths per graph; FIA needs the
+per-step host patching above, so this runner is not one and ``enable_graphs`` runs decode eagerly on Ascend.
 """
 
 from __future__ import annotations

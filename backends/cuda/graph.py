@@ -7,8 +7,8 @@ on the device flow into the replay with no host involvement. Unlike the NPU runn
 patching: the TileLang MLA decode kernel takes seqlens as device tensors and its grid depends only on host values
 fixed per graph (batch rows, block-table width, the bucketed max query length).
 
-Not exercised by the engine yet: the worker does not ask for a graph runner today (HAL ``graph_runner()``), so
-every decode step currently runs eagerly (the first session's benchmark numbers are eager numbers).
+Driven by the worker's ``DecodeGraphs`` (``deepinfer_npu/worker/decode_graphs.py``) when
+``EngineConfig.enable_graphs`` is set; the interface is ``deepinfer_npu.hal.graph_runner.GraphRunner``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.hal.graph_sizes import graph_sizes as _shared_graph_sizes
 
 GRAPH_INTERVAL_ENV = "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"
@@ -29,14 +30,13 @@ def graph_sizes(max_tokens: int, interval: int | None = None) -> list[int]:
     return _shared_graph_sizes(max_tokens, interval, env=GRAPH_INTERVAL_ENV)
 
 
-class CudaGraphRunner:
+class CudaGraphRunner(GraphRunner):
     """Capture ``fn(**static_inputs)`` once per size; replay after copying fresh inputs into the buffers."""
 
     def __init__(self, device_index: int = 0) -> None:
+        super().__init__()
         self.device_index = device_index
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.static_in: dict[int, dict[str, torch.Tensor]] = {}
-        self.static_out: dict[int, Any] = {}
         self.pool = None
 
     def pick(self, total_q: int) -> int | None:
@@ -45,6 +45,16 @@ class CudaGraphRunner:
         return min(fits) if fits else None
 
     def capture(self, size: int, fn: Callable[..., Any], static_inputs: dict[str, torch.Tensor]) -> Any:
+        # Capturing synchronises the device on purpose (torch.cuda.graph does): lift the launch path's sync debug
+        # mode for it. An op that really syncs still fails the capture (the worker then runs eagerly).
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return self._capture(size, fn, static_inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    def _capture(self, size: int, fn: Callable[..., Any], static_inputs: dict[str, torch.Tensor]) -> Any:
         # Warm-up on a side stream (as torch recommends): lazy allocations, cuBLAS handles and TileLang
         # compilation happen outside the capture.
         side = torch.cuda.Stream(device=self.device_index)
@@ -58,12 +68,14 @@ class CudaGraphRunner:
         if self.pool is None:
             self.pool = graph.pool()  # later graphs share the memory pool
         self.graphs[size], self.static_in[size], self.static_out[size] = graph, static_inputs, out
+        self.num_captures += 1
         return out
 
-    def replay(self, size: int, inputs: dict[str, torch.Tensor]) -> Any:
-        """Copy ``inputs`` (device tensors, each at most the buffer's length) into the static buffers (the rest
-        keeps the padding written at capture) and replay."""
-        for name, value in inputs.items():
+    def replay(self, size: int, inputs: dict[str, torch.Tensor] | None = None) -> Any:
+        """Replay on the static buffers' contents. ``inputs`` (optional; the worker writes the buffers itself):
+        device tensors, each at most the buffer's length, copied in first (the rest keeps what was there)."""
+        for name, value in (inputs or {}).items():
             self.static_in[size][name][: value.shape[0]].copy_(value, non_blocking=True)
         self.graphs[size].replay()
+        self.num_replays += 1
         return self.static_out[size]

@@ -34,6 +34,8 @@ import torch
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
+from . import mla_dense
+
 logger = logging.getLogger(__name__)
 
 KV_LORA, ROPE, PAGE = 512, 64, 64  # what kernels_cuda.mla_decode is built for (FlashMLA layout)
@@ -246,6 +248,14 @@ class CudaKernelSet(KernelSet):
             max_seqlen_q = host.max_seqlen_q
         max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
         why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, max_q)
+        if why is not None and q_latent.is_cuda and 1 <= max_q <= MAX_Q and block_tables.shape[0] > 0 and (
+            torch.cuda.is_current_stream_capturing()
+            or mla_dense.gather_bytes(q_latent, kv_cache, block_tables) <= mla_dense.MAX_GATHER_BYTES
+        ):  # decode / verification off the kernel's shapes: composed torch, sync-free (graph-capturable)
+            self._note("mla_attention", f"composed torch dense decode, sync-free ({why})", False)
+            return mla_dense.mla_attention_dense(
+                q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
+            )
         if why is not None:
             self._note("mla_attention", f"reference ({why})", False, syncs=q_latent.is_cuda)
             return _ref("mla").mla_attention(
@@ -352,7 +362,7 @@ class CudaKernelSet(KernelSet):
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
         "mla_prolog": "composed torch with a sync-free cache write",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
-        "else the reference (syncs)",
+        "else decode (max q <= 16) in composed torch (dense, sync-free); else the reference (syncs)",
         "moe_dispatch": "composed torch, sync-free",
         "grouped_mlp": "torch._grouped_mm for bf16; else the reference (syncs)",
         "moe_combine": "composed torch, sync-free",

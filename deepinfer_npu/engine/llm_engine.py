@@ -379,6 +379,11 @@ class LLMEngine:
         s["kv_usage"] = float(self.scheduler.kv_usage())
         s["num_kv_blocks"] = self.runner.num_kv_blocks
         s["backend"] = self.backend.name
+        graphs = self.worker.graphs
+        s["graph_steps"] = self.worker.graph_steps  # decode steps replayed from captured graphs
+        if graphs is not None:
+            s["graphs_captured"] = sorted(graphs.graphs.static_out)
+            s["graphs_disabled"] = graphs.disabled
         if self.config.nextn:
             rows = max(s["spec_verify_rows"], 1)
             s["speculative_method"] = self.config.speculative_method

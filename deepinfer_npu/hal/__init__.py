@@ -1,6 +1,7 @@
 """Hardware abstraction: the Backend base class, the KernelSet op contract, and the backend registry."""
 
 from .backend import Backend, MemoryInfo
+from .graph_runner import EagerReplayRunner, GraphRunner
 from .kernel_set import KernelSet
 from .registry import get_backend, register_backend, registered_backends
 from .sync_guard import SyncForbiddenError, check_sync_allowed, sync_forbidden
@@ -9,7 +10,9 @@ from .types import DispatchState, GatingParams, MLAWeights, RopeLike
 __all__ = [
     "Backend",
     "DispatchState",
+    "EagerReplayRunner",
     "GatingParams",
+    "GraphRunner",
     "KernelSet",
     "MLAWeights",
     "MemoryInfo",

@@ -72,7 +72,9 @@ class Backend:
         sync_guard.check_sync_allowed(f"{type(self).__name__}.synchronize()")
 
     def graph_runner(self) -> Any | None:
-        """Factory for captured-graph replay (CUDA graph / NPU graph), or None when the backend has none."""
+        """A new captured-graph runner (``deepinfer_npu.hal.graph_runner.GraphRunner``: CUDA graphs), or None when
+        the backend has none (CPU; tests inject ``EagerReplayRunner``). The worker asks once, when
+        ``EngineConfig.enable_graphs`` is set."""
         return None
 
     @contextlib.contextmanager

@@ -17,18 +17,23 @@ and off produce identical tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
+from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.model_executor.attention_metadata import HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
+from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.slot_state import SlotState
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -44,6 +49,25 @@ class Worker:
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
+        self.graphs = self._build_graphs()
+        self.graph_steps = 0  # decode steps run from a captured graph
+
+    def _build_graphs(self) -> DecodeGraphs | None:
+        """``EngineConfig.enable_graphs`` and a backend graph runner -> the decode-graph plumbing, else None."""
+        cfg = self.runner.config
+        if not getattr(cfg, "enable_graphs", False):
+            return None
+        graph_runner = self.backend.graph_runner()
+        if not isinstance(graph_runner, GraphRunner):
+            logger.warning("enable_graphs: backend %s has no graph runner for the worker; decode runs eagerly",
+                           self.backend.name)
+            return None
+        max_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
+        capture = self.drafter.capture_layer_ids if self.drafter is not None else None
+        graphs = DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k)
+        if cfg.graph_capture == "startup":
+            graphs.capture_all()
+        return graphs
 
     @property
     def has_pending_step(self) -> bool:
@@ -134,13 +158,22 @@ class Worker:
             draft_next = torch.where(has_next, nxt, torch.full_like(nxt, -1))
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
         t_model = time.perf_counter()
-        hidden, captured = self.runner.forward(ids, attn, capture)
+        size = None
+        if self.graphs is not None and not plan.is_prefill:
+            size = self.graphs.size_for(plan.num_tokens, plan.block_tables.shape[1])
+        replayed = self.graphs.run(size, ids, attn) if size is not None else None
+        if replayed is not None:  # the captured decode forward (logits of every row included)
+            hidden, captured, logits = replayed
+            self.graph_steps += 1
+        else:
+            size = None  # eager (no graph for this step, or its capture failed)
+            hidden, captured = self.runner.forward(ids, attn, capture)
         if self.drafter is not None:
             self.drafter.on_main_forward(attn, captured, slots.index_select(0, row))
         if plan.is_prefill:
             ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
             logits = self.runner.logits(hidden, self._dev(ends[plan.is_last_chunk]))
-        else:
+        elif size is None:
             logits = self.runner.logits(hidden, None)
         model_ms = (time.perf_counter() - t_model) * 1e3  # host-timed: exact on CPU, launch time on devices
         return DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,

@@ -170,8 +170,8 @@ def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch
     with be.forbid_sync():  # nothing has run yet: unknown fallbacks -> warn
         assert torch.cuda.get_sync_debug_mode() == 1 and be.last_sync_mode == "warn"
     assert torch.cuda.get_sync_debug_mode() == 0
-    # a syncing fallback (the reference attention on toy dims) keeps it at warn, and says so
-    be.kernels.mla_attention(**toy_attention_inputs("cuda"))
+    # a syncing fallback (the reference attention on toy dims, prefill-sized max q) keeps it at warn, and says so
+    be.kernels.mla_attention(**toy_attention_inputs("cuda"), max_seqlen_q=17)
     assert "mla_attention" in be.kernels.syncing_ops()
     assert be.op_report()["sync_debug"].startswith("warn (syncing fallbacks used: mla_attention")
     with be.forbid_sync():
@@ -239,11 +239,13 @@ def test_real_dims_select_kernels_and_match_reference(cuda_backend):
 @needs_cuda
 def test_toy_dims_fall_back_with_reasons(cuda_backend):
     ks = cuda_backend.kernels
-    ks.mla_attention(**toy_attention_inputs("cuda"))
+    ks.mla_attention(**toy_attention_inputs("cuda"), max_seqlen_q=17)  # prefill-sized: the reference
     ks.rms_norm(torch.randn(3, 192, device="cuda"), torch.ones(192, device="cuda"), 1e-6)
     rep = ks.op_report()
     assert rep["mla_attention"].startswith("fallback (reference (")
     assert "syncs" in rep["mla_attention"]
+    ks.mla_attention(**toy_attention_inputs("cuda"))  # decode-sized: the dense sync-free composition
+    assert "composed torch dense decode, sync-free" in ks.op_report()["mla_attention"]
     assert rep["rms_norm"].startswith("fallback (reference (torch.float32")
 
 

@@ -1,0 +1,151 @@
+"""Decode forwards replayed from captured graphs, one per total_q size (seed §7.2), with static input buffers.
+
+What is graphed: the main model's decode forward, embedding -> layers -> final norm -> logits of every row (and
+DFlash's ``capture_layer_ids`` hidden states). Metadata corrections (``zos_fixup``), verification, drafting and
+sampling stay eager, on the real (unpadded) ``AttentionMetadata``.
+
+A step of ``T`` tokens in ``B`` rows runs in the graph of the smallest size ``S >= T``, which has ``S`` rows and
+``S`` tokens. Its static buffers hold the step's device tensors in their first rows/tokens; the rest is padding:
+
+* ``P = S - T`` padding rows of one token each: ``seqlens_q = seqlens_k = 1``, an all-zero block-table row (block
+  0, the reserved padding block no sequence owns), position 0, token id 0, and slot ``-1`` (negative = not
+  written: the CPU reference skips it, the CUDA sync-free write rewrites slot 0 with its own contents). A padding
+  token therefore reads block 0 only and writes nothing outside block 0.
+* the remaining ``S - B - P`` rows are empty (``seqlens_q = seqlens_k = 0``): they own no tokens and read nothing.
+
+Host lengths are fixed per graph (kernels may bake them in): ``max_seqlen_q = k + 1`` and ``max_seqlen_k`` the
+block-table capacity; ``AttentionMetadata.host`` carries only these bounds (per-row host lists are empty), so a
+backend whose kernels need exact host lists per row (Ascend's FIA) needs its own runner with host patching.
+The CUDA MLA decode kernel bakes in the row count, the table width and the query-length bucket of
+``max_seqlen_q`` and reads every length from the device, so any step with ``max q <= k + 1`` is safe to replay.
+State slots are not used by the main forward; the drafter hooks receive the real rows only (slot of each row).
+
+Outputs (hidden, captured layers, logits) are views into the graph's static outputs: valid until the next replay,
+i.e. through this step's sampling and drafting, which is all the worker needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from deepinfer_npu.hal.graph_runner import GraphRunner
+from deepinfer_npu.hal.graph_sizes import graph_sizes
+from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """Pads a decode step into static buffers and replays (capturing at first use, or all at start-up)."""
+
+    def __init__(self, runner, graph_runner: GraphRunner, k: int, max_tokens: int,
+                 capture_layer_ids: tuple[int, ...] | None = None, extra_width: int = 0) -> None:
+        self.runner = runner
+        self.graphs = graph_runner
+        self.k = k
+        self.sizes = graph_sizes(max_tokens)
+        self.capture_layer_ids = tuple(capture_layer_ids) if capture_layer_ids else None
+        self.disabled: str | None = None  # why graphs were turned off (a failed capture)
+        bs = runner.block_size
+        # Room for every key a decode step can hold: max_model_len plus the drafts a re-split may add.
+        self.width = math.ceil((runner.max_model_len + extra_width) / bs) + 1
+        self.max_seqlen_q = k + 1
+        self.max_seqlen_k = self.width * bs
+        s, dev = self.sizes[-1], runner.device
+        i32, i64 = torch.int32, torch.int64
+        with torch.inference_mode():
+            self.buf = {
+                "input_ids": torch.zeros(s, dtype=i64, device=dev),
+                "positions": torch.zeros(s, dtype=i64, device=dev),
+                "slot_mapping": torch.full((s,), -1, dtype=i64, device=dev),
+                "seqlens_q": torch.ones(s, dtype=i32, device=dev),
+                "seqlens_k": torch.ones(s, dtype=i32, device=dev),
+                "cu_seqlens_q": torch.arange(s + 1, dtype=i32, device=dev),
+                "block_tables": torch.zeros(s, self.width, dtype=i32, device=dev),
+            }
+            self._arange = torch.arange(s + 1, dtype=i32, device=dev)
+
+    # ---------------------------------------------------------------- selection
+    def size_for(self, num_tokens: int, block_table_width: int) -> int | None:
+        """The graph size of a decode step, or None (run eagerly): too many tokens or a too-wide table."""
+        if self.disabled or num_tokens > self.sizes[-1] or block_table_width > self.width or num_tokens == 0:
+            return None
+        return next(s for s in self.sizes if s >= num_tokens)
+
+    def _static(self, size: int) -> dict[str, torch.Tensor]:
+        return {name: (t[: size + 1] if name == "cu_seqlens_q" else t[:size]) for name, t in self.buf.items()}
+
+    # ---------------------------------------------------------------- the graphed function
+    def _forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, cu_seqlens_q, block_tables):
+        host = HostLengths((), (), False, self.max_seqlen_q, self.max_seqlen_k, max_kv_shortfall=None)
+        attn = AttentionMetadata(seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q,
+                                 block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
+                                 max_seqlen_q=self.max_seqlen_q, max_seqlen_k=self.max_seqlen_k, is_prefill=False,
+                                 host=host)
+        model = self.runner.model
+        if self.capture_layer_ids:
+            hidden, captured = model(input_ids, positions, attn, self.runner.kv_caches,
+                                     capture_layer_ids=self.capture_layer_ids)
+        else:
+            hidden, captured = model(input_ids, positions, attn, self.runner.kv_caches), None
+        return {"hidden": hidden, "captured": captured, "logits": model.compute_logits(hidden)}
+
+    # ---------------------------------------------------------------- step
+    def _fill(self, size: int, ids: torch.Tensor, attn: AttentionMetadata) -> None:
+        """Write the step into the static buffers of ``size``; pad as the module docstring says (no host reads)."""
+        st = self._static(size)
+        t, b = attn.num_tokens, attn.num_seqs
+        p = size - t
+        st["input_ids"][:t].copy_(ids)
+        st["input_ids"][t:].zero_()
+        st["positions"][:t].copy_(attn.positions)
+        st["positions"][t:].zero_()
+        st["slot_mapping"][:t].copy_(attn.slot_mapping)
+        st["slot_mapping"][t:].fill_(-1)
+        for name, real in (("seqlens_q", attn.seqlens_q), ("seqlens_k", attn.seqlens_k)):
+            st[name][:b].copy_(real)
+            st[name][b : b + p].fill_(1)
+            st[name][b + p :].zero_()
+        cu = st["cu_seqlens_q"]
+        cu[: b + 1].copy_(attn.cu_seqlens_q)
+        cu[b + 1 : b + 1 + p].copy_(self._arange[1 : p + 1] + t)
+        cu[b + 1 + p :].fill_(size)
+        bt = st["block_tables"]
+        bt.zero_()
+        bt[:b, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size now (start-up), on all-padding inputs (they write nothing outside block 0)."""
+        for size in reversed(self.sizes):  # largest first: later graphs reuse the pool
+            if not self.graphs.has(size):
+                st = self._static(size)
+                st["input_ids"].zero_()
+                st["positions"].zero_()
+                st["slot_mapping"].fill_(-1)
+                st["seqlens_q"].fill_(1)
+                st["seqlens_k"].fill_(1)
+                st["cu_seqlens_q"].copy_(self._arange[: size + 1])
+                st["block_tables"].zero_()
+                self.graphs.capture(size, self._forward, st)
+
+    @torch.inference_mode()
+    def run(self, size: int, ids: torch.Tensor, attn: AttentionMetadata):
+        """-> ``(hidden [T, D], captured {layer: [T, D]} | None, logits [T, V])`` for the step's real tokens, or
+        None when capturing ``size`` failed (graphs are then off for good; the caller runs the step eagerly)."""
+        self._fill(size, ids, attn)
+        if not self.graphs.has(size):
+            logger.info("capturing the decode graph of %d tokens", size)
+            try:
+                self.graphs.capture(size, self._forward, self._static(size))
+            except Exception as e:  # noqa: BLE001 - e.g. an op that syncs; decode stays correct, only eager
+                self.disabled = f"capture of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
+                logger.warning("decode graphs disabled: %s", self.disabled)
+                return None
+        out = self.graphs.replay(size)
+        t = attn.num_tokens
+        captured = None if out["captured"] is None else {i: c[:t] for i, c in out["captured"].items()}
+        return out["hidden"][:t], captured, out["logits"][:t]

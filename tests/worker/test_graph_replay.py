@@ -1,0 +1,160 @@
+"""Captured-graph replay of decode steps (worker/decode_graphs.py), exercised on the CPU reference backend with
+the ``EagerReplayRunner`` injected: greedy tokens are identical to eager runs for {no speculation, MTP, DFlash} x
+{ZOS on, off}, with batches that are not graph sizes (padding) and an abort mid-flight; the replay path is really
+taken, and padding tokens write nothing outside block 0."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from deepinfer_npu import LLM, SamplingParams
+from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
+from deepinfer_npu.hal.graph_runner import EagerReplayRunner, GraphRunner
+from deepinfer_npu.hal.registry import get_backend
+from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+
+pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
+                                reason="the reference model is not installed in deepinfer_npu/assets/reference")
+
+PROMPTS = [  # 5 rows: a plain decode step of 5 tokens replays the graph of 8 (3 padding rows)
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+HAS_DFLASH = (REFERENCE_MODEL_DIR / "dflash" / "dflash_config.json").exists()
+METHODS = [None, "mtp"] + (["dflash"] if HAS_DFLASH else [])
+SMALL_KV = dict(block_size=16, num_kv_blocks=64)  # small pool: the per-step KV snapshots stay cheap
+
+
+@pytest.fixture
+def graph_runners(monkeypatch):
+    """Give the CPU backend an EagerReplayRunner; -> the list of runners handed out."""
+    made: list[EagerReplayRunner] = []
+
+    def factory(self):
+        made.append(EagerReplayRunner())
+        return made[-1]
+
+    monkeypatch.setattr(type(get_backend("cpu")), "graph_runner", factory)
+    return made
+
+
+@pytest.fixture
+def padding_audit(monkeypatch):
+    """Wrap ``DecodeGraphs.run``: after each replay, every changed KV row is a real token's slot or in block 0,
+    and the padding rows of the static buffers point at block 0 and write nothing. -> counters."""
+    stats = {"replays": 0, "padded": 0}
+    orig = DecodeGraphs.run
+
+    def run(self, size, ids, attn):
+        before = [c.clone() for c in self.runner.kv_caches]
+        out = orig(self, size, ids, attn)
+        t, b = attn.num_tokens, attn.num_seqs
+        st = self._static(size)
+        assert bool((st["slot_mapping"][t:] < 0).all())
+        assert bool((st["block_tables"][b:] == 0).all())
+        assert int(st["seqlens_q"].sum()) == size and int(st["cu_seqlens_q"][-1]) == size
+        assert bool((st["seqlens_k"][b:] <= 1).all())  # padding rows read at most slot 0 of block 0
+        bs = self.runner.block_size
+        allowed = set(attn.slot_mapping.tolist()) | set(range(bs))
+        for old, new in zip(before, self.runner.kv_caches):
+            changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+            assert set(changed) <= allowed, sorted(set(changed) - allowed)
+        stats["replays"] += 1
+        stats["padded"] += int(size > t)
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+    return stats
+
+
+def _generate(method, zos, **kw):
+    llm = LLM(speculative_method=method, num_speculative_tokens=4, zero_overhead_scheduling=zos, **SMALL_KV, **kw)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("method,zos", list(itertools.product(METHODS, [True, False])))
+def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
+    _, eager = _generate(method, zos)
+    assert not graph_runners  # enable_graphs off: the worker never asks for a runner
+    llm, graphed = _generate(method, zos, enable_graphs=True)
+    assert graphed == eager
+    worker = llm.llm_engine.worker
+    runner = graph_runners[-1]
+    assert worker.graphs is not None and worker.graphs.graphs is runner
+    assert runner.num_replays == worker.graph_steps == padding_audit["replays"] > 0
+    assert worker.graph_steps == llm.get_stats()["decode_steps"]  # every decode step replayed
+    assert runner.num_captures == len(runner.static_out) <= len(worker.graphs.sizes)
+    assert padding_audit["padded"] > 0  # batches that are not graph sizes were padded
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("zos", [True, False])
+def test_abort_midflight_with_graphs(graph_runners, padding_audit, method, zos):
+    _, eager = _generate(method, zos)
+    llm = LLM(speculative_method=method, num_speculative_tokens=4, zero_overhead_scheduling=zos,
+              enable_graphs=True, **SMALL_KV)
+    engine = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY)
+    final = {}
+    for step in range(1000):
+        if step == 4:
+            engine.abort_request("1")
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert len(final["1"]) < len(eager[1])
+    for i in (0, 2, 3, 4):
+        assert final[str(i)] == eager[i]
+    assert graph_runners[-1].num_replays > 0 and padding_audit["padded"] > 0
+    engine.scheduler.check_invariants()
+
+
+def test_startup_capture(graph_runners):
+    _, eager = _generate("mtp", True, max_num_seqs=8)
+    llm, graphed = _generate("mtp", True, max_num_seqs=8, enable_graphs=True, graph_capture="startup")
+    runner, graphs = graph_runners[-1], llm.llm_engine.worker.graphs
+    assert sorted(runner.static_out) == graphs.sizes and graphs.sizes[-1] == 8 * 5  # captured at start-up
+    assert graphed == eager and runner.num_replays > 0
+
+
+def test_no_runner_runs_eagerly():
+    llm, _ = _generate(None, True, enable_graphs=True)  # the plain CPU backend has no graph runner
+    assert llm.llm_engine.worker.graphs is None and llm.llm_engine.worker.graph_steps == 0
+
+
+def test_eager_replay_runner_contract():
+    runner = EagerReplayRunner()
+    assert isinstance(runner, GraphRunner)
+    x = torch.tensor([1.0, 2.0])
+    out = runner.capture(2, lambda x: {"y": x * 2, "none": None}, {"x": x})
+    x.copy_(torch.tensor([3.0, 4.0]))
+    again = runner.replay(2)
+    assert again is out and again["y"].tolist() == [6.0, 8.0] and again["none"] is None
+    assert runner.has(2) and not runner.has(4) and runner.num_replays == 1
+
+
+def test_graph_capture_validated():
+    with pytest.raises(ValueError, match="graph_capture"):
+        EngineConfig(graph_capture="always")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_graph_path_reads_nothing_from_the_device(graph_runners, method):
+    from deepinfer_npu.hal.sync_guard import HostReadDetector
+
+    llm = LLM(speculative_method=method, num_speculative_tokens=4, enable_graphs=True, **SMALL_KV)
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, min_tokens=4, logprobs=2)
+    with HostReadDetector() as detector:
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert detector.reads == []
+    assert graph_runners[-1].num_replays > 0
