@@ -138,7 +138,10 @@ class SamplingTensors:
                         ban_ids.append(int(t))
 
         def t(data: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(data, dtype=dtype, device=device)
+            host = torch.tensor(data, dtype=dtype)
+            if torch.device(device).type == "cpu":
+                return host
+            return host.pin_memory().to(device, non_blocking=True)  # no pageable (blocking) copy on devices
 
         random_rows = [not g for g in greedy]
         return cls(

@@ -102,7 +102,12 @@ class Worker:
 
     # ---------------------------------------------------------------- phase 1
     def _dev(self, a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=self.device, dtype=dtype)
+        """Host array -> device tensor without a host-device sync: on devices the copy goes through pinned
+        memory asynchronously (a pageable copy would block)."""
+        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _apply_state_ops(self, plan: StepPlan) -> None:
         extra = self.drafter.kv_caches if self.drafter is not None and hasattr(self.drafter, "kv_caches") else None
