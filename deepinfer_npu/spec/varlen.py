@@ -132,17 +132,25 @@ def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int
 
 
 class ConfidenceCalibrator:
-    """Online per-position calibration of draft confidences: ``calibrated_j = min(1, conf_j * r_j)`` with
-    ``r_j`` = accepted drafts / summed confidence at position ``j``, over drafts that were verified there (given
-    the earlier ones were accepted), with exponential forgetting. MTP's confidence is the draft token's
-    probability, which on our reference model is under-confident (it made varlen cut drafts that were accepted);
-    a trained confidence head (DFlash) is already calibrated and keeps ``r_j`` near 1."""
+    """Online per-position, binned calibration of draft confidences (histogram binning).
 
-    def __init__(self, k: int, decay: float = 0.999, prior: float = 20.0) -> None:
-        self.accepted = np.full(k, prior * 0.5)
-        self.conf = np.full(k, prior * 0.5)
-        self.decay = decay
+    For draft position ``j`` and raw-confidence bin ``b`` it tracks, with exponential forgetting, how often a draft
+    verified there (all earlier drafts accepted) was accepted; the calibrated confidence is that empirical rate,
+    shrunk towards the position's overall rate with ``prior`` pseudo-counts. A calibrated head (DFlash) maps close
+    to itself; MTP's confidence (the draft token's probability) is both under-confident and weakly discriminative
+    on our reference model, and a plain rescaling made varlen cut drafts that were then accepted.
+    """
+
+    def __init__(self, k: int, bins: int = 10, decay: float = 0.999, prior: float = 5.0,
+                 min_position_evidence: float = 20.0) -> None:
+        self.k, self.bins, self.decay, self.prior = k, bins, decay, prior
+        self.min_position_evidence = min_position_evidence
+        self.count = np.zeros((k, bins))
+        self.hits = np.zeros((k, bins))
         self.last: dict[int, np.ndarray] = {}
+
+    def _bin(self, conf: np.ndarray) -> np.ndarray:
+        return np.clip((np.asarray(conf, dtype=np.float64) * self.bins).astype(np.int64), 0, self.bins - 1)
 
     def observe_verify(self, seq_ids: np.ndarray, drafts: np.ndarray, accepted: np.ndarray) -> None:
         for sid, d, a in zip(seq_ids.tolist(), drafts.tolist(), accepted.tolist()):
@@ -150,19 +158,32 @@ class ConfidenceCalibrator:
             if conf is None or d <= 0:
                 continue
             reached = min(d, a + 1)  # positions 0..reached-1 were verified with all earlier drafts accepted
-            self.accepted *= self.decay
-            self.conf *= self.decay
-            self.conf[:reached] += conf[:reached]
-            self.accepted[: min(a, d)] += 1.0
+            self.count *= self.decay
+            self.hits *= self.decay
+            pos = np.arange(reached)
+            b = self._bin(conf[:reached])
+            self.count[pos, b] += 1.0
+            self.hits[pos[: min(a, d)], b[: min(a, d)]] += 1.0
 
-    def ratio(self) -> np.ndarray:
-        return self.accepted / np.maximum(self.conf, 1e-6)
+    def position_rate(self) -> np.ndarray:
+        """Empirical conditional acceptance per position (0.5 before any observation)."""
+        n = self.count.sum(axis=1)
+        return np.where(n > 0, self.hits.sum(axis=1) / np.maximum(n, 1e-9), 0.5)
 
     def calibrate(self, seq_ids: np.ndarray, probs: np.ndarray) -> np.ndarray:
-        out = np.clip(probs * self.ratio()[None, : probs.shape[1]], 0.0, 1.0).astype(np.float32)
+        k = probs.shape[1]
+        b = self._bin(probs)
+        pos = np.broadcast_to(np.arange(k), probs.shape)
+        n, h = self.count[pos, b], self.hits[pos, b]
+        # Shrink towards the position's empirical rate once it rests on enough evidence, towards the drafter's own
+        # confidence before that: a few early rejections must not drive a position's estimate (and with it its
+        # verification, hence all further evidence) to zero.
+        enough = self.count[:k].sum(axis=1)[None, :] >= self.min_position_evidence
+        base = np.where(enough, self.position_rate()[:k][None, :], probs)
+        out = ((h + self.prior * base) / (n + self.prior)).astype(np.float32)
         for sid, row in zip(seq_ids.tolist(), probs):
             self.last[sid] = row.astype(np.float64)
-        return out
+        return np.clip(out, 0.0, 1.0)
 
     def forget(self, seq_id: int) -> None:
         self.last.pop(seq_id, None)
