@@ -71,6 +71,11 @@ def _open(path: str):
 
 
 def _read(handle, name: str, path: str) -> torch.Tensor:
+    if name not in handle.keys():
+        # The index (model.safetensors.index.json) mapped the tensor to a shard that does not hold it.
+        raise CheckpointError(
+            f"tensor {name!r} is not in {path}, the shard {INDEX_FILE} assigns it to (stale or wrong index?)"
+        )
     try:
         return handle.get_tensor(name)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
