@@ -23,7 +23,6 @@ class Request:
     logprobs: list | None = None
     logprobs_raw: list = field(default_factory=list)  # sampler entries behind ``logprobs`` (fork inherits them)
     cumulative_logprob: float | None = None
-    num_inflight_tokens: int = 0  # tokens of a launched step not yet post-processed (ZOS)
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -31,11 +31,6 @@ from deepinfer_npu.hal.graph_sizes import graph_sizes
 
 logger = logging.getLogger(__name__)
 
-def build_graph_sizes(max_tokens: int) -> list[int]:
-    """The backend-shared graph sizes (``deepinfer_npu.hal.graph_sizes``)."""
-    return graph_sizes(max_tokens)
-
-
 def trimmed_mean(samples: list[float]) -> float:
     """Mean after dropping one largest and one smallest sample (the seed's 5-run rule)."""
     if len(samples) <= 2:
@@ -196,7 +191,7 @@ class VarlenController:
         self.engine = engine
         k = engine.config.nextn
         max_tokens = min(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs * (k + 1))
-        self.sizes = build_graph_sizes(max_tokens)
+        self.sizes = graph_sizes(max_tokens)  # the sizes the backend captures graphs for
         self.curve = self._load_or_profile(engine.runner, k)
         engine.scheduler.configure_varlen(np.asarray(self.sizes, dtype=np.int32),
                                           np.asarray(self.curve, dtype=np.float64))
