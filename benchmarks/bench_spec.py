@@ -66,28 +66,45 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--backend", default="cpu")
     p.add_argument("--plot", default=None, help="PNG path for the step-time curve with varlen's choices")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the engine's default for the backend)")
+    p.add_argument("--graphs", action="store_true", help="decode from captured graphs (enable_graphs=True)")
+    p.add_argument("--skip-acceptance", action="store_true", help="only the throughput runs")
+    p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args()
+    out_lines: list[dict] = []
+
+    def emit(line: dict) -> None:
+        line.update(graphs=args.graphs, dtype=args.dtype or "default", backend=args.backend)
+        out_lines.append(line)
+        print(json.dumps(line), flush=True)
 
     from deepinfer_npu import LLM, SamplingParams
     from deepinfer_npu.config import REFERENCE_MODEL_DIR
 
     methods = [m for m in args.methods if m != "dflash" or (REFERENCE_MODEL_DIR / "dflash").exists()]
-    hw = hardware() if args.backend == "cpu" else args.backend
+    if args.backend == "cuda":
+        import torch
+
+        hw = torch.cuda.get_device_name()
+    else:
+        hw = hardware() if args.backend == "cpu" else args.backend
+    extra = {"enable_graphs": args.graphs, **({"graph_capture": "startup"} if args.graphs else {}),
+             **({"dtype": args.dtype} if args.dtype else {})}
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = heldout_prompts(max(args.concurrency + [16]))
 
-    for method in methods:
+    for method in [] if args.skip_acceptance else methods:
         llm = LLM(backend=args.backend, speculative_method=method, num_speculative_tokens=args.k,
-                  varlen_verification=False)
+                  varlen_verification=False, **extra)
         llm.generate(prompts[:16], greedy, use_tqdm=False)
         s = llm.get_stats()
-        print(json.dumps({
+        emit({
             "bench": "spec_acceptance", "method": method, "k": args.k, "prompts": 16, "heldout": True,
             "mean_accepted_length": round(s["mean_accepted_length"], 4),
             "per_position_acceptance": [round(x, 4) if x is not None else None for x in s["per_position_acceptance"]],
             "emitted_tokens_per_step_all_requests": round(s["spec_emitted_tokens"] / max(s["spec_verify_steps"], 1), 3),
             "hardware": hw,
-        }), flush=True)
+        })
 
     chosen: Counter = Counter()
     curve = None
@@ -96,7 +113,7 @@ def main() -> None:
         runs = [(None, False)] + [(m, v) for m in methods for v in (False, True)]
         for method, varlen in runs:
             llm = LLM(backend=args.backend, speculative_method=method, num_speculative_tokens=args.k,
-                      varlen_verification=varlen, max_num_seqs=max(conc, 1))
+                      varlen_verification=varlen, max_num_seqs=max(conc, 1), **extra)
             llm.generate(batch[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             engine = llm.llm_engine
             for key in list(engine.stats):
@@ -116,8 +133,12 @@ def main() -> None:
                 curve = (engine.varlen.sizes, engine.varlen.curve)
                 chosen.update(engine.varlen.chosen_total_q)
                 line["slope_ms_per_token"] = round(engine.varlen.forward_est.slope(), 5)
-            print(json.dumps(line), flush=True)
+            emit(line)
 
+    if args.out:
+        with open(args.out, "a") as f:
+            for line in out_lines:
+                f.write(json.dumps(line) + "\n")
     if args.plot and curve is not None:
         import matplotlib
 

@@ -23,7 +23,8 @@ class EngineConfig:
     ``max_position_embeddings``. ``num_kv_blocks=None`` sizes the paged KV pool from ``kv_cache_memory_bytes`` (CPU)
     or the device's free memory times ``gpu_memory_utilization`` (device backends). ``enable_graphs``: decode steps
     replay captured graphs (``worker/decode_graphs.py``) on backends whose ``graph_runner()`` gives a
-    ``hal.graph_runner.GraphRunner`` (CUDA); elsewhere it changes nothing.
+    ``hal.graph_runner.GraphRunner``; ``None`` takes the backend's default (``Backend.graphs_by_default``: on for
+    CUDA), ``False`` forces eager decode.
     """
 
     model: str | os.PathLike | None = None
@@ -51,8 +52,9 @@ class EngineConfig:
     num_speculative_tokens: int = 5
     varlen_verification: bool = True
     # Decode steps replayed from captured graphs (one per total_q size, worker/decode_graphs.py) on backends with
-    # a graph runner (CUDA); ignored elsewhere. graph_capture: "lazy" (at a size's first step) | "startup" (all).
-    enable_graphs: bool = False
+    # a graph runner; None (default): the backend's choice (on for CUDA, off elsewhere); False: always eager.
+    # graph_capture: "lazy" (at a size's first step) | "startup" (all).
+    enable_graphs: bool | None = None
     graph_capture: str = "lazy"
 
     def __post_init__(self) -> None:

@@ -38,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=["mtp", "dflash"], default=None,
                    help="speculative decoding with the model's MTP layer or the DFlash drafter")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
-    p.add_argument("--graphs", action="store_true",
-                   help="replay decode steps from captured graphs (backends with a graph runner: cuda)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from captured graphs (default: the backend's choice, on for cuda); "
+                   "--no-graphs forces eager decode")
     p.add_argument("--no-varlen", action="store_true", help="verify a fixed number of drafts per request")
     p.add_argument("--speculative-model", default=None, help="DFlash drafter directory (default <model>/dflash)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")

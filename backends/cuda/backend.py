@@ -47,6 +47,7 @@ class CudaBackend(Backend):
     device_type = "cuda"
     dist_backend = "nccl"
     kernel_set_cls = CudaKernelSet
+    graphs_by_default = True  # graph-vs-eager decode checked on an H200 (tests/cuda/test_cuda_graphs.py)
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)

@@ -33,6 +33,9 @@ class Backend:
     #: Whether varlen may re-split a ZOS step's query lengths on the device (the N-1 rule). A backend whose
     #: attention API needs exact host query lengths (Ascend's fused attention) sets False: the CPU split stands.
     supports_device_resplit: ClassVar[bool] = True
+    # Decode from captured graphs when ``EngineConfig.enable_graphs`` is None (auto): backends whose graph runner
+    # was verified against eager decode on their hardware (CUDA) say True.
+    graphs_by_default: ClassVar[bool] = False
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index

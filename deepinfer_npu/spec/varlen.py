@@ -98,9 +98,12 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer_npu")) / "varlen"
 
 
-def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int = 5) -> list[float]:
+def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int = 5, graphs=None) -> list[float]:
     """Forward time (ms) of a decode step of each total_q in ``sizes`` (dummy rows of ``num_drafts + 1`` tokens
-    over a short context written to the padding block 0, so no sequence's cache is touched)."""
+    over a short context written to the padding block 0, so no sequence's cache is touched).
+
+    With ``graphs`` (the worker's :class:`DecodeGraphs`), each size is timed as the replay of its captured graph
+    (captured here when it is not yet), i.e. exactly what a decode step of that size runs (seed §7.2)."""
     from deepinfer_npu.model_executor.attention_metadata import build_attention_metadata
 
     q_per_row = num_drafts + 1
@@ -114,15 +117,19 @@ def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int
         tables = np.zeros((rows, -(-int(k.max()) // runner.block_size)), dtype=np.int64)
         attn = build_attention_metadata(q, k, tables, runner.block_size, runner.device, is_prefill=False)
         ids = torch.randint(0, runner.model_config.vocab_size, (size,), generator=gen).to(runner.device)
+        graph_size = graphs.size_for(size, tables.shape[1]) if graphs is not None else None
+        if graph_size is not None and graph_size != size:
+            graph_size = None  # not a captured size: time it eagerly
         times = []
-        for _ in range(runs):
+        for _ in range(runs + (1 if graph_size is not None else 0)):  # a graph's first run captures it
             runner.backend.synchronize()
             t0 = time.perf_counter()
-            hidden, _ = runner.forward(ids, attn)
-            runner.logits(hidden, None)
+            if graph_size is None or graphs.run(graph_size, ids, attn) is None:
+                hidden, _ = runner.forward(ids, attn)
+                runner.logits(hidden, None)
             runner.backend.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-        curve.append(trimmed_mean(times))
+        curve.append(trimmed_mean(times[-runs:]))
     return curve
 
 
@@ -192,6 +199,7 @@ class VarlenController:
         k = engine.config.nextn
         max_tokens = min(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs * (k + 1))
         self.sizes = graph_sizes(max_tokens)  # the sizes the backend captures graphs for
+        self.graphs = getattr(getattr(engine, "worker", None), "graphs", None)  # time graph replays when captured
         self.curve = self._load_or_profile(engine.runner, k)
         engine.scheduler.configure_varlen(np.asarray(self.sizes, dtype=np.int32),
                                           np.asarray(self.curve, dtype=np.float64))
@@ -205,7 +213,7 @@ class VarlenController:
             "model": runner.model_config.to_dict() if hasattr(runner.model_config, "to_dict")
             else repr(runner.model_config),
             "dtype": str(runner.dtype), "backend": runner.backend.name, "block": runner.block_size,
-            "sizes": self.sizes, "k": k, "torch": torch.__version__,
+            "sizes": self.sizes, "k": k, "torch": torch.__version__, "graphs": self.graphs is not None,
         }, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
@@ -219,11 +227,13 @@ class VarlenController:
             except (OSError, ValueError, KeyError):
                 logger.warning("ignoring unreadable varlen curve cache %s", path)
         t0 = time.perf_counter()
-        curve = profile_step_time_curve(runner, self.sizes, k)
-        logger.info("profiled %d graph sizes in %.1f s", len(self.sizes), time.perf_counter() - t0)
+        curve = profile_step_time_curve(runner, self.sizes, k, graphs=self.graphs)
+        logger.info("profiled %d graph sizes in %.1f s (%s)", len(self.sizes), time.perf_counter() - t0,
+                    "graph replays" if self.graphs is not None else "eager forwards")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"sizes": self.sizes, "ms": curve, "backend": runner.backend.name}))
+            path.write_text(json.dumps({"sizes": self.sizes, "ms": curve, "backend": runner.backend.name,
+                                        "graphs": self.graphs is not None}))
         except OSError as e:  # a read-only home must not stop the engine
             logger.warning("could not cache the varlen curve at %s: %s", path, e)
         return curve

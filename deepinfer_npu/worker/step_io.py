@@ -123,6 +123,8 @@ class DeviceStepState:
     draft_probs: torch.Tensor | None = None
     proposing_rows: np.ndarray | None = None
     sample_end_event: object | None = None
+    host: dict | None = None  # host copies of the results, filled asynchronously before sample_end_event
+    start_event: object | None = None  # timing event before the step's first device op (Worker.step_events)
     t_forward_ms: float = 0.0
     t_sample_ms: float = 0.0
     model_ms: float = 0.0

@@ -51,16 +51,26 @@ class Worker:
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
         self.graphs = self._build_graphs()
         self.graph_steps = 0  # decode steps run from a captured graph
+        # Set to a list to time steps on the device: each launched step appends ``(is_prefill, start, end)``
+        # timing events, start before its first device op, end with its sample-end event (benchmarks/bench_zos.py).
+        self.step_events: list | None = None
 
     def _build_graphs(self) -> DecodeGraphs | None:
         """``EngineConfig.enable_graphs`` and a backend graph runner -> the decode-graph plumbing, else None."""
         cfg = self.runner.config
-        if not getattr(cfg, "enable_graphs", False):
+        requested = getattr(cfg, "enable_graphs", False)
+        if requested is None:  # auto: the backend's default
+            requested = bool(getattr(self.backend, "graphs_by_default", False))
+            explicit = False
+        else:
+            explicit = True
+        if not requested:
             return None
         graph_runner = self.backend.graph_runner()
         if not isinstance(graph_runner, GraphRunner):
-            logger.warning("enable_graphs: backend %s has no graph runner for the worker; decode runs eagerly",
-                           self.backend.name)
+            if explicit:
+                logger.warning("enable_graphs: backend %s has no graph runner for the worker; decode runs eagerly",
+                               self.backend.name)
             return None
         max_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
@@ -124,6 +134,10 @@ class Worker:
                 self.drafter.clone_slots(src, dst)
 
     def _launch_forward(self, plan: StepPlan, reqs: StepRequests) -> DeviceStepState:
+        start_event = None
+        if self.step_events is not None:
+            start_event = self.backend.create_event(enable_timing=True)
+            start_event.record()
         self._apply_state_ops(plan)
         sq, sk = self._dev(plan.seqlens_q, torch.int32), self._dev(plan.seqlens_k, torch.int32)
         tables = self._dev(plan.block_tables, torch.int32)
@@ -181,9 +195,11 @@ class Worker:
         elif size is None:
             logits = self.runner.logits(hidden, None)
         model_ms = (time.perf_counter() - t_model) * 1e3  # host-timed: exact on CPU, launch time on devices
-        return DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,
+        step = DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,
                                hidden=hidden, captured=captured, logits=logits, draft_next=draft_next,
                                slots=slots, seqlens_q=attn.seqlens_q)
+        step.start_event = start_event
+        return step
 
     # ---------------------------------------------------------------- phase 3
     def _row_tensors(self, reqs: StepRequests, rows: np.ndarray) -> SamplingTensors:
@@ -276,25 +292,50 @@ class Worker:
                 self.slots.drafts.index_copy_(0, bonus_slots, drafts)
                 self.slots.draft_probs.index_copy_(0, bonus_slots, probs.float())
             step.draft_probs = probs
-        event = self.backend.create_event()
+        self._copy_results_to_host(step)
+        event = self.backend.create_event(enable_timing=step.start_event is not None)
         event.record()
         step.sample_end_event = event
+        if step.start_event is not None and self.step_events is not None:
+            self.step_events.append((plan.is_prefill, step.start_event, event))
         # Free what post-processing does not need (activations can be large).
         step.hidden = step.captured = step.logits = None
 
     # ---------------------------------------------------------------- phase 2 / 4
+    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the
+        stream behind the step's work, so post-processing waits for this step's end event only, never for work
+        launched after it (a plain ``.cpu()`` would wait for the next step's forward too, undoing ZOS)."""
+        if t is None or t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    def _copy_results_to_host(self, step: DeviceStepState) -> None:
+        """Queue the copies of everything post-processing reads (before the step's end event is recorded)."""
+        h = self._to_host
+        step.host = {"emitted": h(step.emitted), "num_emitted": h(step.num_emitted)}
+        if not step.plan.is_prefill:
+            step.host.update(seqlens_q=h(step.seqlens_q), accepted=h(step.accepted))
+        if step.logprobs is not None:
+            lp = step.logprobs
+            step.host.update(logprob_rows=h(step.logprob_rows), sampled_logprob=h(lp.sampled_logprob),
+                             sampled_rank=h(lp.sampled_rank), top_ids=h(lp.top_ids), top_logprobs=h(lp.top_logprobs))
+        if step.draft_probs is not None:
+            step.host["draft_probs"] = h(step.draft_probs)
+
     def _post_process(self, step: DeviceStepState) -> StepResult:
-        step.sample_end_event.synchronize()
-        plan = step.plan
-        emitted = step.emitted.cpu().numpy()
-        counts = step.num_emitted.cpu().numpy()
+        step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
+        plan, host = step.plan, step.host
+        emitted = host["emitted"].numpy()
+        counts = host["num_emitted"].numpy()
         token_ids = [emitted[i, : counts[i]].tolist() for i in range(plan.num_seqs)]
         logprobs: list = [None] * plan.num_seqs
         if step.logprobs is not None:
-            lp = step.logprobs
-            rows = step.logprob_rows.cpu().numpy()
-            sampled, rank = lp.sampled_logprob.cpu().tolist(), lp.sampled_rank.cpu().tolist()
-            top_ids, top_lps = lp.top_ids.cpu().tolist(), lp.top_logprobs.cpu().tolist()
+            rows = host["logprob_rows"].numpy()
+            sampled, rank = host["sampled_logprob"].tolist(), host["sampled_rank"].tolist()
+            top_ids, top_lps = host["top_ids"].tolist(), host["top_logprobs"].tolist()
             logprobs = [
                 [(sampled[r], rank[r], top_ids[r], top_lps[r]) for r in rows[i, : counts[i]]]
                 for i in range(plan.num_seqs)
@@ -303,12 +344,13 @@ class Worker:
                             token_ids=token_ids, logprobs=logprobs, num_tokens=plan.num_tokens,
                             forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms)
         if not plan.is_prefill:
-            result.num_drafts = step.seqlens_q.cpu().numpy().astype(np.int64) - 1
+            result.num_drafts = host["seqlens_q"].numpy().astype(np.int64) - 1
             result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
-            result.num_accepted = step.accepted.cpu().numpy()
+            result.num_accepted = host["accepted"].numpy()
         if step.draft_probs is not None:
-            result.draft_probs = step.draft_probs.cpu().numpy()
+            result.draft_probs = host["draft_probs"].float().numpy()
             result.proposing_rows = step.proposing_rows
+        step.host = None
         return result
 
 

@@ -158,3 +158,32 @@ def test_graph_path_reads_nothing_from_the_device(graph_runners, method):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert detector.reads == []
     assert graph_runners[-1].num_replays > 0
+
+
+def test_varlen_curve_profiled_from_graph_replays(graph_runners, monkeypatch, tmp_path):
+    """With graphs on, varlen's start-up curve times the replay of each size's captured graph (seed §7.2), and
+    its cache entry is kept apart from the eager curve's."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    sizes_run: list[int] = []
+    orig = DecodeGraphs.run
+
+    def run(self, size, ids, attn):
+        sizes_run.append(size)
+        return orig(self, size, ids, attn)
+
+    monkeypatch.setattr(DecodeGraphs, "run", run)
+    llm = LLM(speculative_method="mtp", num_speculative_tokens=4, varlen_verification=True, max_num_seqs=4,
+              enable_graphs=True, **SMALL_KV)
+    varlen = llm.llm_engine.varlen
+    assert varlen.graphs is llm.llm_engine.worker.graphs
+    assert sorted(set(sizes_run)) == sorted(varlen.sizes)  # every size replayed ...
+    assert len(sizes_run) == 6 * len(varlen.sizes)  # ... once to capture, then 5 timed runs
+    assert all(graph_runners[0].has(s) for s in varlen.sizes)
+    assert len(varlen.curve) == len(varlen.sizes) and all(ms > 0 for ms in varlen.curve)
+    cached = list((tmp_path / "varlen").glob("*.json"))
+    assert len(cached) == 1 and '"graphs": true' in cached[0].read_text()
+    sizes_run.clear()
+    eager = LLM(speculative_method="mtp", num_speculative_tokens=4, varlen_verification=True, max_num_seqs=4,
+                **SMALL_KV)
+    assert eager.llm_engine.varlen.graphs is None and not sizes_run
+    assert len(list((tmp_path / "varlen").glob("*.json"))) == 2  # a separate cache entry

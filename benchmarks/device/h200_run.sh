@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
+#   tests     GPU tests (tests/cuda, kernels_cuda tests)
+#   profile   benchmarks/profile_decode.py, graphs and eager, batch 1 and 64
+#   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
+#   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
+#   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
+#   e2e-nohf  the same without transformers
+#   goldens   parity goldens (fp32, bf16) on the reference model
+#   mla       benchmarks/bench_mla_decode.py
+# Outputs under $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150).
+set -u
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+LIM=${PHASE_LIMIT:-150}
+export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache DEEPINFER_CACHE_DIR=/tmp/dicache
+T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
+(mkdir -p /tmp/site && tar -xJf .carry/tilelang-0.1.15-cp312-site.tar.xz -C /tmp/site) &
+python3 setup.py build_ext --inplace -q -j 16 > "$OUT/build.log" 2>&1 || echo "BUILD FAILED" >> "$OUT/build.log" &
+wait
+for d in backends kernels_cuda kernels_ascend; do [ -e deepinfer_npu/$d ] || ln -s ../$d deepinfer_npu/$d; done
+export PYTHONPATH=$PWD:/tmp/site
+el "setup done"; tail -2 "$OUT/build.log"
+filt() { grep -v "tilelang.jit.kernel:INFO\|USDT:\|^INFO" ; }
+for phase in "$@"; do
+  el "phase $phase"
+  case $phase in
+    tests) timeout $LIM python3 -m pytest tests/cuda tests/kernels_cuda -q -rs -x -p no:cacheprovider 2>&1 | filt \
+             > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
+    profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch 1 64 --graphs --sequence 200 \
+             2>&1 | filt >> "$OUT/profile.log"; grep -v '^{' "$OUT/profile.log" | tail -5
+             grep '^{' "$OUT/profile.log" > "$OUT/profile.jsonl"
+             python3 -c "
+import json
+for l in open('$OUT/profile.jsonl'):
+    r = json.loads(l); print('batch', r['batch'], 'graphs', r['graphs'], 'wall', r['wall_ms_per_step'], 'kernel', r['kernel_ms_per_step'], 'n', r['kernels_per_step'])
+    for t in r['top'][:18]: print('   ', t)
+    for t in r['cpu_self_top'][:6]: print('   cpu', t)
+" ;;
+    zos) timeout $LIM python3 benchmarks/bench_zos.py --backend cuda --batch 1 64 --graphs \
+             --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;
+    spec) timeout $LIM python3 benchmarks/bench_spec.py --backend cuda --methods dflash --concurrency 1 32 \
+             --graphs --max-tokens 128 --out "$OUT/h200_spec.jsonl" 2>&1 | filt > "$OUT/spec.log"; tail -8 "$OUT/spec.log" ;;
+    e2e|e2e-nohf) x=""; [ $phase = e2e-nohf ] && x=--no-hf
+             timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
+             --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > "$OUT/e2e.log"
+             grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
+    goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
+             --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
+    mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --out "$OUT/h200_mla_decode.jsonl" 2>&1 | filt \
+             > "$OUT/mla.log"; tail -20 "$OUT/mla.log" ;;
+    *) echo "unknown phase $phase" ;;
+  esac
+done
+el "all done"

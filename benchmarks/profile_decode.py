@@ -1,0 +1,107 @@
+"""Where a decode step's time goes: device kernels by name (torch.profiler), kernels per step, kernel time vs wall.
+
+DeepSeek-V2-Lite shape, random bf16 weights, prompt ``--prompt-len``, greedy; ``--steps`` decode steps profiled
+after a warm-up, at each ``--batch``, eager or from captured graphs (``--graphs``). One JSON line per batch::
+
+    {"bench": "profile_decode", "batch": B, "graphs": g, "wall_ms_per_step": w, "kernel_ms_per_step": k,
+     "kernels_per_step": n, "top": [[name, ms_per_step, calls_per_step], ...]}
+
+GPU:  python benchmarks/profile_decode.py --backend cuda --batch 1 64 --graphs
+CPU rehearsal:  python benchmarks/profile_decode.py --backend cpu --tiny --batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_e2e import TINY, V2_LITE, hardware, precompile_engine_kernels, prompts_for, sync  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--graphs", action="store_true")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--zos", type=int, default=1)
+    p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels in time order")
+    args = p.parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer_npu import LLM, SamplingParams
+
+    cfg = TINY if args.tiny else V2_LITE
+    tmp = tempfile.mkdtemp(prefix="profile_decode_")
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    max_model_len = 64 * -(-(args.prompt_len + 3 * args.steps + 16) // 64)
+    llm = LLM(tmp, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
+              max_num_seqs=max(args.batch), num_kv_blocks=max(args.batch) * (max_model_len // 64) + 2,
+              max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len), enable_graphs=args.graphs,
+              zero_overhead_scheduling=bool(args.zos))
+    engine = llm.llm_engine
+    dev = engine.backend.device_type
+    print("precompile:", precompile_engine_kernels(engine, args.batch, max_model_len), flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    for batch in args.batch:
+        params = SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True)
+        for i, pr in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=batch)):
+            engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": pr}, params)
+        started: set[str] = set()
+        while len(started) < batch:
+            for o in engine.step():
+                if o.outputs and o.outputs[0].token_ids:
+                    started.add(o.request_id)
+        for _ in range(args.steps):  # warm-up decode (graph capture, kernel compiles)
+            engine.step()
+        sync(dev)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            sync(dev)
+            wall = time.perf_counter() - t0
+        while engine.has_unfinished_requests():
+            engine.step()
+        per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        total, count = 0.0, 0
+        kernels = []
+        for ev in prof.events():
+            is_kernel = dev == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA
+            if not is_kernel:
+                continue
+            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
+            per_name[ev.name][0] += us
+            per_name[ev.name][1] += 1
+            kernels.append((ev.time_range.start, ev.name, us))
+            total += us
+            count += 1
+        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]
+        cpu_top = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()),
+                         key=lambda t: -t[1])[:15]
+        row = {"bench": "profile_decode", "hardware": hardware(dev), "batch": batch, "graphs": args.graphs,
+               "zos": bool(args.zos), "steps": args.steps, "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
+               "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
+               "kernels_per_step": round(count / args.steps, 1),
+               "sequence": [[n[:70], round(us, 2)] for _t, n, us in sorted(kernels)[: args.sequence]],
+               "top": [[n[:90], round(v[0] / 1e3 / args.steps, 4), round(v[1] / args.steps, 1)] for n, v in top],
+               "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]
+                                for k, t, c in cpu_top]}
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
