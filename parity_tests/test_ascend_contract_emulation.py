@@ -4,9 +4,11 @@ hardware.
 A fake ``torch_npu`` (npu_emulation/: CPU implementations of exactly the fused ops backends/ascend calls, each
 written from its documentation and checking argument order, layouts, dtypes and returned tuples) is injected,
 and the whole engine runs through ``LLM(model, backend="ascend")`` on the CPU. Greedy tokens must equal the
-CPU
-backend's (fp32, zero-overhead scheduling on, with and without MTP speculative decoding on the reference
-model). Nothing here says anything about NPU kernels, bf16 numerics on the chip, or speed.
+CPU backend's (fp32, zero-overhead scheduling on, with and without MTP speculative decoding on the reference
+model). NPU graphs (``enable_graphs=True``) are emulated by recording the captured device work and re-executing it
+on replay, with FIA's host lengths re-issued through the emulated ``graph_task_update_begin/end`` before each replay
+(npu_emulation/graphs.py). Nothing here says anything about NPU kernels, graph capture on the chip, bf16 numerics
+on the chip, or speed.
 """
 
 from __future__ import annotations
@@ -115,6 +117,21 @@ def test_strict_a2_a3_profile_falls_back_with_reasons_and_still_matches(small_v3
         assert report[op].startswith("fallback ("), (op, report[op])
     assert "npu_fused_infer_attention_score" not in calls and "npu_moe_gating_top_k" not in calls
     assert report["rms_norm"].startswith("native")
+
+
+def test_graph_capture_of_a_syncing_fallback_fails_and_decode_stays_eager(small_v3, monkeypatch):
+    """On the strict A2/A3 profile this small model's attention falls back to the reference, which reads the
+    lengths on the host: the emulated capture rejects that (as a real NPU capture would fail on the sync), the
+    worker turns graphs off with the reason, and decoding continues eagerly with the CPU backend's tokens."""
+    monkeypatch.setenv("DEEPINFER_ASCEND_PROFILE", "a2_a3")
+    prompt = [{"prompt_token_ids": ID_PROMPTS[1]}]
+    cpu = _generate(small_v3, "cpu", prompt, 6)
+    with emulated_npu():
+        llm = LLM(small_v3, backend="ascend", dtype="float32", block_size=16, num_kv_blocks=96, enable_graphs=True)
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+    assert [o.outputs[0].token_ids for o in out] == cpu
+    assert stats["graph_steps"] == 0 and "NPU graph capture" in stats["graphs_disabled"], stats["graphs_disabled"]
 
 
 def test_op_report_plan_for_deepseek_v3_dims_on_a2_a3(monkeypatch):
@@ -322,15 +339,16 @@ def test_no_host_lengths_in_the_launch_path_takes_the_sync_free_dense_path():
     assert stats == {"dense_no_host": 1, "host_reads": 2, "fia_exact": 1}  # the read fallback only outside
 
 
-def _run_engine(model_dir, backend, dtype, spec, prompts, max_tokens, fork_after_first=False):
-    """Greedy, ZOS on, varlen on, k=4; optionally fork request 0 right after its first token."""
-    llm = LLM(str(model_dir), backend=backend, dtype=dtype, block_size=16, num_kv_blocks=128,
-              zero_overhead_scheduling=True, varlen_verification=True, speculative_method=spec,
-              num_speculative_tokens=4, max_num_seqs=4)  # few graph sizes: a short varlen profile
+def _run_engine(model_dir, backend, dtype, spec, prompts, max_tokens, fork_after_first=False, params=None, **kw):
+    """Greedy (or ``params`` per prompt), ZOS on, varlen on, k=4; optionally fork request 0 right after its first
+    token. ``kw``: engine arguments to add or override (``enable_graphs``, ``varlen_verification``)."""
+    opts = dict(block_size=16, num_kv_blocks=128, zero_overhead_scheduling=True, varlen_verification=True,
+                num_speculative_tokens=4, max_num_seqs=4)  # few graph sizes: a short varlen profile
+    llm = LLM(str(model_dir), backend=backend, dtype=dtype, speculative_method=spec, **{**opts, **kw})
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params[i] if params else greedy)
     final, forked = {}, not fork_after_first
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -405,3 +423,198 @@ def test_fork_copies_blocks_in_the_split_layout(reference_model, monkeypatch):
         _run_engine(reference_model, "ascend", "bfloat16", None, ZOS_PROMPTS[:1], 6, fork_after_first=True)
     nonempty = [c for c in copied if c[1] > 0]
     assert nonempty and all(n_split == n_caches for n_caches, _, n_split in nonempty), copied
+
+
+# ---- NPU graphs: capture / replay emulated by recording device work; FIA host lengths re-issued per step ---------
+def test_npu_graph_emulation_keeps_what_a_graph_keeps():
+    """The emulated ``torch.npu.NPUGraph`` replays recorded device work, not the Python: device inputs flow in,
+    host values of capture time stay baked, views alias the static storage; what a real capture rejects (host
+    reads, data-dependent shapes) raises."""
+    from npu_emulation import ContractError
+
+    with emulated_npu() as npu:
+        ns = npu.npu_namespace
+        w, scale = torch.randn(6, 6), [2.0]
+        x, idx = torch.randn(4, 6), torch.tensor([3, 1])
+
+        def fn(x, idx):
+            y = (x @ w) * scale[0]  # scale: a host value, baked at capture
+            z = torch.zeros(4, 6).index_copy_(0, idx, y[:2])
+            return {"z": z, "v": z.view(-1)[:5], "s": torch.softmax(y, -1)}
+
+        g = ns.NPUGraph()
+        with ns.graph(g):
+            out = fn(x, idx)
+        for _ in range(2):
+            x.copy_(torch.randn(4, 6))
+            idx.copy_(torch.randperm(4)[:2])
+            g.replay()
+            want = fn(x, idx)
+            assert all(torch.allclose(out[k], want[k]) for k in want)
+        scale[0] = 5.0
+        g.replay()
+        assert torch.allclose(out["s"], torch.softmax((x @ w) * 2.0, -1))  # still the captured 2.0
+        for bad in (lambda t: t.sum().item(), lambda t: t.nonzero(), lambda t: t[t > 0], lambda t: t.tolist()):
+            with pytest.raises(ContractError, match="NPU graph capture"), ns.graph(ns.NPUGraph()):
+                bad(x)
+
+
+class _AttentionGraph:
+    """Static buffers of a decode graph of ``size`` tokens around the Ascend kernel set's ``mla_attention``, and
+    one paged cache in the split layout that each step's case is loaded into (DecodeGraphs' padding convention:
+    rows past the step are q = k = 1 on block 0)."""
+
+    def __init__(self, size=16, width=8, blocks=200, lrank=16, rdim=8, heads=4):
+        self.size, self.width, self.blocks, self.lrank, self.rdim = size, width, blocks, lrank, rdim
+        self.static = {"q": torch.zeros(size, heads, lrank), "qr": torch.zeros(size, heads, rdim),
+                       "sk": torch.ones(size, dtype=torch.int32),
+                       "bt": torch.zeros(size, width, dtype=torch.int32)}
+        self.cache = torch.zeros(blocks, 16, lrank + rdim)
+
+    def fn(self, q, qr, sk, bt):
+        from deepinfer_npu.backends.ascend import ops_mla
+
+        return ops_mla.mla_attention_fia(q, qr, self.cache, bt, None, sk, None, 0.3, 16, host=None)
+
+    def load(self, c, max_kv_shortfall):
+        from deepinfer_npu.backends.ascend import kv_layout
+
+        from deepinfer_npu.model_executor.attention_metadata import HostLengths
+
+        hal = torch.zeros(self.blocks, 16, self.lrank + self.rdim)
+        hal[: c["hal"].shape[0]] = c["hal"]
+        self.cache.copy_(kv_layout.from_hal_layout(hal, self.lrank, self.rdim))
+        q_lens, b = c["sq"].tolist(), c["sq"].numel()
+        t = sum(q_lens)
+        st = self.static
+        st["q"].zero_()
+        st["q"][:t] = c["q"]
+        st["qr"].zero_()
+        st["qr"][:t] = c["qr"]
+        st["sk"].zero_()
+        st["sk"][:b] = c["sk"]
+        st["sk"][b : b + self.size - t] = 1
+        st["bt"].zero_()
+        st["bt"][:b, : c["tables"].shape[1]] = c["tables"]
+        exact = c["k_host"] == c["sk"].tolist()
+        return HostLengths(tuple(q_lens), tuple(c["k_host"]), exact, max(q_lens), max(c["k_host"]),
+                           None if exact else max_kv_shortfall)
+
+
+GRAPH_STEPS = [  # (q lengths, true key lengths, shortfall = optimistic host - true) of successive decode steps
+    ([3, 1, 5], [20, 9, 33], [2, 0, 4]),
+    ([5, 5], [40, 17], [4, 3]),
+    ([2, 4, 1, 5], [18, 40, 3, 22], [1, 3, 0, 4]),
+    ([1, 1, 1], [5, 30, 7], [0, 0, 0]),  # exact host lengths
+]
+
+
+def test_npu_graph_fia_host_lengths_reissued_per_step_with_negative_controls():
+    """One captured graph replayed for four different steps: before each replay the runner re-issues the FIA
+    task with the step's host lists (graph_task_update_begin/end) and refreshes the device metadata; outputs equal
+    the reference attention on the true lengths (rejected-draft keys hidden on the device). Negative controls: a
+    replay without the update would block (the captured ExternalEvent wait); re-issuing the capture-time lists
+    attends the wrong keys; an update may not swap tensors."""
+    from deepinfer_npu.backends.ascend import ops_mla
+    from deepinfer_npu.backends.cpu import mla as ref
+    from npu_emulation import ContractError
+
+    from deepinfer_npu.hal import get_backend
+
+    with emulated_npu() as npu:
+        runner = get_backend("ascend").graph_runner()
+        ag = _AttentionGraph()
+        ops_mla.reset_stats()
+        cases = [_paged_case(*step, seed=i) for i, step in enumerate(GRAPH_STEPS)]
+        for c in cases:
+            runner.set_step_host_lengths(ag.size, ag.load(c, 4), 4)
+            if not runner.has(ag.size):
+                runner.capture(ag.size, ag.fn, ag.static)
+            got = runner.replay(ag.size)[: c["q"].shape[0]]
+            want = ref.mla_attention(c["q"], c["qr"], c["hal"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        dev, graph = ops_mla.device_stats(), runner.graphs[ag.size]
+        short = [sum(d > 0 for d in step[2]) for step in GRAPH_STEPS]  # step 0 also ran at warm-up and capture
+        assert dev == {"rows_with_kv_shortfall": 2 * short[0] + sum(short), "shortfall_beyond_padding": 0}
+        assert runner.num_task_updates == npu.npu_namespace.task_updates == len(cases)
+        assert graph.num_replays == len(cases) and CALLS["npu_fused_infer_attention_score.out"] == 1 + len(cases)
+
+        state = runner.fia[ag.size]
+        runner.set_step_host_lengths(ag.size, ag.load(cases[0], 4), 4)
+        with pytest.raises(ContractError, match="ExternalEvent"):
+            graph.replay()  # the runner's task update skipped
+        stale = ops_mla.plan_fia  # re-issue the lists of step 0 for step 1's data
+        runner.set_step_host_lengths(ag.size, ag.load(cases[0], 4), 4)
+        lists0 = (list(state.plan.ends), list(state.plan.kv_lens))
+        runner.set_step_host_lengths(ag.size, ag.load(cases[1], 4), 4)
+        state.plan.ends, state.plan.kv_lens = lists0
+        got = runner.replay(ag.size)[: cases[1]["q"].shape[0]]
+        c = cases[1]
+        want = ref.mla_attention(c["q"], c["qr"], c["hal"], c["tables"], c["sq"], c["sk"], c["cu"], 0.3)
+        assert stale is ops_mla.plan_fia and not torch.allclose(got, want, rtol=1e-2, atol=1e-2)
+        task, ns = state.tasks[0], npu.npu_namespace
+        stream = ns.Stream()
+        with ns.stream(stream), pytest.raises(ContractError, match="tensor arguments must be the captured"):
+            ns.graph_task_update_begin(stream, task.handle)
+            npu.npu_fused_infer_attention_score.out(task.args[0].clone(), *task.args[1:], **task.kwargs)
+
+
+@pytest.mark.parametrize("spec", [None, "mtp", "dflash"])
+def test_reference_model_npu_graphs_zos_equal_cpu_without_host_reads(reference_model, spec):
+    """``enable_graphs=True`` on the emulated Ascend backend: decode steps replay captured NPU graphs (the worker
+    really uses the Ascend runner), every replay first re-issues FIA's host lengths, and with ZOS, varlen,
+    speculative decoding (k=4) and a fork the tokens equal the CPU backend's (fp32). Rejected-draft keys were hidden
+    inside replays (with DFlash every main-model decode attention is a replay), nothing beyond the padding, and the
+    Ascend launch path read nothing from the device. Verified by emulation only: no NPU graph has been captured."""
+    from deepinfer_npu.backends.ascend import ops_mla
+    from deepinfer_npu.backends.ascend.graph import NpuGraphRunner
+
+    _, cpu = _run_engine(reference_model, "cpu", "float32", spec, ZOS_PROMPTS, 20, fork_after_first=True)
+    with emulated_npu() as npu:
+        ops_mla.reset_stats()
+        with _AscendHostReads() as reads:
+            engine, asc = _run_engine(reference_model, "ascend", "float32", spec, ZOS_PROMPTS, 20,
+                                      fork_after_first=True, enable_graphs=True)
+        stats, dev = engine.get_stats(), ops_mla.device_stats()
+        runner = engine.worker.graphs.graphs
+        updates, report = npu.npu_namespace.task_updates, engine.backend.op_report()
+    assert {rid: asc[rid][0] for rid in asc} == {rid: cpu[rid][0] for rid in cpu}
+    assert isinstance(runner, NpuGraphRunner) and stats["graphs_disabled"] is None
+    assert stats["graph_steps"] > 0 and runner.num_replays >= stats["graph_steps"]  # (+ varlen's profile runs)
+    assert updates == runner.num_task_updates > 0
+    assert dev["shortfall_beyond_padding"] == 0 and (spec is None or dev["rows_with_kv_shortfall"] > 0), dev
+    assert reads.reads == []
+    assert "verified by the CPU contract emulation only" in report["decode_graphs"]
+
+
+def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_model, monkeypatch):
+    """The TileLang-Ascend wiring, end to end: with the kernels forced usable and built for the host C target
+    (the same kernels_ascend programs; on an NPU they would be built by bisheng), zos_fixup and spec_verify of the
+    emulated Ascend backend run on them, and greedy and seeded sampled tokens (MTP, ZOS) equal the CPU backend's.
+    Varlen is off: the CPU backend re-splits drafts on the device and Ascend does not, which changes how many
+    drafts are verified and so the random draws of sampled rows (greedy tokens are equal either way). On this
+    machine the real decision is a fallback (tests/ascend/test_tilelang_ascend.py); the all-greedy kernel
+    (spec_verify_greedy) is checked there against the reference."""
+    pytest.importorskip("tilelang")
+    from deepinfer_npu.backends.ascend import tilelang_ascend
+
+    real = tilelang_ascend.TileLangAscendKernels
+    made = []
+
+    def host_c(target="ascend"):
+        made.append(real("c"))
+        return made[-1]
+
+    monkeypatch.setattr(tilelang_ascend, "probe", lambda: tilelang_ascend.Probe(True, "forced (test)"))
+    monkeypatch.setattr(tilelang_ascend, "TileLangAscendKernels", host_c)
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=5)]
+    kw = dict(params=params, varlen_verification=False)
+    _, cpu = _run_engine(reference_model, "cpu", "float32", "mtp", ZOS_PROMPTS[:2], 16, **kw)
+    with emulated_npu():
+        engine, asc = _run_engine(reference_model, "ascend", "float32", "mtp", ZOS_PROMPTS[:2], 16, **kw)
+        report = engine.backend.op_report()
+    assert {r: v[0] for r, v in asc.items()} == {r: v[0] for r, v in cpu.items()}
+    assert report["zos_fixup"].startswith("native (TileLang-Ascend") and "host C build" in report["zos_fixup"]
+    calls = made[-1].calls
+    assert calls.get("zos_seqlens_k", 0) > 0 and calls.get("rejection_accept", 0) > 0, calls

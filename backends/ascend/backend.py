@@ -42,6 +42,7 @@ class AscendBackend(Backend):
         self.device_name = device_name
         self.emulated = runtime.emulated()
         self.kernels.limits = capabilities.detect_profile(device_name, self.emulated)
+        self.kernels.setup_tilelang()  # TileLang-Ascend kernels for zos_fixup / spec_verify: decided once, here
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -67,7 +68,9 @@ class AscendBackend(Backend):
         runtime.npu_namespace().synchronize()
 
     def graph_runner(self) -> NpuGraphRunner:
-        return NpuGraphRunner(self.device_index)
+        """NPU decode graphs (``graph.py``): used when ``enable_graphs=True`` (off by default: verified by the CPU
+        contract emulation only, never on an NPU)."""
+        return NpuGraphRunner(self.device_index, kernels=self.kernels, device=self.device)
 
     @contextlib.contextmanager
     def forbid_sync(self) -> Iterator[None]:

@@ -176,7 +176,8 @@ def decide_gating(
     if top_k > lim.gating_max_k or top_k > num_experts // max(n_group, 1) * max(topk_group, 1):
         why.append(f"top_k {top_k}")
     if why:
-        return Decision(False, "npu_moe_gating_top_k does not fit: " + ", ".join(why))
+        return Decision(False, "npu_moe_gating_top_k does not fit: " + ", ".join(why)
+                        + "; no TileLang-Ascend gating kernel yet (the reference composition runs)")
     return Decision(True, "torch_npu.npu_moe_gating_top_k")
 
 

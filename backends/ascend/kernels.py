@@ -2,8 +2,10 @@
 
 Decisions come from :mod:`.capabilities`, are taken at an op's first call from static facts (dims, dtype,
 expert counts, block size) and memoised, so the plan is fixed by the model's first forward and never
-re-evaluated per step. ``op_report`` lists the decision per op with the fused op used or the reason for the
-fallback.
+re-evaluated per step. The ops with no fused equivalent (``zos_fixup``, ``spec_verify``) take the TileLang-Ascend
+kernels of ``kernels_ascend/`` when :func:`.tilelang_ascend.probe` finds them usable — decided once, at start-up —
+else the torch composition. ``op_report`` lists the decision per op with the op or kernel used or the reason for
+the fallback, plus how decode graphs run on this backend.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
-from . import kv_layout, ops_dense, ops_mla, ops_moe
+from . import kv_layout, ops_dense, ops_mla, ops_moe, tilelang_ascend
 
 NOT_RUN_NOTE = (
     "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
@@ -37,6 +39,11 @@ _FIXED = {
     "copy_kv_blocks": "aten index_select + index_copy_ in the cache's layout (split k_nope / k_rope caches when "
     "the fused attention is used)",
 }
+GRAPHS_NOTE = (
+    "NpuGraphRunner (torch.npu.NPUGraph per decode size; FIA host lengths re-issued per step with "
+    "graph_task_update_begin/end): used only with enable_graphs=True; verified by the CPU contract emulation only, "
+    "never captured or replayed on an NPU"
+)
 
 
 class AscendKernelSet(KernelSet):
@@ -44,7 +51,7 @@ class AscendKernelSet(KernelSet):
         "sample": (
             "the reference sampler's plain torch runs on the NPU; npu_top_k_top_p is not used because its "
             "documentation does not pin the reference's top-p rule (mass strictly before < p, stable ties), "
-            "and seeded draws must match the CPU backend bit for bit"
+            "and seeded draws must match the CPU backend bit for bit; no TileLang-Ascend sampling kernel yet"
         ),
     }
 
@@ -60,13 +67,44 @@ class AscendKernelSet(KernelSet):
         self._memo: dict[tuple, caps.Decision] = {}
         # Caches written in the split k_nope / k_rope layout -> (L, R), so block copies use that layout.
         self._split_caches = WeakIdKeyDictionary()
+        # TileLang-Ascend kernels for zos_fixup / spec_verify: decided once (setup_tilelang; AscendBackend calls it
+        # at start-up), None until then.
+        self.tilelang: tilelang_ascend.TileLangAscendKernels | None = None
+        self.tilelang_probe: tilelang_ascend.Probe | None = None
+
+    # ---- TileLang-Ascend kernels ---------------------------------------------------------------------------
+    def setup_tilelang(self, probe: tilelang_ascend.Probe | None = None,
+                       kernels: tilelang_ascend.TileLangAscendKernels | None = None) -> tilelang_ascend.Probe:
+        """Decide once whether zos_fixup / spec_verify run on the TileLang-Ascend kernels (``probe``: tilelang
+        importable, its Ascend JIT path present, an NPU present) and record why. Tests may pass both a probe and
+        ``kernels`` (e.g. the host C build of the same programs)."""
+        self.tilelang_probe = probe if probe is not None else tilelang_ascend.probe()
+        if self.tilelang_probe.usable:
+            self.tilelang = kernels if kernels is not None else tilelang_ascend.TileLangAscendKernels("ascend")
+        else:
+            self.tilelang = None
+        for op, what in tilelang_ascend.WIRED.items():
+            if self.tilelang is not None:
+                where = "host C build: tests only" if self.tilelang.target == "c" else "never run on an NPU"
+                self._decisions[op] = caps.Decision(True, f"TileLang-Ascend {what} ({where})")
+            else:
+                self._decisions[op] = caps.Decision(
+                    False, f"TileLang-Ascend {what} not usable here: {self.tilelang_probe.reason}; the torch "
+                    "composition (reference op) runs on the device")
+        return self.tilelang_probe
+
+    def _tl(self) -> tilelang_ascend.TileLangAscendKernels | None:
+        if self.tilelang_probe is None:
+            self.setup_tilelang()
+        return self.tilelang
 
     # ---- decisions -----------------------------------------------------------------------------------------
     def _lim(self) -> caps.Limits:
         if self.limits is None:  # constructed outside AscendBackend (tests): ask the runtime once
             from . import runtime
 
-            self.limits = caps.detect_profile(None, runtime.emulated())
+            emulated = runtime.unavailable_reason() is None and runtime.emulated()  # no torch_npu: not emulated
+            self.limits = caps.detect_profile(None, emulated)
         return self.limits
 
     def _decide(self, op: str, key: tuple, fn: Callable[[], caps.Decision]) -> caps.Decision:
@@ -232,6 +270,23 @@ class AscendKernelSet(KernelSet):
 
         return sample(logits, sampling_tensors)
 
+    def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
+                    ban_mask=None):
+        tl = self._tl()
+        if tl is not None:
+            return tl.spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
+        from deepinfer_npu.backends.cpu.spec_verify import spec_verify
+
+        return spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
+
+    def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
+        tl = self._tl()
+        if tl is not None:
+            return tl.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+        from deepinfer_npu.backends.cpu.zos import zos_fixup
+
+        return zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def plan_for_config(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, str]:
         """The decisions a model would get, before any forward (``--list-ops`` with a model, tests)."""
@@ -244,7 +299,9 @@ class AscendKernelSet(KernelSet):
         self._decisions.update(plan_for_config(self._lim(), model_config, dtype, block_size))
 
     def op_report(self) -> dict[str, str]:
-        report = {"note": NOT_RUN_NOTE, "profile": self._lim().name}
+        if self.tilelang_probe is None:
+            self.setup_tilelang()
+        report = {"note": NOT_RUN_NOTE, "profile": self._lim().name, "decode_graphs": GRAPHS_NOTE}
         for op in self.OPS:
             if op in _FIXED:
                 report[op] = f"native ({_FIXED[op]})"
@@ -254,4 +311,6 @@ class AscendKernelSet(KernelSet):
                 report[op] = f"fallback ({self.FALLBACK_REASONS[op]})"
             else:
                 report[op] = "pending (decided at the op's first call from the model's shapes)"
+        for name, why in tilelang_ascend.NOT_WIRED.items():
+            report[f"tilelang:{name}"] = why
         return report

@@ -12,6 +12,8 @@ The op's ``actual_seq_lengths(_kv)`` are host int lists; they come from ``Attent
 host key lengths are the CPU's optimistic upper bounds; :func:`mla_attention_fia` hides the rejected-draft keys
 beyond the true (device) length by shifting each request's queries on the device within padded query rows —
 the only documented way, since FIA's MLA mode takes no custom mask (details in its docstring, docs/ascend.md).
+Inside an NPU decode graph (``graph.py``) the same attention runs from static device buffers
+(:func:`mla_attention_fia_graph`) and the host lists are re-issued per step with ``graph_task_update_begin/end``.
 
 Doc: Ascend/pytorch docs torch_npu-npu_fused_infer_attention_score.md (hiascend Pytorch/700 ptaoplist_001232);
 usage: vllm_ascend/attention/mla_v1.py ``_forward_decode`` (SpecDecoding branch: TND, sparse_mode=3,
@@ -20,8 +22,10 @@ usage: vllm_ascend/attention/mla_v1.py ``_forward_decode`` (SpecDecoding branch:
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +52,24 @@ STATS: Counter[str] = Counter()
 _DEVICE_STATS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 _masks: dict[tuple[str, int | None], torch.Tensor] = {}
+
+#: The NPU graph being warmed up or captured on this thread (``graph.FiaGraphState``), set by
+#: ``graph.NpuGraphRunner.capture``: FIA calls then take :func:`mla_attention_fia_graph`.
+_GRAPH = threading.local()
+
+
+def enter_graph(state: Any) -> Any:
+    previous = getattr(_GRAPH, "state", None)
+    _GRAPH.state = state
+    return previous
+
+
+def exit_graph(previous: Any) -> None:
+    _GRAPH.state = previous
+
+
+def active_graph() -> Any:
+    return getattr(_GRAPH, "state", None)
 
 
 def reset_stats() -> None:
@@ -264,6 +286,9 @@ def mla_attention_fia(
     dropped. The row index is a device tensor (``host dest - d``), so nothing is read back. A shortfall beyond
     the pad (which a correct bound rules out) is clamped and counted on the device (:func:`device_stats`).
     """
+    graph = active_graph()
+    if graph is not None:
+        return mla_attention_fia_graph(graph, q_latent, q_rope, kv_cache, block_tables, seqlens_k, softmax_scale)
     num_tokens, num_heads, lrank = q_latent.shape
     rdim = q_rope.shape[-1]
     out = torch.zeros_like(q_latent)
@@ -337,6 +362,86 @@ def mla_attention_fia(
     )
     out[:n_real] = (attn if dest is None else attn.index_select(0, dest)).to(out.dtype)
     return out
+
+
+def mla_attention_fia_graph(
+    graph: Any,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """:func:`mla_attention_fia` inside an NPU decode graph (warm-up and capture; ``graph.py`` explains the layout).
+
+    Same attention and the same ZOS query shift as eager, but every per-step value comes from static device
+    buffers: ``seqlens_k`` (ZOS-corrected on the device) and the runner's metadata buffer (each token's FIA row
+    before the shift, its graph row, its piece's padding; each row's host key length; each piece's block-table row,
+    ``S`` = the appended zero row for dummy pieces). The only host values are FIA's ``actual_seq_lengths(_kv)``:
+    the runner re-issues them per step through ``graph_task_update_begin/end``. While capturing, the call is the
+    documented ``.out`` form inside its own task group after an ``ExternalEvent`` wait/reset (doc:
+    torch_npu-npu-graph_task_group_begin.md; usage: vllm_ascend/attention/mla_v1.py ``_forward_decode``).
+    """
+    layout, plan = graph.layout, graph.plan
+    num_tokens, num_heads, lrank = q_latent.shape
+    rdim = q_rope.shape[-1]
+    if num_tokens != layout.size:
+        raise ValueError(f"graph of size {layout.size} got {num_tokens} query tokens")
+    m = graph.views()
+    device = q_latent.device
+    short = m["k_host"] - seqlens_k.to(torch.int64)  # per graph row: host K - true k (device only)
+    d_tok = short.index_select(0, m["token_req"])
+    counters = _device_counters(device)
+    counters[0] += (short > 0).sum()
+    counters[1] += ((d_tok < 0) | (d_tok > m["piece_pad"])).sum()
+    dest = m["dest"] - torch.minimum(d_tok.clamp(min=0), m["piece_pad"])
+    query = q_latent.new_zeros(layout.rows, num_heads, lrank).index_copy_(0, dest, q_latent)
+    query_rope = q_rope.new_zeros(layout.rows, num_heads, rdim).index_copy_(0, dest, q_rope)
+    zero_row = block_tables.new_zeros(1, block_tables.shape[1])
+    tables = torch.cat((block_tables, zero_row)).index_select(0, m["piece_row"]).to(torch.int32)
+    block_size = kv_cache.shape[1]
+    k_nope, k_rope = kv_layout.split_views(kv_cache, lrank, rdim)
+    nb = kv_cache.shape[0]
+    key = k_nope.view(nb, 1, block_size, lrank)
+    kwargs = dict(
+        query_rope=query_rope,
+        key_rope=k_rope.view(nb, 1, block_size, rdim),
+        num_heads=num_heads,
+        num_key_value_heads=1,
+        input_layout="TND",
+        atten_mask=None if layout.single_row else _causal_mask(device),
+        sparse_mode=0 if layout.single_row else 3,
+        scale=softmax_scale,
+        antiquant_mode=0,
+        antiquant_scale=None,
+        block_table=tables,
+        block_size=block_size,
+        actual_seq_lengths=list(plan.ends),
+        actual_seq_lengths_kv=list(plan.kv_lens),
+    )
+    npu, ns = runtime.load(), runtime.npu_namespace()
+    STATS["fia_graph_captured" if ns.is_current_stream_capturing() else "fia_graph_warmup"] += 1
+    if ns.is_current_stream_capturing():
+        stream = ns.current_stream()
+        event = ns.ExternalEvent()
+        event.wait(stream)
+        event.reset(stream)
+        if graph.workspace is None:  # one workspace per graph, shared by its (sequential) FIA tasks
+            graph.workspace = npu._npu_fused_infer_attention_score_get_max_workspace(query, key, key, **kwargs)
+        attn = torch.empty_like(query)
+        lse = torch.empty(layout.rows, dtype=query.dtype, device=device)
+        args = (query, key, key)
+        call = dict(kwargs, workspace=graph.workspace, out=[attn, lse])
+        ns.graph_task_group_begin(stream)
+        npu.npu_fused_infer_attention_score.out(*args, **call)
+        handle = ns.graph_task_group_end(stream)
+        from .graph import FiaTask
+
+        graph.tasks.append(FiaTask(handle=handle, event=event, args=args, kwargs=call))
+    else:
+        attn, _lse = npu.npu_fused_infer_attention_score(query, key, key, **kwargs)
+    return attn.index_select(0, dest).to(q_latent.dtype)
 
 
 def mla_attention_dense(

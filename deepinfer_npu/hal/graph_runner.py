@@ -3,7 +3,10 @@
 ``capture(size, fn, static_inputs)`` records ``fn(**static_inputs)`` once (after a warm-up run, which device
 graphs require) and returns its outputs: tensors (or a pytree of tensors) that every later ``replay(size)``
 overwrites in place. Before a replay the caller writes the step's inputs into the same ``static_inputs`` tensors;
-nothing is passed to ``replay``. Real runners: ``backends/cuda/graph.py`` (``torch.cuda.CUDAGraph``).
+nothing is passed to ``replay``. Before each capture and each replay the caller also hands over the step's host
+lengths (``set_step_host_lengths``): runners whose captured kernels bake host parameters re-issue them there
+(Ascend's fused attention takes ``actual_seq_lengths(_kv)`` as host lists); the default ignores them. Real runners:
+``backends/cuda/graph.py`` (``torch.cuda.CUDAGraph``), ``backends/ascend/graph.py`` (``torch.npu.NPUGraph``).
 
 :class:`EagerReplayRunner` is the same contract without capture: ``replay`` calls ``fn`` on the static buffers
 and copies the result into the outputs returned at capture. The CPU backend has no graph runner; tests inject
@@ -31,6 +34,13 @@ class GraphRunner(ABC):
 
     def has(self, size: int) -> bool:
         return size in self.static_out
+
+    def set_step_host_lengths(self, size: int, host: Any, max_drafts: int) -> None:
+        """Called before every capture and replay of ``size``: ``host`` is the step's ``HostLengths`` (its real rows
+        only; None for the all-padding capture at start-up) and ``max_drafts`` the most drafts a decode row
+        verifies (rows hold at most ``max_drafts + 1`` queries; optimistic key lengths exceed the true ones by at
+        most ``max_drafts``). Host values only: nothing here may read the device. Default: ignored."""
+        return None
 
     @abstractmethod
     def capture(self, size: int, fn: Callable[..., Any], static_inputs: dict[str, torch.Tensor]) -> Any:

@@ -15,7 +15,8 @@ A step of ``T`` tokens in ``B`` rows runs in the graph of the smallest size ``S 
 
 Host lengths are fixed per graph (kernels may bake them in): ``max_seqlen_q = k + 1`` and ``max_seqlen_k`` the
 block-table capacity; ``AttentionMetadata.host`` carries only these bounds (per-row host lists are empty), so a
-backend whose kernels need exact host lists per row (Ascend's FIA) needs its own runner with host patching.
+backend whose kernels need exact host lists per row (Ascend's FIA) gets the step's real ``HostLengths`` through
+``GraphRunner.set_step_host_lengths`` before every capture and replay and patches them in itself.
 The CUDA MLA decode kernel bakes in the row count, the table width and the query-length bucket of
 ``max_seqlen_q`` and reads every length from the device, so any step with ``max q <= k + 1`` is safe to replay.
 State slots are not used by the main forward; the drafter hooks receive the real rows only (slot of each row).
@@ -130,21 +131,24 @@ class DecodeGraphs:
                 st["seqlens_k"].fill_(1)
                 st["cu_seqlens_q"].copy_(self._arange[: size + 1])
                 st["block_tables"].zero_()
+                self.graphs.set_step_host_lengths(size, None, self.k)
                 self.graphs.capture(size, self._forward, st)
 
     @torch.inference_mode()
     def run(self, size: int, ids: torch.Tensor, attn: AttentionMetadata):
         """-> ``(hidden [T, D], captured {layer: [T, D]} | None, logits [T, V])`` for the step's real tokens, or
-        None when capturing ``size`` failed (graphs are then off for good; the caller runs the step eagerly)."""
+        None when capturing ``size`` (or handing the runner this step's host lengths) failed (graphs are then off
+        for good; the caller runs the step eagerly)."""
         self._fill(size, ids, attn)
-        if not self.graphs.has(size):
-            logger.info("capturing the decode graph of %d tokens", size)
-            try:
+        try:
+            self.graphs.set_step_host_lengths(size, attn.host, self.k)
+            if not self.graphs.has(size):
+                logger.info("capturing the decode graph of %d tokens", size)
                 self.graphs.capture(size, self._forward, self._static(size))
-            except Exception as e:  # noqa: BLE001 - e.g. an op that syncs; decode stays correct, only eager
-                self.disabled = f"capture of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
-                logger.warning("decode graphs disabled: %s", self.disabled)
-                return None
+        except Exception as e:  # noqa: BLE001 - e.g. an op that syncs; decode stays correct, only eager
+            self.disabled = f"graph of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
+            logger.warning("decode graphs disabled: %s", self.disabled)
+            return None
         out = self.graphs.replay(size)
         t = attn.num_tokens
         captured = None if out["captured"] is None else {i: c[:t] for i, c in out["captured"].items()}

@@ -7,7 +7,9 @@ CPU backend's when each op does what its documentation says. What it does not pr
 hardware, CANN's kernels, performance, or bf16 numerics on an NPU.
 
 ``install()`` puts a fake ``torch_npu`` module in ``sys.modules`` (and ``torch.npu``); ``uninstall()`` removes
-both and forgets cached backends. Use the ``emulated_npu()`` context manager in tests.
+both and forgets cached backends. Use the ``emulated_npu()`` context manager in tests. NPU graphs (capture, replay,
+task-group updates) are emulated by recording and re-executing device work (:mod:`.graphs`); every op below is
+graph-aware (one recorded task per call while capturing).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import ops_attention, ops_dense, ops_moe
+from . import graphs, ops_attention, ops_dense, ops_moe
 from .contract import CALLS, ContractError
 from .device import FakeNpuNamespace
 
@@ -36,7 +38,12 @@ OPS = {
     "npu_moe_init_routing_v2": ops_moe.npu_moe_init_routing_v2,
     "npu_grouped_matmul": ops_moe.npu_grouped_matmul,
     "npu_moe_token_unpermute": ops_moe.npu_moe_token_unpermute,
+    "_npu_fused_infer_attention_score_get_max_workspace":
+        ops_attention.npu_fused_infer_attention_score_get_max_workspace,
 }
+
+#: Host-side calls: they size or allocate, no device kernel is captured for them.
+HOST_SIDE = {"_npu_fused_infer_attention_score_get_max_workspace"}
 
 
 def _reset_backend_caches() -> None:
@@ -56,7 +63,12 @@ def install() -> types.ModuleType:
     mod.__version__ = "emulation"
     mod.npu_namespace = FakeNpuNamespace()
     for name, fn in OPS.items():
-        setattr(mod, name, fn)
+        setattr(mod, name, graphs.graph_aware(name, fn, device_task=name not in HOST_SIDE))
+    # The ``.out`` overload of FIA (caller-owned outputs and workspace), as torch_npu exposes it.
+    mod.npu_fused_infer_attention_score.out = graphs.graph_aware(
+        "npu_fused_infer_attention_score.out", ops_attention.npu_fused_infer_attention_score_out
+    )
+    graphs.STATE.__init__()
     sys.modules["torch_npu"] = mod
     torch.npu = mod.npu_namespace  # type: ignore[attr-defined]
     CALLS.clear()
@@ -65,6 +77,7 @@ def install() -> types.ModuleType:
 
 
 def uninstall() -> None:
+    graphs.STATE.__init__()
     sys.modules.pop("torch_npu", None)
     if hasattr(torch, "npu"):
         delattr(torch, "npu")

@@ -1,8 +1,8 @@
 """A stand-in for the ``torch.npu`` device namespace whose "NPU" is the host.
 
-Streams and events are host objects (work is synchronous); graphs re-run the captured callable on replay
-(the emulation checks the runner's bookkeeping, not capture); the sync debug mode is recorded so tests can see
-that ``forbid_sync()`` armed it. Nothing here pretends to measure anything.
+Streams and events are host objects (work is synchronous; the current stream is tracked so the graph API's
+stream arguments can be checked); NPU graphs record and replay device work (:mod:`.graphs`); the sync debug mode
+is recorded so tests can see that ``forbid_sync()`` armed it. Nothing here pretends to measure anything.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Any
+
+from . import graphs
 
 
 class Event:
@@ -50,20 +52,6 @@ class Stream:
         return True
 
 
-class NPUGraph:
-    """Replay re-runs what was captured (host execution has nothing to record)."""
-
-    def __init__(self) -> None:
-        self._fn = None
-
-    def pool(self) -> object:
-        return ("emulated-pool", id(self))
-
-    def replay(self) -> None:
-        if self._fn is not None:
-            self._fn()
-
-
 class FakeNpuNamespace:
     """What the backend calls on ``torch.npu``."""
 
@@ -71,11 +59,14 @@ class FakeNpuNamespace:
         self.current_device = 0
         self.sync_debug_mode: int | str = 0
         self.sync_debug_modes_seen: list[int | str] = []
-        self.task_updates = 0
-        self._stream = Stream()
+        self.task_updates = 0  # graph_task_update_begin calls
+        self.graphs_captured = 0
+        self._default_stream = Stream()
+        self._stream = self._default_stream
         self.Event = Event
         self.Stream = Stream
-        self.NPUGraph = NPUGraph
+        self.NPUGraph = graphs.NPUGraph
+        self.ExternalEvent = graphs.ExternalEvent
 
     def is_available(self) -> bool:
         return True
@@ -107,15 +98,39 @@ class FakeNpuNamespace:
         return self.sync_debug_mode
 
     @contextlib.contextmanager
-    def graph(self, graph: NPUGraph, pool: Any = None, stream: Any = None):
-        yield  # the runner calls fn inside; the emulation keeps nothing (replay is the runner's re-run)
+    def graph(self, graph: graphs.NPUGraph, pool: Any = None, stream: Any = None,
+              capture_error_mode: str = "global"):
+        """``torch.npu.graph``: work launched inside is recorded into ``graph`` (on a capture stream that is
+        current for the duration), not just run."""
+        capture_stream = stream if stream is not None else Stream()
+        previous, self._stream = self._stream, capture_stream
+        try:
+            with graphs.capture(graph, capture_stream):
+                yield
+            self.graphs_captured += 1
+        finally:
+            self._stream = previous
+
+    def is_current_stream_capturing(self) -> bool:
+        return graphs.STATE.capturing is not None and self._stream is graphs.STATE.capture_stream
 
     @contextlib.contextmanager
     def stream(self, stream: Any):
-        yield
+        previous, self._stream = self._stream, stream if stream is not None else self._stream
+        try:
+            yield
+        finally:
+            self._stream = previous
 
-    def graph_task_update_begin(self, stream: Any, handle: Any) -> None:
+    def graph_task_group_begin(self, stream: Any) -> None:
+        graphs.task_group_begin(stream)
+
+    def graph_task_group_end(self, stream: Any) -> graphs.TaskGroupHandle:
+        return graphs.task_group_end(stream)
+
+    def graph_task_update_begin(self, stream: Any, handle: graphs.TaskGroupHandle) -> None:
+        graphs.task_update_begin(stream, handle, self._stream)
         self.task_updates += 1
 
     def graph_task_update_end(self, stream: Any) -> None:
-        pass
+        graphs.task_update_end(stream)

@@ -121,3 +121,34 @@ def npu_fused_infer_attention_score(
         out[start:end] = torch.einsum("hqk,kl->qhl", torch.softmax(s, dim=-1), c).to(out.dtype)
         start = end
     return out, lse
+
+
+def npu_fused_infer_attention_score_out(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, workspace: torch.Tensor, out, **kwargs
+):
+    """``torch_npu.npu_fused_infer_attention_score.out(..., workspace=ws, out=[attention_out, softmax_lse])``: the
+    same op writing into caller-owned outputs with a caller-owned workspace (the form NPU graphs capture). Doc
+    example: torch_npu-npu-graph_task_group_begin.md; usage: vllm_ascend/attention/mla_v1.py (capturing branch).
+    ``softmax_lse`` is written only with ``softmax_lse_flag=True``."""
+    record("npu_fused_infer_attention_score.out")
+    check(isinstance(workspace, torch.Tensor), "FIA .out: workspace from _npu_fused_infer_attention_score_get_max_"
+          "workspace is required")
+    check(isinstance(out, (list, tuple)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out),
+          "FIA .out: out=[attention_out, softmax_lse]")
+    check(out[0].shape == query.shape and out[0].dtype == query.dtype, "FIA .out: attention_out is query-shaped")
+    attn, lse = npu_fused_infer_attention_score(query, key, value, **kwargs)
+    out[0].copy_(attn)
+    if kwargs.get("softmax_lse_flag", False):
+        out[1].copy_(lse.to(out[1].dtype).reshape(out[1].shape))
+    return out[0], out[1]
+
+
+def npu_fused_infer_attention_score_get_max_workspace(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs
+) -> torch.Tensor:
+    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace(query, key, value, **same kwargs)``: the
+    workspace tensor the ``.out`` form takes (sized for the largest lengths, so task updates never outgrow it).
+    The emulation checks the arguments against the op's contract and returns a placeholder workspace."""
+    record("_npu_fused_infer_attention_score_get_max_workspace")
+    npu_fused_infer_attention_score(query, key, value, **kwargs)  # same argument contract
+    return torch.empty(64, dtype=torch.uint8, device=query.device)
