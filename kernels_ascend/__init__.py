@@ -5,4 +5,9 @@ One file per kernel, same shape as kernels_cuda/: a factory building the TileLan
 ``tilelang.lower(..., target="ascend")`` — no CANN needed) and ``check()`` (the same program compiled for the
 host C target and compared with the reference on random inputs). None has been compiled by bisheng or run on
 an NPU yet.
+
+Use: ``backends/ascend/tilelang_ascend.py`` runs ``zos_seqlens_k`` + ``zos_seqlens_q`` (HAL ``zos_fixup``) and
+``spec_verify_greedy`` / ``rejection_accept`` (HAL ``spec_verify``) when its start-up probe finds tilelang, the CANN
+bisheng JIT path and an NPU; otherwise the torch composition runs and ``--list-ops`` says why. ``zos_gather_inputs``
+is not wired (no KernelSet op routes the worker's first-token gather).
 """

@@ -8,6 +8,7 @@
 #   e2e-nohf  the same without transformers
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   mla       benchmarks/bench_mla_decode.py
+#   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
 # Outputs under $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -25,7 +26,7 @@ filt() { grep -v "tilelang.jit.kernel:INFO\|USDT:\|^INFO" ; }
 for phase in "$@"; do
   el "phase $phase"
   case $phase in
-    tests) timeout $LIM python3 -m pytest tests/cuda tests/kernels_cuda -q -rs -x -p no:cacheprovider 2>&1 | filt \
+    tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
     profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch 1 64 --graphs --sequence 200 \
              2>&1 | filt >> "$OUT/profile.log"; grep -v '^{' "$OUT/profile.log" | tail -5
@@ -47,6 +48,10 @@ for l in open('$OUT/profile.jsonl'):
              grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
+    routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
+    kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
+             echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \
+             | filt | grep -v '^{' | tail -25; done ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --out "$OUT/h200_mla_decode.jsonl" 2>&1 | filt \
              > "$OUT/mla.log"; tail -20 "$OUT/mla.log" ;;
     *) echo "unknown phase $phase" ;;
