@@ -261,8 +261,20 @@ def test_grouped_mlp_bf16_matches_reference(cuda_backend):
     w13 = (torch.randn(E, 2 * inter, D, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     w2 = (torch.randn(E, D, inter, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     sh, counts, _ = ks.moe_dispatch(hidden, ids, E)
-    out = ks.grouped_mlp(sh, counts, w13, w2)
+    out = ks.grouped_mlp(sh, counts, w13, w2)  # 111 rows: decode-sized, kernels_cuda.moe_gemm
     ref = ref_moe.grouped_mlp(sh.float(), counts, w13.float(), w2.float())
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, (rel, ks.op_report()["grouped_mlp"])
-    assert ks.op_report()["grouped_mlp"].startswith("native (torch._grouped_mm"), ks.op_report()["grouped_mlp"]
+    assert ks.op_report()["grouped_mlp"].startswith("native (kernels_cuda.moe_gemm"), ks.op_report()["grouped_mlp"]
+    # a prefill-sized batch (rows > MOE_GEMM_MAX_ROWS) goes to the library grouped GEMM, same numbers
+    from deepinfer_npu.backends.cuda.kernels import MOE_GEMM_MAX_ROWS
+
+    big_t = MOE_GEMM_MAX_ROWS // k + 1
+    hidden = torch.randn(big_t, D, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, E, (big_t, k), device="cuda", generator=g).to(torch.int32)
+    sh, counts, _ = ks.moe_dispatch(hidden, ids, E)
+    out = ks.grouped_mlp(sh, counts, w13, w2)
+    ref = ref_moe.grouped_mlp(sh.float(), counts, w13.float(), w2.float())
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+    assert "torch._grouped_mm" in ks.op_report()["grouped_mlp"], ks.op_report()["grouped_mlp"]
