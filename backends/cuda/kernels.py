@@ -5,16 +5,23 @@ Decisions are taken per call from host facts only (dtypes, shapes, the host boun
 from device values, and every path taken is remembered for :meth:`op_report`. Kernels are imported and compiled
 lazily on the first call that selects them (TileLang caches them per configuration, in memory and on disk).
 
-What is native today (first slice of issue 6):
+What is native today (bf16, DeepSeek dims; each kernel file holds its reference, check and benchmark):
 
 - ``mla_attention``: ``kernels_cuda.mla_decode`` (paged absorbed MLA, FlashMLA layout) for steps whose host max
   query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
-  draft verification. Prefill chunks and toy dims run the reference, which reads lengths on the host (a sync).
+  draft verification. Other decode shapes: a dense sync-free composition; prefill chunks and toy dims run the
+  reference, which reads lengths on the host (a sync, reported).
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
-- ``mla_prolog``, ``moe_dispatch``, ``moe_combine``: the reference arithmetic rewritten without host reads
-  (the reference's boolean-mask cache write and CUDA ``bincount`` both synchronise).
-- ``grouped_mlp``: ``torch._grouped_mm`` (CUTLASS grouped GEMM, bf16, offsets on the device: no sync) for bf16;
-  the reference loops over experts after ``tokens_per_expert.tolist()`` (a sync).
+- ``mla_prolog``: the projections on cuBLAS, then ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE
+  and the latent-cache write in one launch); else the reference arithmetic with a sync-free cache write.
+- ``silu_and_mul``: ``kernels_cuda.silu_mul``.
+- ``moe_gating_topk`` / ``moe_dispatch`` / ``moe_combine``: ``kernels_cuda.moe_routing`` (warp gating top-k with
+  torch's tie and summation order, counting-sort permute, fp32 weighted un-permute); else composed torch.
+- ``grouped_mlp``: ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``),
+  ``torch._grouped_mm`` (CUTLASS, device offsets) above; the reference loops over experts after
+  ``tokens_per_expert.tolist()`` (a sync).
+- Still on reference ops running on CUDA tensors (sync-free): ``linear`` (cuBLAS), ``rope`` outside the prolog,
+  ``mla_epilogue``, ``sample``, ``spec_verify``, ``zos_fixup``, ``copy_kv_blocks``.
 
 The host max query length for the MLA kernel: the op contract carries no host int, so the kernel set takes
 ``max_seqlen_q`` as an optional keyword (the model layer should pass ``attn.max_seqlen_q``; see the backend's

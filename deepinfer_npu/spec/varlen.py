@@ -200,6 +200,7 @@ class VarlenController:
         max_tokens = min(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs * (k + 1))
         self.sizes = graph_sizes(max_tokens)  # the sizes the backend captures graphs for
         self.graphs = getattr(getattr(engine, "worker", None), "graphs", None)  # time graph replays when captured
+        self.profile_replays = 0  # graph replays spent timing the curve (0 when it came from the cache)
         self.curve = self._load_or_profile(engine.runner, k)
         engine.scheduler.configure_varlen(np.asarray(self.sizes, dtype=np.int32),
                                           np.asarray(self.curve, dtype=np.float64))
@@ -227,7 +228,9 @@ class VarlenController:
             except (OSError, ValueError, KeyError):
                 logger.warning("ignoring unreadable varlen curve cache %s", path)
         t0 = time.perf_counter()
+        before = self.graphs.graphs.num_replays if self.graphs is not None else 0
         curve = profile_step_time_curve(runner, self.sizes, k, graphs=self.graphs)
+        self.profile_replays = (self.graphs.graphs.num_replays - before) if self.graphs is not None else 0
         logger.info("profiled %d graph sizes in %.1f s (%s)", len(self.sizes), time.perf_counter() - t0,
                     "graph replays" if self.graphs is not None else "eager forwards")
         try:
