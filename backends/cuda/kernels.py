@@ -9,8 +9,8 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 
 - ``mla_attention``: ``kernels_cuda.mla_decode`` (paged absorbed MLA, FlashMLA layout) for steps whose host max
   query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
-  draft verification. Other decode shapes: a dense sync-free composition; prefill chunks and toy dims run the
-  reference, which reads lengths on the host (a sync, reported).
+  draft verification. Other decode shapes: a dense sync-free composition; prefill chunks (exact host lengths) the
+  reference arithmetic looping on those host ints (sync-free); anything else the reference (a sync, reported).
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
 - ``mla_prolog``: the projections on cuBLAS, then ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE
   and the latent-cache write in one launch); else the reference arithmetic with a sync-free cache write.
@@ -319,6 +319,11 @@ class CudaKernelSet(KernelSet):
             return mla_dense.mla_attention_dense(
                 q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
             )
+        if why is not None and host is not None and host.seqlens_k_exact and len(host.seqlens_q) == num_reqs:
+            # prefill (or any step whose lengths the host knows exactly): the reference loop on host ints
+            self._note("mla_attention", f"reference arithmetic on host lengths, sync-free ({why})", False)
+            return mla_dense.mla_attention_host_lengths(q_latent, q_rope, kv_cache, block_tables, host,
+                                                        softmax_scale)
         if why is not None:
             self._note("mla_attention", f"reference ({why})", False, syncs=q_latent.is_cuda)
             with known_syncing_fallback():
@@ -505,7 +510,8 @@ class CudaKernelSet(KernelSet):
         "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write",
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
-        "else decode (max q <= 16) in composed torch (dense, sync-free); else the reference (syncs)",
+        "else decode (max q <= 16) in composed torch (dense, sync-free); prefill on the host's exact lengths "
+        "(the reference loop, sync-free); else the reference (syncs)",
         "moe_gating_topk": "kernels_cuda.moe_routing gating (one kernel) for E % 32 == 0, E <= 256, k <= 16; "
         "else the reference (softmax/sigmoid + topk, sync-free)",
         "moe_dispatch": "kernels_cuda.moe_routing permute (counting sort, one kernel) for bf16 / fp32 with T*k <= "

@@ -78,6 +78,29 @@ def test_import_touches_neither_tilelang_nor_cuda():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_on_host_lengths_matches_reference(dtype):
+    """Prefill (q_len 40, exact host lengths) through the CUDA kernel set's host-length path, on CPU tensors:
+    identical to the CPU reference (same arithmetic, lengths from the host instead of int(tensor))."""
+    from deepinfer_npu.backends.cpu import mla as ref_mla
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    from deepinfer_npu.model_executor.attention_metadata import HostLengths
+
+    inp = _attention_inputs("cpu", 3, 4, 64, 32, 40, dtype)
+    inp["seqlens_q"][1] = 0  # a request with no query tokens this step (its rows are absent from q)
+    sq = [int(v) for v in inp["seqlens_q"]]
+    inp["cu_seqlens_q"] = torch.tensor([0, sq[0], sq[0] + sq[1], sum(sq)], dtype=torch.int32)
+    for key in ("q_latent", "q_rope"):
+        inp[key] = inp[key][: sum(sq)]
+    host = HostLengths(tuple(sq), tuple(int(v) for v in inp["seqlens_k"]), True, max(sq), int(inp["seqlens_k"].max()))
+    ks = CudaKernelSet()
+    out = ks.mla_attention(**inp, host=host)
+    assert torch.equal(out, ref_mla.mla_attention(**inp))
+    assert "reference arithmetic on host lengths, sync-free" in ks.op_report()["mla_attention"]
+    assert not ks.syncing_ops()
+
+
 def test_registered_with_hal_attributes():
     cls = registry._load_class("cuda")
     assert (cls.name, cls.device_type, cls.dist_backend) == ("cuda", "cuda", "nccl")
