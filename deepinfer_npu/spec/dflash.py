@@ -427,6 +427,7 @@ class DFlashDrafter(Drafter):
                 f"num_speculative_tokens {k} must be in [1, {cfg.num_speculative_tokens}] (the drafter's trained block)"
             )
         super().__init__(k)
+        self.propose_graphs = None  # ProposeGraphs once the worker offers a graph runner (enable_graphs)
         self.cfg = cfg
         self.device = torch.device(device) if device is not None else embed_weight.device
         self.dtype = dtype or embed_weight.dtype
@@ -605,11 +606,27 @@ class DFlashDrafter(Drafter):
         if golden_positions is None:
             ctx_in = golden_tokens
             golden_tokens, golden_positions, slots = ctx_in.bonus_tokens, ctx_in.bonus_positions, ctx_in.slots
-        cfg, m = self.cfg, self.model
-        k = cfg.num_speculative_tokens
         golden = golden_tokens.to(device=self.device, dtype=torch.int64)
         pos = golden_positions.to(device=self.device, dtype=torch.int64)
         slots = slots.to(device=self.device, dtype=torch.int64)
+        if self.propose_graphs is not None:
+            out = self.propose_graphs.run(golden, pos, slots)
+            if out is not None:
+                return out
+        return self._propose(golden, pos, slots)
+
+    def enable_graphs(self, runner, max_rows: int) -> bool:
+        """Replay :meth:`propose` from graphs per padded row count (``spec/propose_graphs.py``): it is
+        row-independent, sync-free and reads slot state only through the persistent ring buffer."""
+        from .propose_graphs import ProposeGraphs
+
+        self.propose_graphs = ProposeGraphs(self._propose, runner, max_rows, self.device)
+        return True
+
+    def _propose(self, golden: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor):
+        """The propose computation on int64 device tensors (eager, or captured by :class:`ProposeGraphs`)."""
+        cfg, m = self.cfg, self.model
+        k = cfg.num_speculative_tokens
         ctx = self.ring[slots]  # [B, R, L, 2, H, hd]
         valid = self.context_mask(pos)
         tokens = torch.full((golden.shape[0], k), cfg.noise_token_id, dtype=torch.int64, device=self.device)

@@ -57,6 +57,11 @@ class Drafter:
         """-> ``drafts [B', k]`` int64 and ``confidences [B', k]`` fp32 for ``ctx.anchor_rows``."""
         raise NotImplementedError
 
+    def enable_graphs(self, runner, max_rows: int) -> bool:
+        """Offer a graph runner (the worker does when decode graphs are on): a drafter whose propose can be
+        captured keeps it and returns True. Default: no graphs."""
+        return False
+
     def zero_slots(self, slots: torch.Tensor) -> None:
         """Reset per-slot drafter state for new sequences (``zero_states``)."""
 

@@ -66,6 +66,10 @@ class Worker:
             explicit = True
         if not requested:
             return None
+        if self.drafter is not None:  # the drafter's propose gets graphs of its own (asked first: its own pool)
+            draft_runner = self.backend.graph_runner()
+            if isinstance(draft_runner, GraphRunner) and self.drafter.enable_graphs(draft_runner, cfg.max_num_seqs):
+                logger.info("drafter %s: propose replayed from graphs", self.drafter.name)
         graph_runner = self.backend.graph_runner()
         if not isinstance(graph_runner, GraphRunner):
             if explicit:

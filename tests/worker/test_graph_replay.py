@@ -95,6 +95,10 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
     assert worker.graph_steps == llm.get_stats()["decode_steps"]  # every decode step replayed
     assert runner.num_captures == len(runner.static_out) <= len(worker.graphs.sizes)
     assert padding_audit["padded"] > 0  # batches that are not graph sizes were padded
+    if method == "dflash":  # the drafter's propose replays graphs of its own (spec/propose_graphs.py)
+        pg = worker.drafter.propose_graphs
+        assert pg is not None and pg.disabled is None and pg.replays > 0
+        assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -181,7 +185,7 @@ def test_varlen_curve_profiled_from_graph_replays(graph_runners, monkeypatch, tm
     assert varlen.graphs is llm.llm_engine.worker.graphs
     assert sorted(set(sizes_run)) == sorted(varlen.sizes)  # every size replayed ...
     assert len(sizes_run) == 6 * len(varlen.sizes) == varlen.profile_replays  # capture + 5 timed runs each
-    assert all(graph_runners[0].has(s) for s in varlen.sizes)
+    assert all(llm.llm_engine.worker.graphs.graphs.has(s) for s in varlen.sizes)
     assert len(varlen.curve) == len(varlen.sizes) and all(ms > 0 for ms in varlen.curve)
     cached = list((tmp_path / "varlen").glob("*.json"))
     assert len(cached) == 1 and '"graphs": true' in cached[0].read_text()
@@ -190,3 +194,30 @@ def test_varlen_curve_profiled_from_graph_replays(graph_runners, monkeypatch, tm
                 **SMALL_KV)
     assert eager.llm_engine.varlen.graphs is None and not sizes_run
     assert len(list((tmp_path / "varlen").glob("*.json"))) == 2  # a separate cache entry
+
+
+def test_propose_graphs_pad_and_fall_back():
+    """ProposeGraphs: rows padded to the graph size with slot 0 / token 0 / position 0, outputs cut to the real
+    rows; a capture that fails turns the graphs off (None: the caller proposes eagerly)."""
+    from deepinfer_npu.spec.propose_graphs import ProposeGraphs
+
+    seen = []
+
+    def fn(golden, positions, slots):
+        seen.append((golden.clone(), positions.clone(), slots.clone()))
+        return torch.stack([golden, golden + 1], 1), torch.stack([positions, slots], 1).float()
+
+    pg = ProposeGraphs(fn, EagerReplayRunner(), max_rows=8, device=torch.device("cpu"))
+    g, p, s = torch.tensor([5, 6, 7]), torch.tensor([10, 11, 12]), torch.tensor([3, 1, 2])
+    drafts, confs = pg.run(g, p, s)
+    assert torch.equal(drafts, torch.stack([g, g + 1], 1)) and torch.equal(confs, torch.stack([p, s], 1).float())
+    golden, positions, slots = seen[-1]
+    assert golden.shape[0] == 4 and golden[3] == 0 and positions[3] == 0 and slots[3] == 0  # size 4, one pad row
+    assert pg.run(torch.arange(9), torch.arange(9), torch.arange(9)) is None  # more rows than the largest size
+
+    def broken(golden, positions, slots):
+        raise RuntimeError("an op that syncs")
+
+    pg = ProposeGraphs(broken, EagerReplayRunner(), max_rows=8, device=torch.device("cpu"))
+    assert pg.run(g, p, s) is None and "an op that syncs" in pg.disabled
+    assert pg.run(g, p, s) is None  # off for good
