@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 try:
@@ -30,3 +31,12 @@ def compile_c(func: Any) -> Any:
     """The same program built for the host (target "c"): a callable taking torch CPU tensors."""
     require()
     return tilelang.compile(func, target="c")
+
+
+def exact_f32(value: float) -> Any:
+    """An fp32 constant that survives both code generators bit for bit: the host C codegen prints float literals
+    with 7 significant digits (``2**-24`` becomes ``5.960464e-08f``, 1 ulp low), so the value enters as its
+    ``uint32`` bit pattern reinterpreted as fp32 (the AscendC codegen's hex literals would be exact anyway)."""
+    require()
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return T.reinterpret(T.uint32(bits), "float32")

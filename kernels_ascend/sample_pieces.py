@@ -24,7 +24,7 @@ seeded tokens equal the CPU backend's unless two noisy logits tie within an ulp.
 # No ``from __future__ import annotations``: TileLang evaluates the T.Tensor annotations at definition.
 import torch
 
-from ._tl import T, compile_c, lower_ascend
+from ._tl import T, compile_c, exact_f32, lower_ascend
 
 SPLITS = 16  # vocabulary splits per row of the argmax kernels
 
@@ -34,7 +34,9 @@ _M32 = 0xFFFFFFFF
 
 
 # lowbias32 in three statements per call site (x ^= x >> 16; x *= C1; x ^= x >> 15; x *= C2; x ^= x >> 16): the
-# caller assigns each step to a scalar variable, so the generated expressions stay flat.
+# caller assigns each step to a scalar variable, so the generated expressions stay flat. The four row-key words and
+# the two column mixes are loops rather than straight-line code: lowering long straight-line scalar code makes the
+# tilelang-ascend auto-scheduler search for seconds (and give up).
 def _mix1(x):
     return (x ^ (x >> T.uint32(16))) * T.uint32(_C1)
 
@@ -55,6 +57,11 @@ def _hi(x):  # high 32 bits of an int64 (arithmetic shift, then the mask: as rng
     return T.cast((x >> T.int64(32)) & T.int64(_M32), "uint32")
 
 
+def _word(seed, offset, w):  # the w-th 32-bit word hashed into the row key: seed lo, seed hi, offset lo, offset hi
+    return T.if_then_else(w == 0, _lo(seed), T.if_then_else(w == 1, _hi(seed), T.if_then_else(
+        w == 2, _lo(offset), _hi(offset))))
+
+
 def _stream_const(stream: int) -> int:
     return (int(stream) * _GOLDEN + _STREAM_ADD) & _M32
 
@@ -73,29 +80,19 @@ def build_hash_uniform(stream: int):
         with T.Kernel(B) as bx:
             h = T.alloc_var("uint32")
             c = T.alloc_var("uint32")
-            # Row key: mix(mix(mix(mix(seed_lo ^ s) ^ seed_hi) ^ offset_lo) ^ offset_hi).
-            h = _lo(seeds[bx]) ^ T.uint32(s)
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _hi(seeds[bx])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _lo(offsets[bx])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _hi(offsets[bx])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h)
+            h = T.uint32(s)
+            for w in T.serial(4):  # row key: mix(mix(mix(mix(s ^ seed_lo) ^ seed_hi) ^ offset_lo) ^ offset_hi)
+                h = h ^ _word(seeds[bx], offsets[bx], w)
+                h = _mix1(h)
+                h = _mix2(h)
+                h = _mix3(h)
             for v in T.serial(V):
-                c = T.cast(v, "uint32") + T.uint32(_COL_ADD)  # column hash mix(v + COL_ADD), then mix(key ^ it)
-                c = _mix1(c)
-                c = _mix2(c)
-                c = _mix3(c) ^ h
-                c = _mix1(c)
-                c = _mix2(c)
-                c = _mix3(c)
-                u[bx, v] = T.cast((c >> T.uint32(9)) * T.uint32(2) + T.uint32(1), "float32") * T.float32(2.0**-24)
+                c = T.cast(v, "uint32") + T.uint32(_COL_ADD)
+                for m in T.serial(2):  # mix(mix(v + COL_ADD) ^ key)
+                    c = _mix1(c)
+                    c = _mix2(c)
+                    c = _mix3(c) ^ T.if_then_else(m == 0, h, T.uint32(0))
+                u[bx, v] = T.cast((c >> T.uint32(9)) * T.uint32(2) + T.uint32(1), "float32") * exact_f32(2.0**-24)
 
     return hash_uniform
 
@@ -122,34 +119,25 @@ def build_gumbel_argmax(stream: int, splits: int = SPLITS):
             bi = T.alloc_var("int32")
             row = bx // splits
             chunk = (V + splits - 1) // splits
-            h = _lo(seeds[row]) ^ T.uint32(s)
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _hi(seeds[row])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _lo(offsets[row])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h) ^ _hi(offsets[row])
-            h = _mix1(h)
-            h = _mix2(h)
-            h = _mix3(h)
+            h = T.uint32(s)
+            for w in T.serial(4):  # row key: mix(mix(mix(mix(s ^ seed_lo) ^ seed_hi) ^ offset_lo) ^ offset_hi)
+                h = h ^ _word(seeds[row], offsets[row], w)
+                h = _mix1(h)
+                h = _mix2(h)
+                h = _mix3(h)
             best = T.float32(0.0)
             bi = -1
             for i in T.serial(chunk):
                 v = (bx % splits) * chunk + i
                 if v < V:
                     c = T.cast(v, "uint32") + T.uint32(_COL_ADD)
-                    c = _mix1(c)
-                    c = _mix2(c)
-                    c = _mix3(c) ^ h
-                    c = _mix1(c)
-                    c = _mix2(c)
-                    c = _mix3(c)
-                    z = T.cast((c >> T.uint32(9)) * T.uint32(2) + T.uint32(1), "float32") * T.float32(2.0**-24)
-                    z = -T.log(-T.log(z))  # Gumbel noise g, then the race value z/T + g
-                    z = logits[row, v] / temperature[row] + z
+                    for m in T.serial(2):  # mix(mix(v + COL_ADD) ^ key)
+                        c = _mix1(c)
+                        c = _mix2(c)
+                        c = _mix3(c) ^ T.if_then_else(m == 0, h, T.uint32(0))
+                    # u = (2 * (bits >> 9) + 1) * 2**-24, Gumbel noise g = -log(-log(u)), race value logits / T + g
+                    z = logits[row, v] / temperature[row] + -T.log(-T.log(
+                        T.cast((c >> T.uint32(9)) * T.uint32(2) + T.uint32(1), "float32") * exact_f32(2.0**-24)))
                     if bi < 0 or z > best or (T.isnan(z) and not T.isnan(best)):
                         best = z
                         bi = v
@@ -245,8 +233,8 @@ def _seeds(g: torch.Generator, b: int) -> torch.Tensor:
 def check(seed: int = 0, splits: int = 4) -> bool:
     g = torch.Generator().manual_seed(seed)
     hu = {st: compile_c(build_hash_uniform(st)) for st in (0, 1)}
-    ga, gr, comb = compile_c(build_gumbel_argmax(2, splits)), compile_c(build_greedy_argmax(splits)), compile_c(
-        build_combine(splits))
+    ga, gr = compile_c(build_gumbel_argmax(2, splits)), compile_c(build_greedy_argmax(splits))
+    comb = compile_c(build_combine(splits))
     ok = True
     for b, v in ((1, 3), (5, 97), (17, 1000)):
         seeds, offs = _seeds(g, b), torch.randint(0, 2**40, (b,), generator=g, dtype=torch.int64)
@@ -258,7 +246,8 @@ def check(seed: int = 0, splits: int = 4) -> bool:
         logits[:, ::7] = float("-inf")  # filtered tokens
         logits[0, -1] = logits[0].max()  # an exact tie: the lower id wins
         temp = torch.rand(b, generator=g) + 0.3
-        pv, pi, ids = torch.empty(b, splits), torch.empty(b, splits, dtype=torch.int32), torch.empty(b, dtype=torch.int32)
+        pv, pi = torch.empty(b, splits), torch.empty(b, splits, dtype=torch.int32)
+        ids = torch.empty(b, dtype=torch.int32)
         ga(logits, temp, seeds, offs, pv, pi)
         comb(pv, pi, ids)
         ok &= torch.equal(ids.long(), reference_gumbel_argmax(logits, temp, seeds, offs, 2))

@@ -587,14 +587,9 @@ def test_reference_model_npu_graphs_zos_equal_cpu_without_host_reads(reference_m
     assert "verified by the CPU contract emulation only" in report["decode_graphs"]
 
 
-def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_model, monkeypatch):
-    """The TileLang-Ascend wiring, end to end: with the kernels forced usable and built for the host C target
-    (the same kernels_ascend programs; on an NPU they would be built by bisheng), zos_fixup and spec_verify of the
-    emulated Ascend backend run on them, and greedy and seeded sampled tokens (MTP, ZOS) equal the CPU backend's.
-    Varlen is off: the CPU backend re-splits drafts on the device and Ascend does not, which changes how many
-    drafts are verified and so the random draws of sampled rows (greedy tokens are equal either way). On this
-    machine the real decision is a fallback (tests/ascend/test_tilelang_ascend.py); the all-greedy kernel
-    (spec_verify_greedy) is checked there against the reference."""
+def _force_host_c_tilelang(monkeypatch) -> list:
+    """Make the start-up probe say "usable" and build the kernels for the host C target; returns the list the
+    backend's TileLangAscendKernels instance lands in."""
     pytest.importorskip("tilelang")
     from deepinfer_npu.backends.ascend import tilelang_ascend
 
@@ -607,6 +602,19 @@ def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_
 
     monkeypatch.setattr(tilelang_ascend, "probe", lambda: tilelang_ascend.Probe(True, "forced (test)"))
     monkeypatch.setattr(tilelang_ascend, "TileLangAscendKernels", host_c)
+    return made
+
+
+def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_model, monkeypatch):
+    """The TileLang-Ascend wiring, end to end: with the kernels forced usable and built for the host C target
+    (the same kernels_ascend programs; on an NPU they would be built by bisheng), zos_fixup, spec_verify and sample
+    of the emulated Ascend backend run on them, and greedy and seeded sampled tokens (MTP, ZOS) equal the CPU
+    backend's.
+    Varlen is off: the CPU backend re-splits drafts on the device and Ascend does not, which changes how many
+    drafts are verified and so the random draws of sampled rows (greedy tokens are equal either way). On this
+    machine the real decision is a fallback (tests/ascend/test_tilelang_ascend.py); the all-greedy kernel
+    (spec_verify_greedy) is checked there against the reference."""
+    made = _force_host_c_tilelang(monkeypatch)
     params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5),
               SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True, logprobs=5)]
     kw = dict(params=params, varlen_verification=False)
@@ -618,3 +626,28 @@ def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_
     assert report["zos_fixup"].startswith("native (TileLang-Ascend") and "host C build" in report["zos_fixup"]
     calls = made[-1].calls
     assert calls.get("zos_seqlens_k", 0) > 0 and calls.get("rejection_accept", 0) > 0, calls
+    assert calls.get("sample_pieces.build_gumbel_argmax", 0) > 0, calls  # bonus / residual draws and sample
+    assert report["sample"].startswith("native (TileLang-Ascend kernels_ascend.sample_pieces")
+
+
+def test_reference_model_gating_and_sampling_on_tilelang_host_c_build_equal_cpu(reference_model, monkeypatch):
+    """On the strict A2/A3 profile the reference model's gating (8 experts, topk_group 1) does not fit
+    npu_moe_gating_top_k: with the kernels forced usable (host C build), it runs on kernels_ascend.gating_topk and
+    sampling on kernels_ascend.sample_pieces, and greedy, seeded-random and top-k / top-p rows (with logprobs) give
+    the CPU backend's tokens."""
+    monkeypatch.setenv("DEEPINFER_ASCEND_PROFILE", "a2_a3")
+    made = _force_host_c_tilelang(monkeypatch)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=5),
+              SamplingParams(temperature=0.7, seed=8, top_k=20, top_p=0.9, max_tokens=8, ignore_eos=True, logprobs=5)]
+    kw = dict(params=params, varlen_verification=False)
+    _, cpu = _run_engine(reference_model, "cpu", "float32", None, ZOS_PROMPTS, 8, **kw)
+    with emulated_npu():
+        engine, asc = _run_engine(reference_model, "ascend", "float32", None, ZOS_PROMPTS, 8, **kw)
+        report = engine.backend.op_report()
+    assert asc == cpu
+    assert report["moe_gating_topk"].startswith("native (TileLang-Ascend kernels_ascend.gating_topk (npu_moe_gating"), (
+        report["moe_gating_topk"])
+    calls = made[-1].calls
+    assert calls.get("gating_topk", 0) > 0 and calls.get("sample_pieces.build_gumbel_argmax", 0) > 0, calls
+    assert "npu_moe_gating_top_k" not in CALLS

@@ -42,7 +42,7 @@ class AscendBackend(Backend):
         self.device_name = device_name
         self.emulated = runtime.emulated()
         self.kernels.limits = capabilities.detect_profile(device_name, self.emulated)
-        self.kernels.setup_tilelang()  # TileLang-Ascend kernels for zos_fixup / spec_verify: decided once, here
+        self.kernels.setup_tilelang()  # TileLang-Ascend kernels (tilelang_ascend.WIRED): decided once, here
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

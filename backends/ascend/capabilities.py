@@ -102,6 +102,7 @@ def detect_profile(device_name: str | None, emulated: bool) -> Limits:
 class Decision:
     native: bool
     detail: str  # the fused op used, or why not
+    tilelang: bool = False  # served by a kernels_ascend program (a fused op's limits did not fit)
 
     def report(self) -> str:
         return f"native ({self.detail})" if self.native else f"fallback ({self.detail})"
@@ -176,8 +177,8 @@ def decide_gating(
     if top_k > lim.gating_max_k or top_k > num_experts // max(n_group, 1) * max(topk_group, 1):
         why.append(f"top_k {top_k}")
     if why:
-        return Decision(False, "npu_moe_gating_top_k does not fit: " + ", ".join(why)
-                        + "; no TileLang-Ascend gating kernel yet (the reference composition runs)")
+        # What runs instead (kernels_ascend.gating_topk or the reference) is AscendKernelSet._gating_decision's call.
+        return Decision(False, "npu_moe_gating_top_k does not fit: " + ", ".join(why))
     return Decision(True, "torch_npu.npu_moe_gating_top_k")
 
 

@@ -2,10 +2,11 @@
 
 Decisions come from :mod:`.capabilities`, are taken at an op's first call from static facts (dims, dtype,
 expert counts, block size) and memoised, so the plan is fixed by the model's first forward and never
-re-evaluated per step. The ops with no fused equivalent (``zos_fixup``, ``spec_verify``) take the TileLang-Ascend
-kernels of ``kernels_ascend/`` when :func:`.tilelang_ascend.probe` finds them usable — decided once, at start-up —
-else the torch composition. ``op_report`` lists the decision per op with the op or kernel used or the reason for
-the fallback, plus how decode graphs run on this backend.
+re-evaluated per step. The ops with no fused equivalent (``zos_fixup``, ``spec_verify``, ``sample``) and gating
+configurations outside ``npu_moe_gating_top_k``'s limits take the TileLang-Ascend kernels of ``kernels_ascend/``
+when :func:`.tilelang_ascend.probe` finds them usable — decided once, at start-up — else the torch composition.
+``op_report`` lists the decision per op with the op or kernel used or the reason for the fallback, plus how decode
+graphs run on this backend.
 """
 
 from __future__ import annotations
@@ -47,14 +48,6 @@ GRAPHS_NOTE = (
 
 
 class AscendKernelSet(KernelSet):
-    FALLBACK_REASONS = {
-        "sample": (
-            "the reference sampler's plain torch runs on the NPU; npu_top_k_top_p is not used because its "
-            "documentation does not pin the reference's top-p rule (mass strictly before < p, stable ties), "
-            "and seeded draws must match the CPU backend bit for bit; no TileLang-Ascend sampling kernel yet"
-        ),
-    }
-
     #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
     #: previous in-flight step's draft count, <= num_speculative_tokens). None: each request's queries are
     #: padded to the 16-row FIA window, which covers it whenever drafts_prev + drafts_now <= 15 (always for
@@ -67,30 +60,35 @@ class AscendKernelSet(KernelSet):
         self._memo: dict[tuple, caps.Decision] = {}
         # Caches written in the split k_nope / k_rope layout -> (L, R), so block copies use that layout.
         self._split_caches = WeakIdKeyDictionary()
-        # TileLang-Ascend kernels for zos_fixup / spec_verify: decided once (setup_tilelang; AscendBackend calls it
-        # at start-up), None until then.
+        # TileLang-Ascend kernels (zos_fixup, spec_verify, sample, gating): decided once (setup_tilelang;
+        # AscendBackend calls it at start-up), None until then.
         self.tilelang: tilelang_ascend.TileLangAscendKernels | None = None
         self.tilelang_probe: tilelang_ascend.Probe | None = None
 
     # ---- TileLang-Ascend kernels ---------------------------------------------------------------------------
     def setup_tilelang(self, probe: tilelang_ascend.Probe | None = None,
                        kernels: tilelang_ascend.TileLangAscendKernels | None = None) -> tilelang_ascend.Probe:
-        """Decide once whether zos_fixup / spec_verify run on the TileLang-Ascend kernels (``probe``: tilelang
-        importable, its Ascend JIT path present, an NPU present) and record why. Tests may pass both a probe and
-        ``kernels`` (e.g. the host C build of the same programs)."""
+        """Decide once whether zos_fixup / spec_verify / sample (and gating outside the fused op's limits) run on the
+        TileLang-Ascend kernels (``probe``: tilelang importable, its Ascend JIT path present, an NPU present) and
+        record why. Tests may pass both a probe and ``kernels`` (e.g. the host C build of the same programs)."""
         self.tilelang_probe = probe if probe is not None else tilelang_ascend.probe()
         if self.tilelang_probe.usable:
             self.tilelang = kernels if kernels is not None else tilelang_ascend.TileLangAscendKernels("ascend")
         else:
             self.tilelang = None
         for op, what in tilelang_ascend.WIRED.items():
+            note = f"; {tilelang_ascend.NOTES[op]}" if op in tilelang_ascend.NOTES else ""
             if self.tilelang is not None:
                 where = "host C build: tests only" if self.tilelang.target == "c" else "never run on an NPU"
-                self._decisions[op] = caps.Decision(True, f"TileLang-Ascend {what} ({where})")
+                self._decisions[op] = caps.Decision(True, f"TileLang-Ascend {what} ({where}){note}")
             else:
                 self._decisions[op] = caps.Decision(
                     False, f"TileLang-Ascend {what} not usable here: {self.tilelang_probe.reason}; the torch "
-                    "composition (reference op) runs on the device")
+                    f"composition (reference op) runs on the device{note}")
+        # Gating decisions already taken (plan_for_model before the probe) are redone with the new decision.
+        for key in [k for k in self._memo if k[0] == "moe_gating_topk"]:
+            del self._memo[key]
+        self._decisions.pop("moe_gating_topk", None)
         return self.tilelang_probe
 
     def _tl(self) -> tilelang_ascend.TileLangAscendKernels | None:
@@ -220,22 +218,33 @@ class AscendKernelSet(KernelSet):
         return ops_mla.mla_epilogue(out_latent, w)
 
     # ---- MoE -----------------------------------------------------------------------------------------------
+    def _gating_decision(self, params: GatingParams, has_bias: bool) -> caps.Decision:
+        """npu_moe_gating_top_k where its documented limits fit; else kernels_ascend.gating_topk when the start-up
+        probe allowed the TileLang-Ascend kernels and the kernel takes the configuration; else the reference."""
+        fused = caps.decide_gating(
+            self._lim(),
+            params.scoring_func,
+            params.topk_method,
+            params.norm_topk_prob,
+            has_bias,
+            params.num_experts,
+            params.n_group,
+            params.topk_group,
+            params.top_k,
+        )
+        if fused.native:
+            return fused
+        tl = self._tl()
+        native, use_kernel, detail = tilelang_ascend.gating_decision(
+            fused.detail, self.tilelang_probe, tl.target if tl is not None else None, params)
+        return caps.Decision(native, detail, tilelang=use_kernel)
+
     def moe_gating_topk(self, router_logits, bias, params: GatingParams):
         d = self._decide(
-            "moe_gating_topk",
-            (params, bias is not None),
-            lambda: caps.decide_gating(
-                self._lim(),
-                params.scoring_func,
-                params.topk_method,
-                params.norm_topk_prob,
-                bias is not None,
-                params.num_experts,
-                params.n_group,
-                params.topk_group,
-                params.top_k,
-            ),
+            "moe_gating_topk", (params, bias is not None), lambda: self._gating_decision(params, bias is not None)
         )
+        if d.tilelang:
+            return self._tl().moe_gating_topk(router_logits, bias, params)
         if not d.native:
             return ref_moe.moe_gating_topk(router_logits, bias, params)
         return ops_moe.moe_gating_topk(router_logits, bias, params)
@@ -266,6 +275,9 @@ class AscendKernelSet(KernelSet):
         return ops_moe.moe_combine(expert_out, state, weights)
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
+        tl = self._tl()
+        if tl is not None:
+            return tl.sample(logits, sampling_tensors)
         from deepinfer_npu.backends.cpu.sampling import sample
 
         return sample(logits, sampling_tensors)
@@ -288,15 +300,29 @@ class AscendKernelSet(KernelSet):
         return zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
     # ---- reporting -----------------------------------------------------------------------------------------
+    def _plan(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, caps.Decision]:
+        plan = caps.plan_for_config(self._lim(), cfg, dtype, block_size)
+        if "moe_gating_topk" in plan:  # the same decision the op takes (fused op, TileLang kernel or reference)
+            params = GatingParams(
+                top_k=cfg.num_experts_per_tok,
+                num_experts=cfg.n_routed_experts,
+                scoring_func=cfg.scoring_func,
+                topk_method=cfg.topk_method,
+                n_group=cfg.n_group,
+                topk_group=cfg.topk_group,
+                norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor,
+            )
+            plan["moe_gating_topk"] = self._gating_decision(params, cfg.topk_method == "noaux_tc")
+        return plan
+
     def plan_for_config(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, str]:
         """The decisions a model would get, before any forward (``--list-ops`` with a model, tests)."""
-        return {op: d.report() for op, d in caps.plan_for_config(self._lim(), cfg, dtype, block_size).items()}
+        return {op: d.report() for op, d in self._plan(cfg, dtype, block_size).items()}
 
     def plan_for_model(self, model_config, dtype, block_size: int) -> None:
         """The per-model decisions the ops would take at their first call (same functions), made now."""
-        from .capabilities import plan_for_config
-
-        self._decisions.update(plan_for_config(self._lim(), model_config, dtype, block_size))
+        self._decisions.update(self._plan(model_config, dtype, block_size))
 
     def op_report(self) -> dict[str, str]:
         if self.tilelang_probe is None:

@@ -4,9 +4,13 @@ Which kernels serve which op: ``zos_fixup`` <- ``zos_seqlens_k`` (the accepted-c
 ``zos_scores`` + ``zos_select`` (the varlen re-split, only with ``draft_probs``; Ascend never re-splits, see
 ``AscendBackend.supports_device_resplit``); ``spec_verify`` <- ``spec_verify_greedy`` (all-greedy batches) and
 ``rejection_accept`` (the acceptance scan of batches with sampled rows; greedy rows enter it as ``u = 0``,
-``p = [draft == argmax]``). Not wired: ``zos_gather_inputs`` (the worker gathers each row's first token itself with
-``torch.where``; no KernelSet op routes it) and no kernel exists yet for sampling (``sample``) or for gating outside
-``npu_moe_gating_top_k``'s limits.
+``p = [draft == argmax]``), with the argmax, the acceptance uniforms and the bonus / residual Gumbel draws from
+``sample_pieces``; ``sample`` <- ``sample_pieces`` (``greedy_argmax``, ``gumbel_argmax``: the hash RNG of
+deepinfer_npu/sampling/rng.py + temperature + Gumbel-max race, ``argmax_combine``) around the reference's aten
+bans, top-k / top-p mask and logprobs; ``moe_gating_topk`` <- ``gating_topk`` only for configurations outside
+``npu_moe_gating_top_k``'s documented limits (the fused op serves the rest; :func:`gating_decision`). Not wired:
+``zos_gather_inputs`` (the worker gathers each row's first token itself with ``torch.where``; no KernelSet op routes
+it).
 
 :func:`probe` decides once, at start-up (``AscendBackend.__init__``), whether the kernels can be used: tilelang
 importable **and** its Ascend JIT path present (the ``bisheng`` compiler and CCE ``ld.lld`` from CANN, found the way
@@ -37,8 +41,19 @@ from . import runtime
 #: HAL op -> the kernels_ascend programs it runs when the TileLang path is usable.
 WIRED = {
     "zos_fixup": "kernels_ascend.zos_seqlens_k (+ zos_scores/zos_select for a varlen re-split)",
-    "spec_verify": "kernels_ascend.spec_verify_greedy (all-greedy batches) / rejection_accept (sampled rows)",
+    "spec_verify": "kernels_ascend.spec_verify_greedy (all-greedy batches) / rejection_accept (sampled rows) + "
+    "sample_pieces (argmax, acceptance uniforms, bonus / residual Gumbel draws)",
+    "sample": "kernels_ascend.sample_pieces greedy_argmax / gumbel_argmax (hash RNG + temperature + Gumbel-max) + "
+    "argmax_combine",
 }
+#: Stated in the report whichever way the decision goes.
+NOTES = {
+    "sample": "bans, top-k / top-p mask and logprobs are the reference's aten ops on the device either way "
+    "(npu_top_k_top_p is not used: its documentation does not pin the reference's top-p rule, mass strictly before "
+    "< p with stable ties, and seeded rows must match the CPU backend)",
+}
+#: The kernel for gating configurations npu_moe_gating_top_k does not take (decided per model shape).
+GATING = "kernels_ascend.gating_topk"
 NOT_WIRED = {
     "zos_gather_inputs": "not wired: the worker gathers each row's first input token itself (torch.where); no "
     "KernelSet op routes it",
@@ -109,6 +124,24 @@ def probe() -> Probe:
     return Probe(True, f"tilelang + bisheng ({bisheng}) + an NPU")
 
 
+def gating_decision(fused_why: str, probe_result: Probe | None, target: str | None, params):
+    """HAL ``moe_gating_topk`` when ``npu_moe_gating_top_k`` does not fit (``fused_why`` says why): the TileLang
+    kernel if the start-up probe allowed the kernels (``target`` = the built kernels' target, None when not) and the
+    kernel takes the configuration, else the reference composition. Returns ``(native, use_kernel, detail)``."""
+    if target is None:
+        why = probe_result.reason if probe_result is not None else "not probed"
+        return False, False, (f"{fused_why}; TileLang-Ascend {GATING} not usable here: {why}; the reference "
+                              "composition runs on the device")
+    from deepinfer_npu.kernels_ascend.gating_topk import unsupported
+
+    bad = unsupported(params.num_experts, params.top_k, params.scoring_func, params.topk_method, params.n_group,
+                      params.topk_group)
+    if bad is not None:
+        return False, False, f"{fused_why}; {GATING} does not take it ({bad}); the reference composition runs"
+    where = "host C build: tests only" if target == "c" else "never run on an NPU"
+    return True, True, f"TileLang-Ascend {GATING} ({fused_why}) ({where})"
+
+
 class TileLangAscendKernels:
     """The wired HAL ops on compiled kernels_ascend programs (built lazily per configuration and cached).
 
@@ -134,7 +167,93 @@ class TileLangAscendKernels:
             else:  # NPU only, never executed yet: AscendC via bisheng (tilelang/ascend/README.md)
                 self._compiled[key] = tl.tilelang.compile(prog, target="ascend")
         self.calls[module] = self.calls.get(module, 0) + 1
+        self.calls[f"{module}.{builder}"] = self.calls.get(f"{module}.{builder}", 0) + 1
         return self._compiled[key]
+
+    # ---- sampling pieces --------------------------------------------------------------------------------------
+    def _finish_argmax(self, part_val, part_idx, splits: int) -> torch.Tensor:
+        ids = torch.empty(part_val.shape[0], dtype=torch.int32, device=part_val.device)
+        self._kernel("sample_pieces", "build_combine", splits)(part_val, part_idx, ids)
+        return ids.to(torch.int64)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits.argmax(-1)`` (fp32 [B, V], B > 0): first maximum, NaN above all, as torch's."""
+        from deepinfer_npu.kernels_ascend.sample_pieces import SPLITS
+
+        b = logits.shape[0]
+        pv = torch.empty(b, SPLITS, dtype=torch.float32, device=logits.device)
+        pi = torch.empty(b, SPLITS, dtype=torch.int32, device=logits.device)
+        self._kernel("sample_pieces", "build_greedy_argmax", SPLITS)(logits.float().contiguous(), pv, pi)
+        return self._finish_argmax(pv, pi, SPLITS)
+
+    def gumbel_argmax(self, logits, temperature, seeds, offsets, stream: int) -> torch.Tensor:
+        """``argmax(logits / temperature + g)``, ``g = -log(-log(U(seed, offset, v, stream)))`` per row (B > 0)."""
+        from deepinfer_npu.kernels_ascend.sample_pieces import SPLITS
+
+        b = logits.shape[0]
+        pv = torch.empty(b, SPLITS, dtype=torch.float32, device=logits.device)
+        pi = torch.empty(b, SPLITS, dtype=torch.int32, device=logits.device)
+        self._kernel("sample_pieces", "build_gumbel_argmax", stream, SPLITS)(
+            logits.float().contiguous(), temperature.float().contiguous(), seeds.to(torch.int64).contiguous(),
+            offsets.to(torch.int64).contiguous(), pv, pi)
+        return self._finish_argmax(pv, pi, SPLITS)
+
+    def uniform0(self, seeds, offsets, stream: int) -> torch.Tensor:
+        """``hash_uniform_cols(seeds, offsets, [0], stream)[:, 0]``: one uniform per row (B > 0), bit for bit."""
+        u = torch.empty(seeds.shape[0], 1, dtype=torch.float32, device=seeds.device)
+        self._kernel("sample_pieces", "build_hash_uniform", stream)(
+            seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(), u)
+        return u.squeeze(1)
+
+    def sample(self, logits: torch.Tensor, t):
+        """The HAL op, line by line backends/cpu/sampling.py ``sample`` with its argmaxes and seeded Gumbel race on
+        kernels_ascend.sample_pieces; bans, the top-k / top-p mask and logprobs are the reference's aten ops. A
+        filtered token enters the kernel as a ``-inf`` logit (``-inf / T`` is the reference's ``masked_fill`` after
+        the division)."""
+        from deepinfer_npu.backends.cpu.sampling import SamplerOutput, compute_logprobs, top_k_top_p_mask
+
+        from deepinfer_npu.sampling.rng import STREAM_SAMPLE
+
+        if logits.dim() != 2 or logits.shape[0] != t.num_rows:
+            raise ValueError(f"logits must be [B, V] with B = {t.num_rows} rows, got {tuple(logits.shape)}")
+        logits = logits.float()
+        if logits.shape[0] == 0:
+            return SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
+        if t.banned_rows is not None and t.banned_token_ids is not None:
+            logits = logits.clone()
+            logits[t.banned_rows, t.banned_token_ids] = float("-inf")
+        greedy_ids = self.argmax(logits) if not t.all_random else None
+        if t.all_greedy:
+            token_ids = greedy_ids
+        else:
+            race = logits
+            if t.need_top_k or t.need_top_p:
+                keep = top_k_top_p_mask(logits / t.temperature[:, None], t.top_k, t.top_p, t.need_top_k, t.need_top_p)
+                race = logits.masked_fill(~keep, float("-inf"))
+            random_ids = self.gumbel_argmax(race, t.temperature, t.seeds, t.offsets, STREAM_SAMPLE)
+            token_ids = random_ids if greedy_ids is None else torch.where(t.is_greedy, greedy_ids, random_ids)
+        token_ids = token_ids.to(torch.int64)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = compute_logprobs(raw_logprobs, token_ids, t.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    # ---- moe_gating_topk (configurations outside npu_moe_gating_top_k's limits) -----------------------------------
+    def moe_gating_topk(self, router_logits: torch.Tensor, bias: torch.Tensor | None, params):
+        """The HAL op (contract: backends/cpu/moe.py) on kernels_ascend.gating_topk (one block per token)."""
+        has_bias = bias is not None and params.topk_method == "noaux_tc"  # the reference reads it only there
+        logits = router_logits.float().contiguous()
+        n, e = logits.shape
+        weights = torch.empty(n, params.top_k, dtype=torch.float32, device=logits.device)
+        ids = torch.empty(n, params.top_k, dtype=torch.int32, device=logits.device)
+        if n:
+            kernel = self._kernel("gating_topk", "build", params.num_experts, params.top_k, params.scoring_func,
+                                  params.topk_method, params.n_group, params.topk_group, bool(params.norm_topk_prob),
+                                  float(params.routed_scaling_factor), has_bias)
+            b = bias.float().contiguous() if has_bias else logits.new_zeros(e)
+            kernel(logits, b, weights, ids)
+        return weights, ids
 
     # ---- zos_fixup --------------------------------------------------------------------------------------------
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
@@ -161,13 +280,14 @@ class TileLangAscendKernels:
     # ---- spec_verify ------------------------------------------------------------------------------------------
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
-        """The HAL op (contract: backends/cpu/spec_verify.py). The vocabulary-wide parts (argmax, softmax, the
-        hash-RNG draws, logprobs) stay aten ops exactly as in the reference; the per-row acceptance scan and, for
-        all-greedy batches, the emitted tokens come from the kernels."""
+        """The HAL op (contract: backends/cpu/spec_verify.py). Softmax, the top-k / top-p mask and logprobs stay aten
+        ops exactly as in the reference; the argmax, the acceptance uniforms and the bonus / residual Gumbel draws
+        (sample_pieces), the per-row acceptance scan and, for all-greedy batches, the emitted tokens come from the
+        kernels."""
         from deepinfer_npu.backends.cpu import spec_verify as ref
         from deepinfer_npu.backends.cpu.sampling import compute_logprobs, top_k_top_p_mask
 
-        from deepinfer_npu.sampling.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, hash_uniform_cols
+        from deepinfer_npu.sampling.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE
 
         i32, i64 = torch.int32, torch.int64
         logits = logits.float()
@@ -180,7 +300,7 @@ class TileLangAscendKernels:
         cu = torch.zeros(num_rows + 1, dtype=i32, device=device)
         cu[1:] = torch.cumsum(counts, 0).to(i32)
         n = draft_next.shape[0]
-        greedy_tok = logits.argmax(dim=-1)
+        greedy_tok = self.argmax(logits) if n else logits.argmax(dim=-1)
         draft = draft_next.to(i32).contiguous()
         accepted = torch.empty(num_rows, dtype=i32, device=device)
         if t.all_greedy:
@@ -197,8 +317,7 @@ class TileLangAscendKernels:
                 keep = top_k_top_p_mask(scaled, t.top_k, t.top_p, t.need_top_k, t.need_top_p)
                 scaled = scaled.masked_fill(~keep, float("-inf"))
             p_draft = torch.softmax(scaled, dim=-1).gather(1, safe[:, None]).squeeze(1)
-            u = hash_uniform_cols(t.seeds, t.offsets, torch.zeros(1, dtype=i64, device=device),
-                                  stream=STREAM_ACCEPT).squeeze(1)
+            u = self.uniform0(t.seeds, t.offsets, STREAM_ACCEPT) if n else p_draft
             # Greedy rows through the same scan: accepted iff 0 < [draft == argmax].
             u = torch.where(t.is_greedy, torch.zeros_like(u), u).float().contiguous()
             p = torch.where(t.is_greedy, (greedy_tok == safe).float(), p_draft.float()).contiguous()
@@ -206,9 +325,15 @@ class TileLangAscendKernels:
             if num_rows:
                 self._kernel("rejection_accept", "build", max_q)(u, p, draft, cu, ok, accepted)
             accepted = accepted.to(i64)
-            bonus = torch.where(t.is_greedy, greedy_tok, ref._gumbel_argmax(scaled, t, STREAM_SAMPLE))
-            without = scaled.scatter(1, safe[:, None], float("-inf"))
-            residual = torch.where(t.is_greedy, greedy_tok, ref._gumbel_argmax(without, t, STREAM_RESIDUAL))
+            # The reference's _gumbel_argmax(scaled, ...) on the kernel: scaled / 1.0 is scaled, exactly.
+            one = torch.ones_like(t.temperature, dtype=torch.float32)
+            bonus, residual = greedy_tok, greedy_tok
+            if n:
+                bonus = torch.where(t.is_greedy, greedy_tok,
+                                    self.gumbel_argmax(scaled, one, t.seeds, t.offsets, STREAM_SAMPLE))
+                without = scaled.scatter(1, safe[:, None], float("-inf"))
+                residual = torch.where(t.is_greedy, greedy_tok,
+                                       self.gumbel_argmax(without, one, t.seeds, t.offsets, STREAM_RESIDUAL))
             acc_tok = accepted.index_select(0, row_of_token)
             at_stop = torch.where(draft_next >= 0, residual, bonus)
             target_tokens = torch.where(j_of_token < acc_tok, safe, at_stop)

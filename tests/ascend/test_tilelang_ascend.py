@@ -1,7 +1,9 @@
 """The TileLang-Ascend kernels (kernels_ascend/) are wired into the Ascend kernel set behind a once-per-process
 decision: on this machine (no NPU, no CANN bisheng, tilelang without its Ascend build) it must come out
 "fallback (reason)" with the reason in the op report; the compositions around the kernels are checked against the
-reference ops with the same programs built for the host C target (nothing here runs on an NPU)."""
+reference ops with the same programs built for the host C target (nothing here runs on an NPU): zos_fixup and
+spec_verify (all outputs equal), sample (tokens and logprobs equal, seeded rows included) and gating outside
+npu_moe_gating_top_k's limits (ids equal per row, weights within kernels_ascend.gating_topk's fp32 tolerance)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,24 @@ from dataclasses import replace
 
 import pytest
 import torch
+from deepinfer_npu.backends.ascend import capabilities as caps
 from deepinfer_npu.backends.ascend import tilelang_ascend
 from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
+from deepinfer_npu.backends.cpu import moe as ref_moe
+from deepinfer_npu.backends.cpu import sampling as ref_sampling
 from deepinfer_npu.backends.cpu import spec_verify as ref_verify
 from deepinfer_npu.backends.cpu import zos as ref_zos
 
 from deepinfer_npu import SamplingParams
+from deepinfer_npu.hal.types import GatingParams
 from deepinfer_npu.sampling import SamplingTensors
+
+#: Outside npu_moe_gating_top_k's A2/A3 limits: 384 experts (Kimi-K2-like V3 routing).
+WIDE_V3 = GatingParams(top_k=8, num_experts=384, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8,
+                       topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+#: Inside them (DeepSeek-V3 itself): the fused op serves it.
+V3 = GatingParams(top_k=8, num_experts=256, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                  norm_topk_prob=True, routed_scaling_factor=2.5)
 
 
 def test_decision_on_this_machine_is_fallback_with_reason():
@@ -30,11 +43,27 @@ def test_decision_on_this_machine_is_fallback_with_reason():
     ks.setup_tilelang()
     assert ks.tilelang is None
     report = ks.op_report()
-    for op in ("zos_fixup", "spec_verify"):
+    for op in ("zos_fixup", "spec_verify", "sample"):
         assert report[op].startswith("fallback (TileLang-Ascend kernels_ascend."), report[op]
         assert probe.reason in report[op] and "torch composition" in report[op]
+    assert "sample_pieces" in report["sample"] and "npu_top_k_top_p is not used" in report["sample"]
     assert report["tilelang:zos_gather_inputs"].startswith("not wired")
     assert "emulation only" in report["decode_graphs"]
+
+
+def test_gating_outside_the_fused_op_falls_back_to_the_reference_with_both_reasons():
+    """On A2/A3, 384 experts do not fit npu_moe_gating_top_k; without the TileLang path the reference runs and the
+    report names both reasons. (The fused op's own path needs torch_npu: not called here.)"""
+    probe = tilelang_ascend.probe()
+    ks = AscendKernelSet(caps.A2_A3)
+    ks.setup_tilelang()
+    logits, bias = torch.randn(5, 384), torch.randn(384) * 0.1
+    got = ks.moe_gating_topk(logits, bias, WIDE_V3)
+    want = ref_moe.moe_gating_topk(logits, bias, WIDE_V3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    rep = ks.op_report()["moe_gating_topk"]
+    assert rep.startswith("fallback (npu_moe_gating_top_k does not fit: 384 experts"), rep
+    assert f"kernels_ascend.gating_topk not usable here: {probe.reason}" in rep and "reference composition" in rep
 
 
 def test_probe_names_each_missing_piece(monkeypatch, tmp_path):
@@ -55,11 +84,25 @@ def test_probe_names_each_missing_piece(monkeypatch, tmp_path):
 
 
 def test_forced_usable_decision_reports_native():
-    ks = AscendKernelSet()
+    ks = AscendKernelSet(caps.A2_A3)
     ks.setup_tilelang(tilelang_ascend.Probe(True, "forced"), tilelang_ascend.TileLangAscendKernels("c"))
-    assert ks.op_report()["spec_verify"] == (
+    report = ks.op_report()
+    assert report["spec_verify"] == (
         "native (TileLang-Ascend kernels_ascend.spec_verify_greedy (all-greedy batches) / rejection_accept (sampled "
-        "rows) (host C build: tests only))")
+        "rows) + sample_pieces (argmax, acceptance uniforms, bonus / residual Gumbel draws) (host C build: tests "
+        "only))")
+    assert report["sample"].startswith(
+        "native (TileLang-Ascend kernels_ascend.sample_pieces greedy_argmax / gumbel_argmax (hash RNG + temperature + "
+        "Gumbel-max) + argmax_combine (host C build: tests only); bans, top-k / top-p mask and logprobs are the")
+    # Gating: the fused op where it fits, the kernel outside its limits, the reference where the kernel declines.
+    assert ks._gating_decision(V3, True).report() == "native (torch_npu.npu_moe_gating_top_k)"
+    wide = ks._gating_decision(WIDE_V3, True)
+    assert wide.tilelang and wide.report() == (
+        "native (TileLang-Ascend kernels_ascend.gating_topk (npu_moe_gating_top_k does not fit: 384 experts (takes "
+        "(256,)), 384 experts (max 256)) (host C build: tests only))")
+    tiny = replace(WIDE_V3, num_experts=8, n_group=8, topk_group=4, top_k=2)  # one expert per group: no top-2 sum
+    d = ks._gating_decision(tiny, True)
+    assert not d.native and not d.tilelang and "gating_topk does not take it (noaux_tc with fewer than 2" in d.detail
 
 
 # ---- the compositions around the kernels, on the host C build of the same programs ------------------------------
@@ -136,3 +179,72 @@ def test_npu_build_path_lowers_and_stops_at_bisheng(host_c_kernels, monkeypatch)
     monkeypatch.delenv("BISHENG_HOME", raising=False)
     with pytest.raises(RuntimeError, match="bisheng"):
         tilelang_ascend.TileLangAscendKernels("ascend")._kernel("zos_seqlens_k", "build")
+
+
+# ---- sample and gating on the host C build -----------------------------------------------------------------------
+def _sample_case(seed: int, kinds: str, vocab: int = 500):
+    """Rows of kind g (greedy), r (seeded random), k (top-k), p (top-p), b (top-k + top-p + min_tokens bans)."""
+    g = torch.Generator().manual_seed(seed)
+    params, banned = [], []
+    for i, kind in enumerate(kinds):
+        params.append(SamplingParams(temperature=0.0 if kind == "g" else 0.5 + 0.1 * (i % 8), seed=100 * seed + i,
+                                     top_k=20 if kind in "kb" else -1, top_p=0.8 if kind in "pb" else 1.0))
+        banned.append([3, 4, int(torch.randint(0, vocab, (1,), generator=g))] if kind == "b" else [])
+    offsets = torch.randint(0, 3000, (len(kinds),), generator=g).tolist()
+    t = SamplingTensors.from_params(params, [p.seed for p in params], offsets, vocab_size=vocab,
+                                    banned_token_ids=banned if any(banned) else None)
+    t.max_num_logprobs = 4
+    logits = torch.randn(len(kinds), vocab, generator=g) * 3
+    logits[0, 1] = logits[0].max()  # an exact tie for the greedy rule (lowest id)
+    return logits, t
+
+
+@pytest.mark.parametrize("kinds", ["gggg", "rrrrrrrrrrrrrrrrrrrrrrrr", "grkpbgrkpbrrrrgg"])
+def test_sample_on_kernels_equals_reference(host_c_kernels, kinds):
+    """Greedy (tie rule), seeded random, top-k, top-p and banned rows: every sampled token and logprob equals the
+    reference sampler's; the random rows' draws come from the kernels' hash RNG (a different seed changes them)."""
+    before = dict(host_c_kernels.calls)
+    for seed in range(4):
+        logits, t = _sample_case(seed, kinds)
+        got, want = host_c_kernels.sample(logits, t), ref_sampling.sample(logits, t)
+        assert torch.equal(got.token_ids, want.token_ids), (seed, got.token_ids, want.token_ids)
+        assert torch.equal(got.logprobs.top_ids, want.logprobs.top_ids)
+        assert torch.equal(got.logprobs.sampled_logprob, want.logprobs.sampled_logprob)
+    gumbel = host_c_kernels.calls.get("sample_pieces.build_gumbel_argmax", 0) - before.get(
+        "sample_pieces.build_gumbel_argmax", 0)
+    assert gumbel == (0 if kinds == "gggg" else 4)
+    if "r" in kinds:  # control: the draws really depend on the seeds
+        logits, t = _sample_case(0, kinds)
+        t2 = replace(t, seeds=t.seeds + 1)
+        assert not torch.equal(host_c_kernels.sample(logits, t2).token_ids, host_c_kernels.sample(logits, t).token_ids)
+
+
+def test_gating_on_kernels_equals_reference(host_c_kernels):
+    """Configurations npu_moe_gating_top_k rejects on A2/A3 run on kernels_ascend.gating_topk through the kernel set:
+    the ids equal the reference's per token (the op's choice order is unspecified) and the weights are within the
+    kernel's stated fp32 tolerance."""
+    from deepinfer_npu.kernels_ascend.gating_topk import WEIGHT_ATOL, WEIGHT_RTOL, by_id
+
+    ks = AscendKernelSet(caps.A2_A3)
+    ks.setup_tilelang(tilelang_ascend.Probe(True, "forced"), host_c_kernels)
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (WIDE_V3, True),
+        (replace(V3, topk_group=3), True),  # k_group 3: A2/A3 takes 4
+        (V3, False),  # no correction bias (required by the fused op on A2/A3)
+        (GatingParams(top_k=6, num_experts=160, scoring_func="softmax", topk_method="group_limited_greedy",
+                      n_group=8, topk_group=3, norm_topk_prob=False, routed_scaling_factor=16.0), False),  # V2
+    ]
+    for params, has_bias in cases:
+        before = host_c_kernels.calls.get("gating_topk", 0)
+        e = params.num_experts
+        bias = torch.randn(e, generator=g) * 0.1 if has_bias else None
+        logits = torch.randn(24, e, generator=g) * 2
+        w, ids = ks.moe_gating_topk(logits, bias, params)
+        rw, rids = ref_moe.moe_gating_topk(logits, bias, params)
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32 and ids.shape == rids.shape
+        (w, ids), (rw, rids) = by_id(w, ids), by_id(rw, rids)
+        assert torch.equal(ids, rids), params
+        torch.testing.assert_close(w, rw, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+        assert host_c_kernels.calls["gating_topk"] == before + 1
+        assert ks.op_report()["moe_gating_topk"].startswith("native (TileLang-Ascend kernels_ascend.gating_topk")
