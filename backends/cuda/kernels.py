@@ -68,10 +68,28 @@ _STATIC_FALLBACK = {
     "mla_epilogue": "reference op on CUDA tensors: einsum (bmm) + F.linear; sync-free",
     "moe_gating_topk": "reference op on CUDA tensors (softmax/sigmoid + topk) where kernels_cuda.moe_routing does "
     "not apply; sync-free",
-    "sample": "reference sampler on CUDA tensors (seeded counter-based noise must match the CPU bit for bit)",
-    "spec_verify": "reference op on CUDA tensors",
-    "zos_fixup": "reference op on CUDA tensors",
+    "sample": "reference sampler on CUDA tensors; kernels_cuda.sampling written, not yet verified on a GPU: "
+    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
+    "spec_verify": "reference op on CUDA tensors; kernels_cuda.spec_verify written, not yet verified on a GPU: "
+    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
+    "zos_fixup": "reference op on CUDA tensors; kernels_cuda.zos_fixup written, not yet verified on a GPU: "
+    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
 }
+
+#: kernels_cuda modules written and compiled (sm_90a / sm_100a) but never run on a GPU: their ops keep the reference
+#: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). Remove a module from
+#: this set once its ``--check`` has passed on the hardware.
+UNVERIFIED_KERNELS = {"zos_fixup", "spec_verify", "sampling"}
+UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
+
+
+def unverified_kernel_enabled(module: str) -> bool:
+    """Whether ``kernels_cuda.<module>`` may run: verified, or enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``."""
+    import os
+
+    if module not in UNVERIFIED_KERNELS:
+        return True
+    return os.environ.get(UNVERIFIED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _ref(module: str):
@@ -488,19 +506,71 @@ class CudaKernelSet(KernelSet):
         return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
 
     # ---- sampling / speculative decoding -------------------------------------------------------------------
+    def _gated_kernel(self, module: str, x: torch.Tensor):
+        """(kernel module, None) when ``kernels_cuda.<module>`` may run on ``x``, else (None, path); the path is
+        "reference" while the module is gated as unverified (the op report then shows the static reason)."""
+        if not unverified_kernel_enabled(module):
+            return None, "reference"
+        if not x.is_cuda:
+            return None, "reference (tensor not on a CUDA device)"
+        mod = self._kernel(module)
+        if mod is None:
+            return None, f"reference ({self._kernel_error[module]})"
+        return mod, None
+
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
-        self._note("sample", "reference", False)
-        return _ref("sampling").sample(logits, sampling_tensors)
+        """``kernels_cuda.sampling`` (greedy and temperature rows, hash-RNG Gumbel noise bit-identical to the
+        reference; two launches) when enabled (unverified: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1) and no top-k /
+        top-p, logprobs or bans; else the reference sampler on CUDA tensors."""
+        t = sampling_tensors
+        mod, path = self._gated_kernel("sampling", logits)
+        if mod is not None and (why := mod.reason(logits, t)) is not None:
+            mod, path = None, f"reference ({why})"
+        if mod is None:
+            self._note("sample", path, False)
+            return _ref("sampling").sample(logits, t)
+        from deepinfer_npu.sampling.metadata import SamplerOutput
+
+        kind = "greedy" if t.all_greedy else "greedy / temperature, seeded"
+        self._note("sample", f"kernels_cuda.sampling ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)", True)
+        return SamplerOutput(token_ids=mod.sample(logits, t, num_sms=self._sms(logits.device)), logprobs=None)
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
-        self._note("spec_verify", "reference", False)
-        return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
-                                               ban_mask)
+        """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) when enabled (unverified:
+        DEEPINFER_CUDA_UNVERIFIED_KERNELS=1) for all-greedy steps, and for temperature rows without drafts
+        (max_q == 1), without logprobs, bans or top-k / top-p; else the reference op on CUDA tensors."""
+        mod, path = self._gated_kernel("spec_verify", logits)
+        if mod is not None:
+            why = mod.reason(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
+            if why is not None:
+                mod, path = None, f"reference ({why})"
+        if mod is None:
+            self._note("spec_verify", path, False)
+            return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
+                                                   ban_mask)
+        kind = "greedy" if t.all_greedy else "greedy / temperature rows without drafts, seeded"
+        self._note("spec_verify", f"kernels_cuda.spec_verify ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)",
+                   True)
+        emitted, num_emitted, accepted, target = mod.spec_verify(
+            logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, num_sms=self._sms(logits.device)
+        )
+        return _ref("spec_verify").VerifyOutput(emitted=emitted, num_emitted=num_emitted, accepted=accepted,
+                                                target_tokens=target, logprobs=None)
 
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
-        self._note("zos_fixup", "reference", False)
-        return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+        """``kernels_cuda.zos_fixup`` (one launch: the seqlens_k correction, and the varlen re-split by a block-wide
+        threshold search) when enabled (unverified: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1); else the reference."""
+        mod, path = self._gated_kernel("zos_fixup", seqlens_k)
+        if mod is not None and (why := mod.reason(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs,
+                                                  caps)) is not None:
+            mod, path = None, f"reference ({why})"
+        if mod is None:
+            self._note("zos_fixup", path, False)
+            return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+        kind = "correction + re-split" if draft_probs is not None and caps is not None else "correction"
+        self._note("zos_fixup", f"kernels_cuda.zos_fixup ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)", True)
+        return mod.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     PLANNED = {

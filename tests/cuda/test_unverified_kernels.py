@@ -1,0 +1,101 @@
+"""Engine-level check of the CUDA kernels gated as unverified (backends/cuda/kernels.py ``UNVERIFIED_KERNELS``:
+kernels_cuda.spec_verify, zos_fixup, sampling): with ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` the reference model's
+tokens equal those of the reference path (the switch off) and the op report names the kernels.
+
+- MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
+  (prefill sampling is greedy too); with fixed draft counts the tokens must be equal, with varlen verification (the
+  device re-split of drafts, timing-driven scheduling) close by the graph tests' rule.
+- no speculation, temperature 0.8 with seeds: every step samples through spec_verify's temperature path (one token
+  a row, hash-RNG Gumbel noise), which must draw exactly the reference's tokens.
+Where the two runs execute identical model forwards (same shapes, same kernels) equal tokens are required.
+Skipped without CUDA, tilelang or the reference model; not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_npu.config import REFERENCE_MODEL_DIR
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _has_tilelang() -> bool:
+    from deepinfer_npu.backends.cuda.kernels import tilelang_importable
+
+    return tilelang_importable()
+
+
+needs_cuda = pytest.mark.skipif(not (HAS_CUDA and _has_tilelang()),
+                                reason="needs a CUDA device and tilelang==0.1.15")
+needs_reference = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
+                                     reason="the reference model is not installed")
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
+           "class Stack:\n    def __init__(self):\n", "    for i in range(len(items)):\n",
+           "# Copyright 2001 Python Software Foundation\n"]
+
+
+def _run(monkeypatch, enabled: bool, params, **kw):
+    from deepinfer_npu.backends.cuda.kernels import UNVERIFIED_ENV
+
+    from deepinfer_npu import LLM
+
+    if enabled:
+        monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    else:
+        monkeypatch.delenv(UNVERIFIED_ENV, raising=False)
+    llm = LLM(backend="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, **kw)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return llm, [list(o.outputs[0].token_ids) for o in outs]
+
+
+@needs_cuda
+@needs_reference
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed-drafts", "varlen-resplit"])
+def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
+    """Fixed draft counts: the schedule depends on accepted counts only, so both runs execute the same forwards and
+    the tokens must be equal. Varlen: the scheduler's draft budget also follows measured step and sampling times
+    (which the kernels change), so the verified shapes may differ between the runs; bf16 numerics then allow the
+    rule of tests/cuda/test_cuda_graphs.py (all but one sequence equal, every common prefix >= 8 tokens)."""
+    from deepinfer_npu import SamplingParams
+
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    kw = dict(speculative_method="mtp", num_speculative_tokens=3, zero_overhead_scheduling=True,
+              varlen_verification=varlen)
+    ref_llm, ref = _run(monkeypatch, False, params, **kw)
+    llm, got = _run(monkeypatch, True, params, **kw)
+    ref_report, report = ref_llm.llm_engine.backend.op_report(), llm.llm_engine.backend.op_report()
+    assert "not yet verified on a GPU" in ref_report["spec_verify"], ref_report["spec_verify"]
+    assert "not yet verified on a GPU" in ref_report["zos_fixup"], ref_report["zos_fixup"]
+    assert report["spec_verify"].startswith("native (kernels_cuda.spec_verify (greedy;"), report["spec_verify"]
+    assert report["zos_fixup"].startswith("native (kernels_cuda.zos_fixup"), report["zos_fixup"]
+    stats, ref_stats = llm.get_stats(), ref_llm.get_stats()
+    if not varlen:
+        assert got == ref, (got, ref)
+        for key in ("spec_accepted_tokens", "spec_draft_tokens", "decode_steps"):
+            assert stats[key] == ref_stats[key], (key, stats[key], ref_stats[key])
+        return
+    assert "correction + re-split" in report["zos_fixup"], report["zos_fixup"]  # draft_probs passed: the re-split ran
+    exact = sum(a == b for a, b in zip(got, ref))
+    for a, b in zip(got, ref):
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        assert common >= 8, (common, a, b)
+    assert exact >= len(PROMPTS) - 1, (exact, got, ref)
+
+
+@needs_cuda
+@needs_reference
+def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
+    from deepinfer_npu import SamplingParams
+
+    params = [SamplingParams(max_tokens=32, temperature=0.8, seed=1000 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    params[1] = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)  # a greedy row in the batch
+    ref_llm, ref = _run(monkeypatch, False, params)
+    llm, got = _run(monkeypatch, True, params)
+    report = llm.llm_engine.backend.op_report()
+    assert "kernels_cuda.spec_verify (greedy / temperature rows without drafts" in report["spec_verify"], report
+    for a, b in zip(got, ref):
+        assert a == b, (a, b)
