@@ -20,8 +20,8 @@ for m in zos_fixup spec_verify sampling; do
   grep -E "FAIL|CHECK|Error|error" "$OUT/$m.log" | head -20; el "$m done"
 done
 grep -h '^{' "$OUT"/zos_fixup.log "$OUT"/spec_verify.log "$OUT"/sampling.log > "$OUT/h200_sampling_kernels.jsonl"
-timeout 240 python3 -m pytest tests/kernels_cuda/test_zos_fixup.py tests/kernels_cuda/test_spec_verify.py \
-  tests/kernels_cuda/test_sampling.py -q -rs -p no:cacheprovider -k "not check_script" 2>&1 | filt | tail -12
+timeout 240 python3 -m pytest tests/kernels_cuda/test_cuda_kernel_zos_fixup.py tests/kernels_cuda/test_cuda_kernel_spec_verify.py \
+  tests/kernels_cuda/test_cuda_kernel_sampling.py -q -rs -p no:cacheprovider -k "not check_script" 2>&1 | filt | tail -12
 el "kernel tests done"
 timeout 420 python3 -m pytest tests/cuda/test_unverified_kernels.py -q -rs -p no:cacheprovider 2>&1 | filt | tail -12
 el "all done"

@@ -9,6 +9,8 @@
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   mla       benchmarks/bench_mla_decode.py
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
+#   routing   kernels_cuda/moe_routing.py --check
+#   unverified  kernels_cuda/device_run_unverified.sh (the gated sampling / spec_verify / zos_fixup kernels)
 # Outputs under $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -48,6 +50,7 @@ for l in open('$OUT/profile.jsonl'):
              grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
+    unverified) OUT=$OUT bash kernels_cuda/device_run_unverified.sh ;;
     routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
     kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
              echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \
