@@ -15,13 +15,15 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=$PWD/.car
 filt() { grep -v "TileLang:tilelang.jit.kernel:INFO"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$OUT/gpu.txt" 2>&1
 el "setup done"
+timeout 240 python3 kernels_cuda/mla_decode.py --check-prefill 2>&1 | filt > "$OUT/mla_prefill.log"
+grep -E "FAIL|CHECK|Error" "$OUT/mla_prefill.log" | head -20; el "mla_prefill done"
 for m in zos_fixup spec_verify sampling; do
   timeout 240 python3 kernels_cuda/$m.py --check --bench 2>&1 | filt > "$OUT/$m.log"
   grep -E "FAIL|CHECK|Error|error" "$OUT/$m.log" | head -20; el "$m done"
 done
 grep -h '^{' "$OUT"/zos_fixup.log "$OUT"/spec_verify.log "$OUT"/sampling.log > "$OUT/h200_sampling_kernels.jsonl"
 timeout 240 python3 -m pytest tests/kernels_cuda/test_cuda_kernel_zos_fixup.py tests/kernels_cuda/test_cuda_kernel_spec_verify.py \
-  tests/kernels_cuda/test_cuda_kernel_sampling.py -q -rs -p no:cacheprovider -k "not check_script" 2>&1 | filt | tail -12
+  tests/kernels_cuda/test_cuda_kernel_sampling.py tests/kernels_cuda/test_mla_prefill.py -q -rs -p no:cacheprovider -k "not check_script" 2>&1 | filt | tail -12
 el "kernel tests done"
 timeout 420 python3 -m pytest tests/cuda/test_unverified_kernels.py -q -rs -p no:cacheprovider 2>&1 | filt | tail -12
 el "all done"

@@ -64,12 +64,15 @@ def _pass_configs():
 # factory
 # ----------------------------------------------------------------------------------------------------
 def build_mla_decode(
-    heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256
+    heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
+    causal_tile_bound: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled).
 
     heads: query heads H (compile-time); m_tiles: CTAs per request along the folded rows, ceil(max_q*H/64);
     num_splits: KV splits (grid z); softmax_scale: applied to q.k before the softmax.
+    causal_tile_bound: a CTA stops at the last key tile its last row can see (prefill: rows early in a long
+    chunk skip the tiles past their position). Off for decode / verification, where it changes nothing.
     Dynamic (run-time) sizes: total tokens T, requests B, cache blocks, block-table width.
     """
     assert tilelang is not None, "tilelang is not installed"
@@ -139,7 +142,12 @@ def build_mla_decode(
             T.fill(l_i, 0)
             T.fill(m_i, neg_big)
 
-            n_tiles = T.ceildiv(sk, BN)
+            if causal_tile_bound:
+                # keys visible to this CTA's last valid row: positions <= sk - sq + its token index
+                last_tok = T.min(row0 + BM - 1, n_valid_rows - 1) // H
+                n_tiles = T.ceildiv(T.max(T.min(sk, sk - sq + last_tok + 1), 1), BN)
+            else:
+                n_tiles = T.ceildiv(sk, BN)
             per = n_tiles // S
             rem = n_tiles % S
             my_tiles = T.if_then_else(row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
@@ -224,10 +232,12 @@ def build_mla_decode(
 
 
 @functools.cache
-def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2,
+               causal_tile_bound: bool = False):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
-    func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages)
+    func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages,
+                            causal_tile_bound=causal_tile_bound)
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
 
@@ -257,7 +267,8 @@ CI_CONFIGS = [
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU and without TileLang's caches (used by
-    tests/kernels_cuda/test_compile.py so that a kernel that stops compiling fails CI)."""
+    tests/kernels_cuda/test_compile.py so that a kernel that stops compiling fails CI); plus one prefill variant
+    (causal tile bound, 512-token bucket at 16 heads)."""
     import concurrent.futures as cf
 
     cfgs = configs or CI_CONFIGS
@@ -265,6 +276,8 @@ def ci_compile(configs=None):
     # Build the prim funcs (Python AST parsing) on this thread: CPython 3.11's ast.parse is not thread-safe
     # ("AST constructor recursion depth mismatch" seen here); only nvcc runs in parallel.
     funcs = [build_mla_decode(c[0], c[1], c[2], HEAD_DIM**-0.5) for c in cfgs]
+    if configs is None:
+        funcs.append(build_mla_decode(16, m_tiles_for(16, 512), 1, HEAD_DIM**-0.5, causal_tile_bound=True))
 
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
@@ -293,6 +306,16 @@ def bucket_q(max_seqlen_q: int) -> int:
     """Round the host-side max query length up to 1, 2, 4, 8 or 16 (fewer compiled variants / graph keys)."""
     assert 1 <= max_seqlen_q <= 16, "1..16 query tokens per request"
     return 1 << (max_seqlen_q - 1).bit_length()
+
+
+MAX_PREFILL_Q = 8192  # query tokens per request of one prefill chunk (the engine's max_num_batched_tokens bound)
+
+
+def bucket_prefill_q(max_seqlen_q: int) -> int:
+    """Prefill query lengths rounded up to a power of two >= 32 (one compiled variant per bucket and head count)."""
+    if not 1 <= max_seqlen_q <= MAX_PREFILL_Q:
+        raise ValueError(f"mla_prefill: max query length {max_seqlen_q} outside 1..{MAX_PREFILL_Q}")
+    return max(32, 1 << (max_seqlen_q - 1).bit_length())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -349,6 +372,25 @@ def mla_decode(
         o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
     q_start = cu_seqlens_q[:B]
     kern(q_latent, q_rope, kv_cache, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
+    return out, lse
+
+
+def mla_prefill(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale,
+                max_seqlen_q: int, out=None, lse=None):
+    """Prefill chunks (varlen, causal, any context before the chunk) through the same kernel: query tokens x heads
+    folded into 64-row tiles, ``ceil(bucket(max_q) * H / 64)`` CTAs per request (tiles past a request's rows exit
+    at once), each stopping at the last key tile its rows can see; no KV split. ``max_seqlen_q`` is the host max
+    query length (no device sync)."""
+    Tq, H, _ = q_latent.shape
+    B = block_tables.shape[0]
+    mt = m_tiles_for(H, bucket_prefill_q(int(max_seqlen_q)))
+    kern = get_kernel(H, mt, 1, float(softmax_scale), causal_tile_bound=True)
+    if out is None:
+        out = torch.empty_like(q_latent)
+    if lse is None:
+        lse = torch.empty(Tq, H, dtype=torch.float32, device=q_latent.device)
+    o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
+    kern(q_latent, q_rope, kv_cache, block_tables, cu_seqlens_q[:B], seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse
 
 
@@ -491,6 +533,47 @@ def check_cases(seed=0):
     return cases
 
 
+def prefill_check_cases(seed=0):
+    """(batch, heads, seqlens_k, seqlens_q): whole prompts (sk == sq), chunked prefill (context before the chunk),
+    varlen batches with tiny and long chunks, partial last pages."""
+    g = torch.Generator().manual_seed(seed + 1)
+    cases = []
+    for H in (16, 128):
+        cases += [(2, H, 300, 300), (3, H, 1000, 257), (1, H, 64, 64), (1, H, 33, 17)]
+        sq = torch.randint(1, 700, (5,), generator=g).tolist()
+        sk = [q + c for q, c in zip(sq, torch.randint(0, 1500, (5,), generator=g).tolist())]
+        cases.append((5, H, sk, sq))
+    return cases
+
+
+def check_prefill_case(batch, heads, seqlens_k, seqlens_q, seed=0, verbose=True):
+    """mla_prefill vs the fp32 reference on fresh inputs with NaN-poisoned outputs; returns (ok, stats)."""
+    inp = make_inputs(batch, heads, seqlens_k, seqlens_q, seed=seed)
+    scale = HEAD_DIM**-0.5
+    Tq, H = inp["q_latent"].shape[:2]
+    out = torch.full((Tq, H, KV_LORA), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((Tq, H), float("nan"), dtype=torch.float32, device="cuda")
+    max_q = max(seqlens_q) if isinstance(seqlens_q, list) else seqlens_q
+    mla_prefill(**inp, softmax_scale=scale, max_seqlen_q=max_q, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_o, ref_l = mla_decode_ref(**inp, softmax_scale=scale)
+    ok_o, so = compare(out, ref_o, "out")
+    ok_l, sl = compare(lse, ref_l, "lse", ulps=0.25)
+    ok = ok_o and ok_l
+    if verbose:
+        print(f"check prefill B={batch} H={heads} sk={seqlens_k if isinstance(seqlens_k, int) else 'var'} "
+              f"sq={seqlens_q if isinstance(seqlens_q, int) else f'var<={max_q}'}: {'OK' if ok else 'FAIL'} "
+              f"out={so} lse={sl}", flush=True)
+    return ok, dict(out=so, lse=sl)
+
+
+def run_prefill_checks(seed=0):
+    ok = True
+    for i, (b, h, sk, sq) in enumerate(prefill_check_cases(seed)):
+        ok &= check_prefill_case(b, h, sk, sq, seed=seed + 100 + i)[0]
+    return ok
+
+
 def configs_for_cases(cases):
     return [
         (H, m_tiles_for(H, bucket_q(max(sq) if isinstance(sq, list) else sq)), S)
@@ -605,6 +688,7 @@ def main(argv=None):
     ap.add_argument(
         "--compile-only", action="store_true", help="compile the check/bench configurations for sm_90a"
     )
+    ap.add_argument("--check-prefill", action="store_true", help="mla_prefill vs the fp32 reference (needs a GPU)")
     args = ap.parse_args(argv)
     if args.compile_only or args.check or args.bench:
         cfgs = []
@@ -619,6 +703,10 @@ def main(argv=None):
     if args.check:
         ok = run_checks()
         print("CHECK", "PASS" if ok else "FAIL", flush=True)
+    if args.check_prefill:
+        ok_p = run_prefill_checks()
+        print("CHECK PREFILL", "PASS" if ok_p else "FAIL", flush=True)
+        ok = ok and ok_p
     if args.bench:
         cb = copy_bandwidth()
         print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)

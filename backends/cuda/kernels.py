@@ -79,7 +79,7 @@ _STATIC_FALLBACK = {
 #: kernels_cuda modules written and compiled (sm_90a / sm_100a) but never run on a GPU: their ops keep the reference
 #: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). Remove a module from
 #: this set once its ``--check`` has passed on the hardware.
-UNVERIFIED_KERNELS = {"zos_fixup", "spec_verify", "sampling"}
+UNVERIFIED_KERNELS = {"zos_fixup", "spec_verify", "sampling", "mla_prefill"}  # mla_prefill: in mla_decode.py
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -329,6 +329,19 @@ class CudaKernelSet(KernelSet):
             max_seqlen_q = host.max_seqlen_q
         max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
         why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, max_q)
+        if why is not None and max_q > MAX_Q and unverified_kernel_enabled("mla_prefill"):
+            # prefill on the same TileLang kernel (causal tile bound, no split): gated until checked on a GPU
+            pre_why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, 1)
+            mod = self._kernel("mla_decode") if pre_why is None else None
+            if mod is not None and max_q <= mod.MAX_PREFILL_Q:
+                self._note("mla_attention", f"kernels_cuda.mla_decode.mla_prefill (bf16, H={q_latent.shape[1]}, "
+                           f"q<= {mod.bucket_prefill_q(max_q)}; unverified, enabled by {UNVERIFIED_ENV})", True)
+                i32 = torch.int32
+                out, _lse = mod.mla_prefill(q_latent.contiguous(), q_rope.contiguous(), kv_cache,
+                                            block_tables.to(i32).contiguous(), seqlens_q.to(i32),
+                                            seqlens_k.to(i32), cu_seqlens_q.to(i32), float(softmax_scale),
+                                            max_seqlen_q=max_q)
+                return out
         if why is not None and q_latent.is_cuda and 1 <= max_q <= MAX_Q and block_tables.shape[0] > 0 and (
             torch.cuda.is_current_stream_capturing()
             or mla_dense.gather_bytes(q_latent, kv_cache, block_tables) <= mla_dense.MAX_GATHER_BYTES
@@ -581,7 +594,8 @@ class CudaKernelSet(KernelSet):
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
         "else decode (max q <= 16) in composed torch (dense, sync-free); prefill on the host's exact lengths "
-        "(the reference loop, sync-free); else the reference (syncs)",
+        "(the reference loop, sync-free; kernels_cuda.mla_decode.mla_prefill is written but not yet verified on a "
+        "GPU: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it); else the reference (syncs)",
         "moe_gating_topk": "kernels_cuda.moe_routing gating (one kernel) for E % 32 == 0, E <= 256, k <= 16; "
         "else the reference (softmax/sigmoid + topk, sync-free)",
         "moe_dispatch": "kernels_cuda.moe_routing permute (counting sort, one kernel) for bf16 / fp32 with T*k <= "

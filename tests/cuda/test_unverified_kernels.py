@@ -1,5 +1,5 @@
 """Engine-level check of the CUDA kernels gated as unverified (backends/cuda/kernels.py ``UNVERIFIED_KERNELS``:
-kernels_cuda.spec_verify, zos_fixup, sampling): with ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` the reference model's
+kernels_cuda.spec_verify, zos_fixup, sampling, and mla_decode.mla_prefill): with ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` the reference model's
 tokens equal those of the reference path (the switch off) and the op report names the kernels.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
@@ -99,3 +99,47 @@ def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
     assert "kernels_cuda.spec_verify (greedy / temperature rows without drafts" in report["spec_verify"], report
     for a, b in zip(got, ref):
         assert a == b, (a, b)
+
+
+@needs_cuda
+def test_prefill_kernel_in_the_engine(monkeypatch, tmp_path):
+    """kernels_cuda.mla_decode.mla_prefill serving prefill at DeepSeek dims (random bf16 weights, 2 layers):
+    greedy tokens follow the default path (the reference loop on host lengths) by the logprobs-close rule."""
+    import json
+
+    from deepinfer_npu.backends.cuda import kernels as ck
+
+    from deepinfer_npu import LLM, SamplingParams
+
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 4096,
+           "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 16,
+           "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+           "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+           "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+           "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+           "torch_dtype": "bfloat16", "initializer_range": 0.02}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prompts = [{"prompt_token_ids": [(31 * i + 7 * b) % 4000 + 5 for i in range(100 + 250 * b)]} for b in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def run(enabled: bool):
+        if enabled:
+            monkeypatch.setenv(ck.UNVERIFIED_ENV, "1")
+        else:
+            monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
+        llm = LLM(str(tmp_path), load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
+                  max_num_seqs=4, max_num_batched_tokens=512)  # chunked prefill: context before later chunks
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return llm.llm_engine.backend.op_report()["mla_attention"], outs
+
+    rep_off, off = run(False)
+    rep_on, on = run(True)
+    assert "mla_prefill" in rep_on and "mla_prefill (bf16" not in rep_off
+    for a, b in zip(off, on):
+        ta, tb = list(a.token_ids), list(b.token_ids)
+        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if first is not None:
+            assert tb[first] in a.logprobs[first] and ta[first] in b.logprobs[first], (first, ta, tb)

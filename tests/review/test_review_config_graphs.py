@@ -18,7 +18,3 @@ def test_enable_graphs_rejects_non_tristate_values(value):
     with pytest.raises(ValueError, match="enable_graphs"):
         EngineConfig(enable_graphs=value)
 
-
-@pytest.mark.parametrize("value", [None, True, False])
-def test_enable_graphs_accepts_tristate(value):
-    assert EngineConfig(enable_graphs=value).enable_graphs is value
