@@ -6,7 +6,8 @@ step's first device op, one with its sample-end event. For consecutive decode st
 - device span of N      = end(N) - start(N)   (the device's time from N's first op to its last)
 - idle gap after N      = start(N+1) - end(N) (the device waiting for the host to launch N+1; ~0 when the host
                                               launched N+1 before N finished, which is what ZOS is for)
-- wall step time        = wall clock of the timed window / decode steps
+- wall step time        = wall clock of the timed window / decode steps launched (not engine.step() calls: with
+                          ZOS the last call only flushes the deferred step)
 
 Model: DeepSeek-V2-Lite shape with random bf16 weights (``load_format="dummy"``), prompt ``--prompt-len``, greedy,
 ``--gen`` decode steps timed. One JSON line per (batch, zos, graphs)::
@@ -75,7 +76,10 @@ def run_config(args, model_dir: str, cfg: dict, batch: int, zos: bool, log) -> d
         tokens = engine.stats["generation_tokens"]
         total_dev = decode[0][0].elapsed_time(decode[-1][1]) if decode else float("nan")
         results = {
-            "step_ms": 1e3 * elapsed / max(steps, 1), "tok_s": tokens / elapsed, "decode_steps": len(decode),
+            # per decode step: under ZOS the last engine.step() only post-processes (flushes) the deferred step,
+            # so engine steps = decode steps + 1 there; count decode steps launched, not calls
+            "step_ms": 1e3 * elapsed / max(len(decode), 1), "tok_s": tokens / elapsed, "decode_steps": len(decode),
+            "engine_steps": steps,
             "device_span_ms": statistics.mean(spans) if spans else None,
             "idle_gap_ms_mean": statistics.mean(gaps) if gaps else None,
             "idle_gap_ms_p50": statistics.median(gaps) if gaps else None,

@@ -93,6 +93,9 @@ class EngineConfig:
         if self.num_speculative_tokens > 15:
             # drafts + 1 <= 16: the Ascend fused attention takes at most 16 query tokens per request.
             raise ValueError(f"num_speculative_tokens must be <= 15, got {self.num_speculative_tokens}")
+        if self.enable_graphs is not None and not isinstance(self.enable_graphs, bool):
+            raise ValueError(f"enable_graphs must be True, False or None (the backend's default), "
+                             f"got {self.enable_graphs!r}")
         if self.graph_capture not in ("lazy", "startup"):
             raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.backend, str) or not self.backend:

@@ -45,6 +45,21 @@ class ProposeGraphs:
         return self.fn(golden, positions, slots)
 
     @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Capture every size now (``graph_capture="startup"``) on all-padding rows (slot 0, position 0)."""
+        for size in reversed(self.sizes):  # largest first
+            if self.disabled or self.graphs.has(size):
+                continue
+            st = {name: t[:size] for name, t in self.buf.items()}
+            for t in st.values():
+                t.zero_()
+            try:
+                self.graphs.capture(size, self._graphed, st)
+            except Exception as e:  # noqa: BLE001 - propose stays correct, only eager
+                self.disabled = f"capture of propose size {size} failed: {type(e).__name__}: {str(e)[:300]}"
+                logger.warning("drafter graphs disabled: %s", self.disabled)
+
+    @torch.inference_mode()
     def run(self, golden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
         """-> ``(drafts [B, k], confidences [B, k])`` from the graph of the smallest size >= B, or None (run
         eagerly): graphs disabled, no rows, or more rows than the largest size."""

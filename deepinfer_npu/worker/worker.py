@@ -81,6 +81,9 @@ class Worker:
         graphs = DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k)
         if cfg.graph_capture == "startup":
             graphs.capture_all()
+            propose_graphs = getattr(self.drafter, "propose_graphs", None)
+            if propose_graphs is not None:
+                propose_graphs.capture_all()
         return graphs
 
     @property
@@ -310,8 +313,10 @@ class Worker:
         """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the
         stream behind the step's work, so post-processing waits for this step's end event only, never for work
         launched after it (a plain ``.cpu()`` would wait for the next step's forward too, undoing ZOS)."""
-        if t is None or t.device.type == "cpu":
+        if t is None:
             return t
+        if t.device.type == "cpu":  # a copy: the tensor may be a graph's static output, rewritten by the next step
+            return t.clone()
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t, non_blocking=True)
         return host
