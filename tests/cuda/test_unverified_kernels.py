@@ -1,6 +1,7 @@
 """Engine-level check of the CUDA kernels gated as unverified (backends/cuda/kernels.py ``UNVERIFIED_KERNELS``:
 kernels_cuda.spec_verify, zos_fixup, sampling, and mla_decode.mla_prefill): with
-``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` the reference model's tokens equal those of the reference path (the switch off) and the op report names the kernels.
+``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` the reference model's tokens equal those of the reference path (the switch
+off) and the op report names the kernels.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
   (prefill sampling is greedy too); with fixed draft counts the tokens must be equal, with varlen verification (the
