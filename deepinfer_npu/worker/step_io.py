@@ -125,6 +125,7 @@ class DeviceStepState:
     sample_end_event: object | None = None
     host: dict | None = None  # host copies of the results, filled asynchronously before sample_end_event
     start_event: object | None = None  # timing event before the step's first device op (Worker.step_events)
+    fwd_events: tuple | None = None  # timing events around the forward (varlen on a device): device model_ms
     t_forward_ms: float = 0.0
     t_sample_ms: float = 0.0
     model_ms: float = 0.0

@@ -184,6 +184,12 @@ class Worker:
             draft_next = torch.where(has_next, nxt, torch.full_like(nxt, -1))
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
         t_model = time.perf_counter()
+        # Varlen's online estimators need the device time of the forward and of the sampling phase; on a device
+        # the host clock only sees launches. Timing events around both, read after the step's end event.
+        fwd_events = None
+        if self.varlen and self.backend.device_type != "cpu":
+            fwd_events = (self.backend.create_event(enable_timing=True), self.backend.create_event(enable_timing=True))
+            fwd_events[0].record()
         size = None
         if self.graphs is not None and not plan.is_prefill:
             size = self.graphs.size_for(plan.num_tokens, plan.block_tables.shape[1])
@@ -202,10 +208,13 @@ class Worker:
         elif size is None:
             logits = self.runner.logits(hidden, None)
         model_ms = (time.perf_counter() - t_model) * 1e3  # host-timed: exact on CPU, launch time on devices
+        if fwd_events is not None:
+            fwd_events[1].record()
         step = DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,
                                hidden=hidden, captured=captured, logits=logits, draft_next=draft_next,
                                slots=slots, seqlens_q=attn.seqlens_q)
         step.start_event = start_event
+        step.fwd_events = fwd_events
         return step
 
     # ---------------------------------------------------------------- phase 3
@@ -300,7 +309,7 @@ class Worker:
                 self.slots.draft_probs.index_copy_(0, bonus_slots, probs.float())
             step.draft_probs = probs
         self._copy_results_to_host(step)
-        event = self.backend.create_event(enable_timing=step.start_event is not None)
+        event = self.backend.create_event(enable_timing=step.start_event is not None or step.fwd_events is not None)
         event.record()
         step.sample_end_event = event
         if step.start_event is not None and self.step_events is not None:
@@ -337,6 +346,9 @@ class Worker:
     def _post_process(self, step: DeviceStepState) -> StepResult:
         step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
         plan, host = step.plan, step.host
+        if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting
+            step.model_ms = step.fwd_events[0].elapsed_time(step.fwd_events[1])
+            step.t_sample_ms = step.fwd_events[1].elapsed_time(step.sample_end_event)
         emitted = host["emitted"].numpy()
         counts = host["num_emitted"].numpy()
         token_ids = [emitted[i, : counts[i]].tolist() for i in range(plan.num_seqs)]
