@@ -1,3 +1,4 @@
+"""Varlen on device backends: the worker feeds the estimators event-timed forward / sampling times."""
 
 
 def test_varlen_feeds_device_timed_steps(monkeypatch):
