@@ -93,17 +93,26 @@ def get_kernel(n: int, k: int, block_n: int, num_stages: int = 3):
     return _KERNELS[key]
 
 
+def expert_starts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Exclusive scan of the per-expert row counts, int32 [E + 1] (shared by the two GEMMs of one MLP)."""
+    e = tokens_per_expert.shape[0]
+    starts = torch.zeros(e + 1, dtype=torch.int32, device=tokens_per_expert.device)
+    torch.cumsum(tokens_per_expert, 0, out=starts[1:])
+    return starts
+
+
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, out: torch.Tensor | None = None,
-             block_n: int | None = None, num_stages: int = 3) -> torch.Tensor:
-    """[M, K] rows sorted by expert x [E, N, K] -> [M, N] bf16 (no host read of device values)."""
+             block_n: int | None = None, num_stages: int = 3, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, K] rows sorted by expert x [E, N, K] -> [M, N] bf16 (no host read of device values). ``starts``: the
+    :func:`expert_starts` of ``tokens_per_expert`` when the caller already has it."""
     m, k = a.shape
     e, n, k2 = w.shape
     if k2 != k:
         raise ValueError(f"moe_gemm: a has K={k} but w is [E={e}, N={n}, K={k2}]")
     if tokens_per_expert.shape[0] != e:
         raise ValueError(f"moe_gemm: tokens_per_expert has {tokens_per_expert.shape[0]} entries for {e} experts")
-    starts = torch.zeros(e + 1, dtype=torch.int32, device=a.device)
-    torch.cumsum(tokens_per_expert, 0, out=starts[1:])
+    if starts is None:
+        starts = expert_starts(tokens_per_expert)
     if out is None:
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
     if m == 0:

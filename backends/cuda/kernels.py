@@ -471,9 +471,10 @@ class CudaKernelSet(KernelSet):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self._moe_gemm_for(sorted_hidden, w13, w2)
         if mg is not None:
-            h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert)
+            starts = mg.expert_starts(tokens_per_expert)  # once for both GEMMs
+            h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts)
             h = self.silu_and_mul(h)
-            out = mg.moe_gemm(h, w2, tokens_per_expert)
+            out = mg.moe_gemm(h, w2, tokens_per_expert, starts=starts)
             self._note("grouped_mlp", f"kernels_cuda.moe_gemm (bf16, rows <= {MOE_GEMM_MAX_ROWS})", True)
             return out
         why = self._grouped_mm_reason(sorted_hidden, w13, w2)
