@@ -80,14 +80,24 @@ def mla_attention(
 
     Query j of request b has position ``seqlens_k[b] - seqlens_q[b] + j`` and sees cache positions <= it.
     Scores and softmax are computed in fp32. One loop iteration per request (the oracle favours clarity).
+    ``host`` (``HostLengths``): when its lengths are exact (every prefill step), the loop takes them instead of
+    reading the device tensors, so a device backend can run this arithmetic without host-device syncs.
     """
     lrank = q_latent.shape[-1]
     out = torch.zeros_like(q_latent)
-    for b in range(block_tables.shape[0]):
-        q_len, k_len = int(seqlens_q[b]), int(seqlens_k[b])
+    num_reqs = block_tables.shape[0]
+    on_host = host is not None and host.seqlens_k_exact and len(host.seqlens_q) == num_reqs
+    host_start = 0
+    for b in range(num_reqs):
+        if on_host:
+            q_len, k_len, start = host.seqlens_q[b], host.seqlens_k[b], host_start
+            host_start += q_len
+        else:
+            q_len, k_len = int(seqlens_q[b]), int(seqlens_k[b])
         if q_len == 0:
             continue
-        start = int(cu_seqlens_q[b])
+        if not on_host:
+            start = int(cu_seqlens_q[b])
         kv = gather_kv(kv_cache, block_tables[b], k_len).float()  # [k_len, L+R]
         c_kv, k_pe = kv[:, :lrank], kv[:, lrank:]
         ql = q_latent[start : start + q_len].float()  # [q_len, H, L]

@@ -353,8 +353,8 @@ class CudaKernelSet(KernelSet):
         if why is not None and host is not None and host.seqlens_k_exact and len(host.seqlens_q) == num_reqs:
             # prefill (or any step whose lengths the host knows exactly): the reference loop on host ints
             self._note("mla_attention", f"reference arithmetic on host lengths, sync-free ({why})", False)
-            return mla_dense.mla_attention_host_lengths(q_latent, q_rope, kv_cache, block_tables, host,
-                                                        softmax_scale)
+            return _ref("mla").mla_attention(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k,
+                                             cu_seqlens_q, softmax_scale, host=host)
         if why is not None:
             self._note("mla_attention", f"reference ({why})", False, syncs=q_latent.is_cuda)
             with known_syncing_fallback():

@@ -39,25 +39,3 @@ def mla_attention_dense(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seq
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("thk,tkl->thl", probs, c_kv).to(q_latent.dtype)
 
-
-def mla_attention_host_lengths(q_latent, q_rope, kv_cache, block_tables, host, softmax_scale: float) -> torch.Tensor:
-    """The CPU reference's per-request loop (``backends/cpu/mla.py``, same arithmetic) driven by the host's exact
-    lengths (``HostLengths`` with ``seqlens_k_exact``, as every prefill step has) instead of ``int(tensor)`` reads:
-    sync-free on a device, for prefill chunks of any length (not graph-capturable: shapes follow the host lists)."""
-    lrank, bs = q_latent.shape[-1], kv_cache.shape[1]
-    out = torch.zeros_like(q_latent)
-    start = 0
-    for b, (q_len, k_len) in enumerate(zip(host.seqlens_q, host.seqlens_k, strict=True)):
-        if q_len == 0:
-            continue
-        blocks = kv_cache[block_tables[b, : -(-k_len // bs)].long()]
-        kv = blocks.reshape(-1, kv_cache.shape[-1])[:k_len].float()
-        c_kv, k_pe = kv[:, :lrank], kv[:, lrank:]
-        ql, qr = q_latent[start : start + q_len].float(), q_rope[start : start + q_len].float()
-        scores = (torch.einsum("qhl,kl->hqk", ql, c_kv) + torch.einsum("qhr,kr->hqk", qr, k_pe)) * softmax_scale
-        q_pos = torch.arange(k_len - q_len, k_len, device=scores.device)
-        k_pos = torch.arange(k_len, device=scores.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start : start + q_len] = torch.einsum("hqk,kl->qhl", torch.softmax(scores, dim=-1), c_kv).to(out.dtype)
-        start += q_len
-    return out
