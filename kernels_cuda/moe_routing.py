@@ -62,6 +62,11 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from . import _bench
+except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
+    import _bench
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Products must round to fp32 before the sums, as in torch's separate multiply and sum kernels.
 COMPILE_FLAGS = ["--fmad=false"]
@@ -882,22 +887,6 @@ def run_checks(verbose=True):
 
 
 # ---- benchmark ---------------------------------------------------------------------------------------------------
-def _time_us(fn, graph=True):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            reps = 20
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(reps):
-                    fn()
-            return do_bench(gr.replay, warmup=25, rep=200, return_mode="median") / reps * 1e3, "graph"
-        except Exception:  # noqa: BLE001 - e.g. a syncing torch op
-            torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, "events"
 
 
 def _torch_dispatch(hidden, ids, e):  # the CUDA kernel set's composed path before this file (sync-free)
@@ -929,8 +918,8 @@ def bench_case(name, t):
         ("permute", lambda: permute(hidden, ids, e), lambda: _torch_dispatch(hidden, ids, e)),
         ("unpermute", lambda: unpermute(sh, order, w, t, k), lambda: _torch_combine(sh, order, w, t, k)),
     ):
-        tk, how = _time_us(kern)
-        tr, how_r = _time_us(ref)
+        tk, how = _bench.time_us(kern)
+        tr, how_r = _bench.time_us(ref)
         rows.append({"bench": f"moe_{op}", "hardware": torch.cuda.get_device_name(), "model": name, "T": t,
                      "E": e, "k": k, "D": d, "kernel_us": round(tk, 2), "torch_us": round(tr, 2),
                      "speedup": round(tr / tk, 2), "timing": how, "timing_torch": how_r})

@@ -39,8 +39,10 @@ except Exception:  # pragma: no cover
 
 try:
     from . import _argmax as am
+    from . import _bench
 except ImportError:  # run as a script: python kernels_cuda/sampling.py
     import _argmax as am
+    import _bench
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -240,29 +242,13 @@ def check_graph(verbose=True):
 
 
 # ---- benchmark -------------------------------------------------------------------------------------------------
-def _time_us(fn, graph=True):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            reps = 20
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(reps):
-                    fn()
-            return do_bench(gr.replay, warmup=25, rep=200, return_mode="median") / reps * 1e3, "graph"
-        except Exception:  # noqa: BLE001
-            torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, "events"
 
 
 def bench_case(n, v, greedy_frac, copy_gbps=None):
     logits = torch.randn(n, v, device="cuda")
     t = make_sampling(n, greedy_frac, seed=1)
-    tk, how = _time_us(lambda: sample(logits, t))
-    tr, how_r = _time_us(lambda: sample_ref(logits, t))
+    tk, how = _bench.time_us(lambda: sample(logits, t))
+    tr, how_r = _bench.time_us(lambda: sample_ref(logits, t))
     nbytes = n * v * 4
     row = {"bench": "sample", "hardware": torch.cuda.get_device_name(), "rows": n, "V": v,
            "greedy_frac": greedy_frac, "kernel_us": round(tk, 2), "reference_us": round(tr, 2),

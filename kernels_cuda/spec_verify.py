@@ -53,8 +53,10 @@ except Exception:  # pragma: no cover
 
 try:
     from . import _argmax as am
+    from . import _bench
 except ImportError:  # run as a script: python kernels_cuda/spec_verify.py
     import _argmax as am
+    import _bench
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 ACCEPT_THREADS = 512
@@ -452,31 +454,15 @@ def run_checks(verbose=True):
 
 
 # ---- benchmark -------------------------------------------------------------------------------------------------
-def _time_us(fn, graph=True):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            reps = 20
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(reps):
-                    fn()
-            return do_bench(gr.replay, warmup=25, rep=200, return_mode="median") / reps * 1e3, "graph"
-        except Exception:  # noqa: BLE001 - e.g. a syncing torch op
-            torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, "events"
 
 
 def bench_case(rows, q, v, greedy_frac=1.0, copy_gbps=None):
     step = make_step(rows, q, v, layout="full", seed=1)
     n = step["logits"].shape[0]
     t = make_sampling(n, greedy_frac, seed=1)
-    tk, how = _time_us(lambda: spec_verify(**step, t=t))
-    tr, how_r = _time_us(lambda: spec_verify_ref(**step, t=t))
-    ta, _ = _time_us(lambda: step["logits"].argmax(-1))
+    tk, how = _bench.time_us(lambda: spec_verify(**step, t=t))
+    tr, how_r = _bench.time_us(lambda: spec_verify_ref(**step, t=t))
+    ta, _ = _bench.time_us(lambda: step["logits"].argmax(-1))
     nbytes = n * v * 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     row = {"bench": "spec_verify", "hardware": torch.cuda.get_device_name(), "rows": rows, "q": q, "T": n, "V": v,

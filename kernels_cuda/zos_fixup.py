@@ -49,6 +49,11 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from . import _bench
+except ImportError:  # run as a script: python kernels_cuda/zos_fixup.py
+    import _bench
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 COMPILE_FLAGS = ["--fmad=false"]  # the cumprod's products are plain fp32 multiplies
 CORRECT_THREADS = 256
@@ -461,28 +466,12 @@ def run_checks(verbose=True):
 
 
 # ---- benchmark -------------------------------------------------------------------------------------------------
-def _time_us(fn, graph=True):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    if graph:
-        try:
-            reps = 20
-            gr = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(gr):
-                for _ in range(reps):
-                    fn()
-            return do_bench(gr.replay, warmup=25, rep=200, return_mode="median") / reps * 1e3, "graph"
-        except Exception:  # noqa: BLE001 - e.g. a syncing torch op
-            torch.cuda.synchronize()
-    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3, "events"
 
 
 def bench_case(rows, k, resplit):
     args = make_problem(rows, k, resplit, "conf", 0.9, seed=1)
-    tk, how = _time_us(lambda: zos_fixup(*args))
-    tr, how_r = _time_us(lambda: zos_fixup_ref(*args))
+    tk, how = _bench.time_us(lambda: zos_fixup(*args))
+    tr, how_r = _bench.time_us(lambda: zos_fixup_ref(*args))
     return {"bench": "zos_fixup", "hardware": torch.cuda.get_device_name(), "rows": rows, "k": k,
             "resplit": resplit, "kernel_us": round(tk, 2), "reference_us": round(tr, 2),
             "speedup": round(tr / tk, 2), "timing": how, "timing_ref": how_r}
