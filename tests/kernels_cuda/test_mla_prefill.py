@@ -24,12 +24,13 @@ def test_prefill_buckets():
         mla_decode.bucket_prefill_q(8193)
 
 
-def test_prefill_kernel_gated_until_verified(monkeypatch):
+def test_prefill_kernel_on_after_its_gpu_check(monkeypatch):
+    """mla_prefill passed its check on an H200 (session 3): on by default, named in the planned report."""
     from deepinfer_npu.backends.cuda import kernels as ck
 
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "mla_prefill" in ck.UNVERIFIED_KERNELS and not ck.unverified_kernel_enabled("mla_prefill")
-    assert "mla_prefill is written but not yet verified" in ck.CudaKernelSet.PLANNED["mla_attention"]
+    assert ck.unverified_kernel_enabled("mla_prefill")
+    assert "kernels_cuda.mla_decode.mla_prefill" in ck.CudaKernelSet.PLANNED["mla_attention"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
