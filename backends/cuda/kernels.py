@@ -551,8 +551,9 @@ class CudaKernelSet(KernelSet):
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
-        """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) for all-greedy steps, and for temperature rows without drafts
-        (max_q == 1), without logprobs, bans or top-k / top-p; else the reference op on CUDA tensors."""
+        """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) for all-greedy steps, and for
+        temperature rows without drafts (max_q == 1), without logprobs, bans or top-k / top-p; else the reference
+        op on CUDA tensors."""
         mod, path = self._gated_kernel("spec_verify", logits)
         if mod is not None:
             why = mod.reason(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)

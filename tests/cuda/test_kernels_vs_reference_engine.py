@@ -115,8 +115,6 @@ def test_prefill_kernel_in_the_engine(monkeypatch, tmp_path):
     greedy tokens follow the default path (the reference loop on host lengths) by the logprobs-close rule."""
     import json
 
-    from deepinfer_npu.backends.cuda import kernels as ck
-
     from deepinfer_npu import LLM, SamplingParams
 
     cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 4096,
