@@ -128,35 +128,12 @@ def prompts_for(batch: int, prompt_len: int, vocab: int, salt: int = 0) -> list[
 
 
 def precompile_engine_kernels(engine, batches, max_model_len: int) -> str:
-    """Compile the MLA decode configurations the timed steps will use, in parallel (nvcc in threads)."""
-    import math
-
-    backend = engine.backend
-    if backend.name != "cuda":
-        return "not cuda"
-    try:
-        from deepinfer_npu.kernels_cuda import mla_decode as md
-
-        if md.tilelang is None:
-            return "tilelang not importable"
-        scales = {float(m.softmax_scale) for m in engine.runner.model.modules() if hasattr(m, "softmax_scale")}
-        if len(scales) != 1:
-            return f"softmax scales {scales}"
-        scale = scales.pop()
-        width = math.ceil(max_model_len / 64)
-        sms = torch_sms()
-        cfgs = [(16, md.m_tiles_for(16, 1), md.default_num_splits(b, 16, 1, width, sms)) for b in batches]
-        t0 = time.time()
-        md.precompile(cfgs, softmax_scale=scale)
-        return f"{len(set(cfgs))} configs {sorted(set(cfgs))} in {time.time() - t0:.1f}s"
-    except Exception as e:  # noqa: BLE001 - the warm-up compiles them anyway
-        return f"precompile skipped: {type(e).__name__}: {e}"
-
-
-def torch_sms() -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(0).multi_processor_count
+    """Redundant now: the engine compiles every TileLang configuration its steps can reach at start-up
+    (``EngineConfig.kernel_warmup``, ``KernelSet.warmup``), before this is called; these batches' MLA decode
+    configurations included. Kept for the scripts that import it (bench_zos.py, profile_decode.py): returns the
+    engine's warm-up summary for their logs. ``batches`` and ``max_model_len`` are no longer used."""
+    summary = getattr(engine.worker, "kernel_warmup", None)
+    return f"engine warm-up: {summary}" if summary is not None else "engine warm-up off (kernel_warmup=False)"
 
 
 def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
@@ -172,7 +149,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
         f"blocks={blocks}")
-    log("precompile: " + precompile_engine_kernels(engine, args.batch, max_model_len))
+    log("kernels: " + precompile_engine_kernels(engine, args.batch, max_model_len))
     for batch in args.batch:
         # warm-up: prefill + a few decode steps (compiles this batch's kernel configurations, cuBLAS plans)
         for i, p in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=1)):

@@ -24,7 +24,8 @@ class EngineConfig:
     or the device's free memory times ``gpu_memory_utilization`` (device backends). ``enable_graphs``: decode steps
     replay captured graphs (``worker/decode_graphs.py``) on backends whose ``graph_runner()`` gives a
     ``hal.graph_runner.GraphRunner``; ``None`` takes the backend's default (``Backend.graphs_by_default``: on for
-    CUDA), ``False`` forces eager decode.
+    CUDA), ``False`` forces eager decode. ``kernel_warmup``: compile every kernel variant the steps can reach at
+    start-up (``KernelSet.warmup``), not at its first use.
     """
 
     model: str | os.PathLike | None = None
@@ -56,6 +57,9 @@ class EngineConfig:
     # graph_capture: "lazy" (at a size's first step) | "startup" (all).
     enable_graphs: bool | None = None
     graph_capture: str = "lazy"
+    # Compile every kernel variant the engine can reach at start-up (KernelSet.warmup: CUDA's TileLang kernels),
+    # after the model is loaded and before graphs are captured; False: each compiles at its first use.
+    kernel_warmup: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -96,6 +100,8 @@ class EngineConfig:
         if self.enable_graphs is not None and not isinstance(self.enable_graphs, bool):
             raise ValueError(f"enable_graphs must be True, False or None (the backend's default), "
                              f"got {self.enable_graphs!r}")
+        if not isinstance(self.kernel_warmup, bool):
+            raise ValueError(f"kernel_warmup must be True or False, got {self.kernel_warmup!r}")
         if self.graph_capture not in ("lazy", "startup"):
             raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.backend, str) or not self.backend:

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from captured graphs (default: the backend's choice, on for cuda); "
                    "--no-graphs forces eager decode")
+    p.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every kernel variant the engine can reach at start-up (default; cuda: TileLang); "
+                   "--no-kernel-warmup compiles each at its first use")
     p.add_argument("--no-varlen", action="store_true", help="verify a fixed number of drafts per request")
     p.add_argument("--speculative-model", default=None, help="DFlash drafter directory (default <model>/dflash)")
     p.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
                   zero_overhead_scheduling=not args.no_zos, speculative_method=args.speculative,
                   num_speculative_tokens=args.num_speculative_tokens, varlen_verification=not args.no_varlen,
-                  speculative_model=args.speculative_model, enable_graphs=args.graphs)
+                  speculative_model=args.speculative_model, enable_graphs=args.graphs,
+                  kernel_warmup=args.kernel_warmup)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

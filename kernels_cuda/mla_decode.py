@@ -242,21 +242,27 @@ def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, 
 
 
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
-    """Compile several (heads, m_tiles, num_splits) configurations ahead of use."""
+    """Compile several configurations ahead of use: decode ``(heads, m_tiles, num_splits)`` or, with a fourth item,
+    ``(heads, m_tiles, num_splits, causal_tile_bound)`` (True: :func:`mla_prefill`'s variant)."""
     import concurrent.futures as cf
 
-    configs = [c for c in dict.fromkeys(configs)]
+    configs = [(c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False) for c in dict.fromkeys(configs)]
+    if not configs:
+        return
     # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
     # cache then serves get_kernel, which re-parses serially but does not recompile.
-    funcs = [build_mla_decode(c[0], c[1], c[2], float(softmax_scale)) for c in configs]
+    funcs = [build_mla_decode(h, mt, s, float(softmax_scale), causal_tile_bound=ctb) for h, mt, s, ctb in configs]
 
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
     with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(one, funcs))
-    for c in configs:
-        get_kernel(c[0], c[1], c[2], float(softmax_scale))
+    for h, mt, s, ctb in configs:  # the launchers' own calls, so that their functools cache keys match
+        if ctb:
+            get_kernel(h, mt, s, float(softmax_scale), causal_tile_bound=True)
+        else:
+            get_kernel(h, mt, s, float(softmax_scale))
 
 
 CI_CONFIGS = [

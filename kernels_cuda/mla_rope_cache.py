@@ -165,14 +165,18 @@ def ci_compile(configs=None, target=None):
 
 
 def precompile(configs, num_workers=None):
-    """Compile several configurations in parallel (nvcc in threads); TileLang's disk cache then serves
-    get_kernel."""
+    """Compile several (heads, q_dim, q_off, interleaved, eps) in parallel (nvcc in threads), then fill get_kernel's
+    cache from TileLang's (no recompile), so that the first launch finds its kernel."""
     import concurrent.futures as cf
 
     configs = list(dict.fromkeys(configs))
+    if not configs:
+        return
     funcs = [build_mla_rope_cache(*c) for c in configs]
     with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
+    for heads, q_dim, q_off, interleaved, eps in configs:  # the launcher's key types
+        get_kernel(heads, q_dim, int(q_off), bool(interleaved), float(eps))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -124,6 +124,25 @@ def ci_compile(configs=None):
         return list(ex.map(one, funcs))
 
 
+def precompile(configs, num_workers=None):
+    """Compile several (hidden, with_residual, eps) in parallel (nvcc in threads), then fill get_kernel's cache from
+    TileLang's (no recompile), so that the first launch finds its kernel."""
+    import concurrent.futures as cf
+
+    configs = [(int(n), bool(r), float(eps)) for n, r, eps in dict.fromkeys(configs)]
+    if not configs:
+        return
+    funcs = [build_rms_norm(*c) for c in configs]  # AST parsing on this thread (ast.parse is not thread-safe)
+
+    def one(func):
+        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
+
+    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+        list(ex.map(one, funcs))
+    for c in configs:
+        get_kernel(*c)
+
+
 def add_rms_norm(x, residual, weight, eps, out=None, residual_out=None):
     """(y, x + residual) for x, residual [T, N] bf16 and weight [N] bf16 (not in place)."""
     x2 = x.reshape(-1, x.shape[-1])

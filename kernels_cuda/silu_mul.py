@@ -102,14 +102,18 @@ def ci_compile(configs=None, target=None):
 
 
 def precompile(configs, num_workers=None):
-    """Compile several (I, row_variant) in parallel (nvcc in threads); TileLang's disk cache then serves
-    get_kernel."""
+    """Compile several (I, row_variant) in parallel (nvcc in threads), then fill get_kernel's cache from TileLang's
+    (no recompile), so that the first launch finds its kernel."""
     import concurrent.futures as cf
 
     configs = list(dict.fromkeys(configs))
+    if not configs:
+        return
     funcs = [build_silu_mul(*c) for c in configs]
     with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
+    for inter, row_variant in configs:
+        get_kernel(inter, bool(row_variant))
 
 
 def silu_and_mul(x, out=None):

@@ -3,7 +3,8 @@ torch rewrite of the reference where that was cheap, else on the CPU reference o
 
 Decisions are taken per call from host facts only (dtypes, shapes, the host bound on the query length), never
 from device values, and every path taken is remembered for :meth:`op_report`. Kernels are imported and compiled
-lazily on the first call that selects them (TileLang caches them per configuration, in memory and on disk).
+at start-up by :meth:`warmup` (every configuration the engine can reach: ``backends/cuda/warmup.py``), else lazily
+on the first call that selects them (TileLang caches them per configuration, in memory and on disk).
 
 What is native today (bf16, DeepSeek dims; each kernel file holds its reference, check and benchmark):
 
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from deepinfer_npu.hal.kernel_set import KernelSet
-from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
+from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 from . import mla_dense
 
@@ -157,6 +158,14 @@ class CudaKernelSet(KernelSet):
         if self.num_sms is None:
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         return self.num_sms
+
+    def warmup(self, plan: KernelWarmupPlan) -> str:
+        """Compile every TileLang configuration the engine can reach for ``plan`` now, module by module, each in
+        parallel threads (``backends/cuda/warmup.py``); a module that fails to compile is turned off here (its ops
+        take the reference, with the reason). -> one-line summary, also logged."""
+        from .warmup import warm_up
+
+        return warm_up(self, plan)
 
     # ---- norms ---------------------------------------------------------------------------------------------
     def _norm_reason(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -5,7 +5,7 @@ from .graph_runner import EagerReplayRunner, GraphRunner
 from .kernel_set import KernelSet
 from .registry import get_backend, register_backend, registered_backends
 from .sync_guard import SyncForbiddenError, check_sync_allowed, sync_forbidden
-from .types import DispatchState, GatingParams, MLAWeights, RopeLike
+from .types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 __all__ = [
     "Backend",
@@ -14,6 +14,7 @@ __all__ = [
     "GatingParams",
     "GraphRunner",
     "KernelSet",
+    "KernelWarmupPlan",
     "MLAWeights",
     "MemoryInfo",
     "RopeLike",

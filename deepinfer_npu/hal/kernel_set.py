@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .types import DispatchState, GatingParams, MLAWeights, RopeLike
+from .types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 if TYPE_CHECKING:  # the sampling types belong to the sampler (backends/cpu/sampling.py)
     SamplingTensors = Any
@@ -200,6 +200,14 @@ class KernelSet:
     def plan_for_model(self, model_config, dtype: torch.dtype, block_size: int) -> None:
         """Decide model-dependent op choices ahead of the first forward (``--list-ops`` shows them). Backends
         whose native kernels depend on the model's shapes override this; the default decides at first call."""
+
+    def warmup(self, plan: KernelWarmupPlan) -> str:
+        """Build every kernel variant the engine can reach for ``plan`` now, so that no step stalls on a first-use
+        compile (a second or more per TileLang configuration on CUDA). The worker calls it once at start-up, after
+        the model is loaded and before any graph is captured (``EngineConfig.kernel_warmup``). Must not raise for a
+        kernel that fails to build: that op falls back (``op_report`` says why) and the summary names it.
+        Returns a one-line summary. Default: nothing is compiled ahead of use."""
+        return "nothing to warm up"
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:

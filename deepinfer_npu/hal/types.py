@@ -1,4 +1,5 @@
-"""Plain data passed to KernelSet ops: weights of one MLA layer, gating parameters, MoE dispatch state.
+"""Plain data passed to KernelSet ops: weights of one MLA layer, gating parameters, MoE dispatch state, and the
+start-up shapes a kernel set warms up for (``KernelWarmupPlan``).
 
 These are the op contract's argument types, so every backend sees the same structures; they hold tensors and
 ints only (no modules), which keeps ops free functions that a backend can map onto one fused kernel.
@@ -83,3 +84,49 @@ class DispatchState:
     order: torch.Tensor
     num_tokens: int
     top_k: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class KernelWarmupPlan:
+    """What the engine knows at start-up about the shapes of its steps, for ``KernelSet.warmup``.
+
+    A backend whose kernels are built per configuration (CUDA's TileLang kernels are JIT-compiled per shape
+    variant) compiles every variant these shapes can reach before the first step, instead of stalling a step
+    for seconds at first use. Built by the worker (``worker/kernel_warmup.py``) after the model is loaded and
+    before any graph is captured. Sizes are the target model's unless noted; ``H`` = ``num_heads``.
+    """
+
+    # ---- model
+    dtype: torch.dtype  # activations, weights and the KV cache
+    vocab_size: int  # logits are [rows, vocab_size] fp32
+    hidden_size: int
+    num_heads: int  # attention heads on this device (after tensor parallelism, if any)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q_proj without the low-rank path (V2-Lite)
+    rope_interleaved: bool  # RopeLike.interleaved of the attention layers
+    softmax_scale: float  # MLA's score scale (YaRN mscale included)
+    rms_norm_eps: float  # the decoder's hidden-size RMSNorms (plain and fused with the residual add)
+    latent_norm_eps: float  # q_a / kv_a layernorms (MLAWeights.norm_eps)
+    mlp_intermediate_sizes: tuple[int, ...] = ()  # I of the dense SwiGLU MLPs: dense layers, shared experts
+    moe_gating: GatingParams | None = None  # routed experts (num_experts, top_k, router); None: no MoE layer
+    moe_intermediate_size: int = 0  # I of one routed expert
+    drafter_rms_norm_eps: float | None = None  # a drafter's own hidden-size RMSNorms (DFlash), plain only
+
+    # ---- engine
+    block_size: int  # tokens per KV-cache block (page)
+    max_model_len: int  # -> the scheduler's block-table width, ceil(max_model_len / block_size)
+    max_num_seqs: int  # most requests in a decode step
+    max_num_prompts: int  # most requests in a prefill step
+    max_num_batched_tokens: int  # most tokens in a step (a prefill chunk's query length included)
+    num_speculative_tokens: int = 0  # k drafts verified per request and step; 0 without speculation
+    speculative_method: str | None = None  # "mtp" (runs the target's layers on its own tables) | "dflash" | None
+    varlen: bool = False  # draft counts are re-split on the device (zos_fixup's re-split; host q lengths unknown)
+    decode_graph_sizes: tuple[int, ...] = ()  # total_q of the captured decode graphs (empty: eager decode)
+    decode_graph_width: int = 0  # block-table width of those graphs
+
+    @property
+    def block_table_width(self) -> int:
+        """Width of the scheduler's block tables (every eager step's)."""
+        return -(-self.max_model_len // self.block_size)

@@ -29,6 +29,7 @@ from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.slot_state import SlotState
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
@@ -49,7 +50,12 @@ class Worker:
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
-        self.graphs = self._build_graphs()
+        self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
+        # Every kernel variant the steps can reach, compiled now: before any capture, and before the first step
+        # (which a stall of seconds per TileLang configuration would otherwise land in). None: kernel_warmup off.
+        self.kernel_warmup: str | None = self._warm_up_kernels()
+        if self.graphs is not None and self.runner.config.graph_capture == "startup":
+            self._capture_graphs()
         self.graph_steps = 0  # decode steps run from a captured graph
         # Set to a list to time steps on the device: each launched step appends ``(is_prefill, start, end)``
         # timing events, start before its first device op, end with its sample-end event (benchmarks/bench_zos.py).
@@ -78,13 +84,26 @@ class Worker:
             return None
         max_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
-        graphs = DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k)
-        if cfg.graph_capture == "startup":
-            graphs.capture_all()
-            propose_graphs = getattr(self.drafter, "propose_graphs", None)
-            if propose_graphs is not None:
-                propose_graphs.capture_all()
-        return graphs
+        return DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k)
+
+    def _capture_graphs(self) -> None:
+        """``graph_capture="startup"``: capture every decode graph (and the drafter's propose graphs) now."""
+        self.graphs.capture_all()
+        propose_graphs = getattr(self.drafter, "propose_graphs", None)
+        if propose_graphs is not None:
+            propose_graphs.capture_all()
+
+    def _warm_up_kernels(self) -> str | None:
+        """``KernelSet.warmup`` once, with the shapes this engine's steps can have (``EngineConfig.kernel_warmup``);
+        -> its summary (the CUDA kernel set logs its own progress), None when turned off."""
+        if not self.runner.config.kernel_warmup:
+            return None
+        varlen = self.varlen and self.zos and self.backend.supports_device_resplit  # as _launch_forward's re-split
+        plan = build_kernel_warmup_plan(self.runner, k=self.k, varlen=varlen, drafter=self.drafter,
+                                        graphs=self.graphs)
+        summary = self.kernels.warmup(plan)
+        logger.debug("kernel warm-up: %s", summary)
+        return summary
 
     @property
     def has_pending_step(self) -> bool:

@@ -1,0 +1,53 @@
+"""The ``KernelWarmupPlan`` of an engine: the shapes its steps can have, known once the model is loaded.
+
+The worker hands it to ``KernelSet.warmup`` before any graph is captured (``EngineConfig.kernel_warmup``), so that a
+backend with per-configuration kernels (CUDA's TileLang kernels) compiles them all at start-up rather than inside
+the first steps that reach them.
+"""
+
+from __future__ import annotations
+
+from deepinfer_npu.hal.types import KernelWarmupPlan
+from deepinfer_npu.model_executor.layers.mla import LATENT_NORM_EPS
+from deepinfer_npu.model_executor.layers.mlp import DenseMLP
+from deepinfer_npu.model_executor.layers.moe import DeepseekMoE
+
+
+def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, graphs=None) -> KernelWarmupPlan:
+    """``runner``: the loaded ``ModelRunner``; ``k``: drafts per request and step (0 without speculation);
+    ``varlen``: draft counts are re-split on the device; ``graphs``: the worker's ``DecodeGraphs`` or None."""
+    cfg, mc = runner.config, runner.model_config
+    # The model's own modules say which MLP widths and which router its layers use (MTP layers included).
+    modules = list(runner.model.modules())
+    mlp_sizes = tuple(sorted({m.intermediate_size for m in modules if isinstance(m, DenseMLP)}))
+    moe = next((m for m in modules if isinstance(m, DeepseekMoE)), None)
+    # DFlash's decoder norms run on the kernel set with the drafter's own eps (MTP's layers are the model's).
+    drafter_eps = float(drafter.cfg.rms_norm_eps) if getattr(drafter, "name", None) == "dflash" else None
+    return KernelWarmupPlan(
+        dtype=runner.dtype,
+        vocab_size=mc.vocab_size,
+        hidden_size=mc.hidden_size,
+        num_heads=mc.num_attention_heads,  # no tensor parallelism: every head runs here
+        qk_nope_head_dim=mc.qk_nope_head_dim,
+        qk_rope_head_dim=mc.qk_rope_head_dim,
+        kv_lora_rank=mc.kv_lora_rank,
+        q_lora_rank=mc.q_lora_rank,
+        rope_interleaved=bool(mc.rope_interleave),
+        softmax_scale=float(mc.softmax_scale),
+        rms_norm_eps=float(mc.rms_norm_eps),
+        latent_norm_eps=LATENT_NORM_EPS,
+        mlp_intermediate_sizes=mlp_sizes,
+        moe_gating=moe.gating if moe is not None else None,
+        moe_intermediate_size=int(moe.experts.w2.shape[2]) if moe is not None else 0,
+        drafter_rms_norm_eps=drafter_eps,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_prompts=cfg.max_num_prompts or cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_speculative_tokens=k,
+        speculative_method=cfg.speculative_method if drafter is not None else None,
+        varlen=varlen,
+        decode_graph_sizes=tuple(graphs.sizes) if graphs is not None else (),
+        decode_graph_width=graphs.width if graphs is not None else 0,
+    )

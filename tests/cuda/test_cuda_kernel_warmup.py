@@ -1,0 +1,228 @@
+"""CudaKernelSet.warmup (backends/cuda/warmup.py): the TileLang configurations it compiles at start-up for an
+engine's KernelWarmupPlan, without a GPU.
+
+The modules' ``precompile`` functions (and moe_gemm's ``get_kernel`` / ``expert_starts``) are replaced by recorders,
+so these tests check exactly what would be compiled, and that a failing compile is reported and turns its module
+off instead of stopping start-up. The expected MLA decode configurations are recomputed here the slow way (every
+host max query length, not every bucket) from the launch's own heuristics. One test compiles for real (the ZOS
+correction kernel, a few seconds) when nvcc is present.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang", reason="tilelang is not installed (pip install tilelang==0.1.15)")
+
+from deepinfer_npu.backends.cuda import kernels as cuda_kernels  # noqa: E402
+from deepinfer_npu.backends.cuda.kernels import CudaKernelSet  # noqa: E402
+from deepinfer_npu.kernels_cuda import mla_decode as md  # noqa: E402
+
+from deepinfer_npu.hal.graph_sizes import graph_sizes  # noqa: E402
+from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan  # noqa: E402
+
+SMS = 132  # H200
+PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup")
+
+
+def v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
+                 max_model_len: int = 4096, graphs: bool = True, **kw) -> KernelWarmupPlan:
+    """DeepSeek-V2-Lite (16 heads, vocab 102400, 64 experts top-6) in bf16, max_num_batched_tokens 4096, with the
+    decode graphs the worker would capture (worker._build_graphs / DecodeGraphs)."""
+    mml, mnbt, bs = max_model_len, 4096, kw.get("block_size", 64)
+    fields = dict(
+        dtype=torch.bfloat16, vocab_size=102400, hidden_size=2048, num_heads=16, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, kv_lora_rank=512, q_lora_rank=None, rope_interleaved=True, softmax_scale=192**-0.5,
+        rms_norm_eps=1e-6, latent_norm_eps=1e-6, mlp_intermediate_sizes=(2816, 10944),
+        moe_gating=GatingParams(top_k=6, num_experts=64), moe_intermediate_size=1408,
+        block_size=bs, max_model_len=mml, max_num_seqs=max_num_seqs, max_num_prompts=max_num_seqs,
+        max_num_batched_tokens=mnbt, num_speculative_tokens=k, speculative_method=method, varlen=varlen,
+        decode_graph_sizes=tuple(graph_sizes(min(mnbt, max_num_seqs * (k + 1)))) if graphs else (),
+        decode_graph_width=math.ceil((mml + 2 * k) / bs) + 1 if graphs else 0,
+    )
+    fields.update(kw)
+    return KernelWarmupPlan(**fields)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Replace every compile entry point by a recorder: -> {module: [args of each call]}."""
+    calls: dict[str, list] = {}
+    for name in PRECOMPILED:
+
+        def rec(items, *args, _name=name, **kwargs):
+            calls.setdefault(_name, []).append((list(items), kwargs))
+
+        monkeypatch.setattr(importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}"), "precompile", rec)
+    from deepinfer_npu.kernels_cuda import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "get_kernel", lambda *a: calls.setdefault("moe_gemm", []).append(("gemm", a)))
+    monkeypatch.setattr(moe_gemm, "expert_starts",
+                        lambda t: calls.setdefault("moe_gemm", []).append(("expert_scan", (t.shape[0],))))
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    return calls
+
+
+def kernel_set() -> CudaKernelSet:
+    ks = CudaKernelSet()
+    ks.num_sms = SMS
+    return ks
+
+
+def expected_mla_decode(plan: KernelWarmupPlan) -> set[tuple]:
+    """Independently: every host max query length 1..16 of a prefill chunk of B prompts on the scheduler's tables,
+    plus each decode graph at max_q = k + 1 on the graphs' tables."""
+    h, width = plan.num_heads, math.ceil(plan.max_model_len / plan.block_size)
+    out = set()
+    for b in range(1, plan.max_num_prompts + 1):
+        for q in range(1, 17):
+            bq = md.bucket_q(q)
+            out.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+    bq = md.bucket_q(plan.num_speculative_tokens + 1)
+    for s in plan.decode_graph_sizes:
+        out.add((h, md.m_tiles_for(h, bq), md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS)))
+    return out
+
+
+PREFILL_4096 = [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
+COMMON = {
+    "rms_norm": [(2048, False, 1e-6), (2048, True, 1e-6)],
+    "mla_rope_cache": [(16, 192, 128, True, 1e-6)],
+    "silu_mul": [(2816, True), (2816, False), (10944, True), (10944, False), (1408, True), (1408, False)],
+    "moe_routing": [("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),
+                    ("permute", (2048, 6, 64, "bfloat16")), ("unpermute", (2048, 6, "bfloat16", "torch_strided"))],
+    "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
+    # the worker samples every step through spec_verify (prefill rows too), speculation or not
+    "spec_verify": [("argmax", (102400, False)), ("accept", ()), ("argmax", (102400, True))],
+}
+
+
+def _check_common(calls, plan):
+    for name, want in COMMON.items():
+        got = calls[name]
+        if name == "moe_gemm":
+            assert got == want
+        else:
+            assert len(got) == 1, f"{name}: one precompile call"
+            assert got[0][0] == want, name
+    (mla_cfgs, mla_kw), = calls["mla_decode"]
+    assert mla_kw == {"softmax_scale": pytest.approx(192**-0.5)}
+    decode = [c for c in mla_cfgs if len(c) == 3]
+    assert len(decode) == len(set(decode))
+    assert set(decode) == expected_mla_decode(plan)
+    assert [c for c in mla_cfgs if len(c) == 4] == PREFILL_4096
+
+
+def test_v2_lite_without_speculation(recorded):
+    plan = v2_lite_plan(k=0)
+    assert plan.decode_graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64) and plan.decode_graph_width == 65
+    summary = kernel_set().warmup(plan)
+    _check_common(recorded, plan)
+    assert recorded["zos_fixup"] == [([("correct", ())], {})]  # every decode step corrects; no re-split at k=0
+    n = sum(len(c[0][0]) for name, c in recorded.items() if name != "moe_gemm") + 3
+    assert summary.startswith(f"{n} configs in ") and "mla_decode: 51 (8 prefill)" in summary
+    assert "failed" not in summary and "skipped" not in summary
+
+
+def test_v2_lite_dflash_varlen(recorded):
+    plan = v2_lite_plan(k=5, varlen=True, method="dflash", drafter_rms_norm_eps=1e-5)
+    assert len(plan.decode_graph_sizes) == 51 and plan.decode_graph_sizes[-1] == 64 * 6
+    kernel_set().warmup(plan)
+    # DFlash's own (plain) norms with the drafter's eps
+    assert recorded["rms_norm"][0][0][-1] == (2048, False, 1e-5)
+    recorded["rms_norm"][0][0].pop()
+    _check_common(recorded, plan)
+    # verification at k = 5 in the graphs: bucket 8 -> 2 m-tiles at H=16
+    mla = recorded["mla_decode"][0][0]
+    assert (16, 2, md.default_num_splits(1, 16, 8, 66, SMS)) in mla and (16, 2, 1) in mla
+    assert recorded["zos_fixup"] == [([("correct", ()), ("resplit", (5, 128, 1))], {})]
+
+
+def test_resplit_launch_shapes_up_to_max_num_seqs(recorded):
+    kernel_set().warmup(v2_lite_plan(k=3, varlen=True, method="dflash", max_num_seqs=300))
+    assert recorded["zos_fixup"][0][0] == [("correct", ()), ("resplit", (3, 128, 1)), ("resplit", (3, 1024, 1))]
+
+
+def test_mtp_eager_steps_and_chains(recorded):
+    """MTP runs the target's MLA eagerly (catch-up on the step's metadata, chains on tables padded by k + 1 keys):
+    a short max_model_len keeps the tables under 32 blocks, where the width changes the split count."""
+    plan = v2_lite_plan(k=2, varlen=True, method="mtp", max_model_len=512, max_num_seqs=4)
+    kernel_set().warmup(plan)
+    got = {c for c in recorded["mla_decode"][0][0] if len(c) == 3}
+    widths = {8, 9}  # the scheduler's 512 / 64, and (512 + 2*2 + 2 + 1) // 64 + 1 for the padded chains
+    assert {(16, 1, md.default_num_splits(1, 16, 1, w, SMS)) for w in widths} <= got
+    assert (16, 1, 9) in got and (16, 1, 8) in got
+
+
+def test_not_bf16_or_off_dims_compile_what_still_applies(recorded):
+    plan = v2_lite_plan(dtype=torch.float32)
+    kernel_set().warmup(plan)
+    assert set(recorded) == {"moe_routing", "spec_verify", "zos_fixup"}  # fp32 routing, logits, lengths
+    assert ("permute", (2048, 6, 64, "float32")) in recorded["moe_routing"][0][0]
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(block_size=16, moe_gating=None, moe_intermediate_size=0))
+    assert "mla_decode" not in recorded and "mla_rope_cache" not in recorded  # the kernels read pages of 64
+    assert recorded["rms_norm"][0][0][-1] == (512, False, 1e-6)  # kv_a norm: the composed prolog's
+    assert "moe_gemm" not in recorded and "moe_routing" not in recorded
+
+
+def test_unverified_gate_is_respected(recorded, monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"spec_verify", "zos_fixup", "mla_prefill"})
+    kernel_set().warmup(v2_lite_plan(k=5, varlen=True, method="dflash"))
+    assert "spec_verify" not in recorded and "zos_fixup" not in recorded
+    assert all(len(c) == 3 for c in recorded["mla_decode"][0][0])
+
+
+def test_failing_compile_is_reported_and_falls_back(recorded, monkeypatch):
+    def boom(items):
+        raise RuntimeError("nvcc exploded")
+
+    monkeypatch.setattr("deepinfer_npu.kernels_cuda.zos_fixup.precompile", boom)
+    ks = kernel_set()
+    summary = ks.warmup(v2_lite_plan(k=5, varlen=True, method="dflash"))  # does not raise
+    assert "failed: zos_fixup (warm-up compile failed: RuntimeError: nvcc exploded)" in summary
+    assert "zos_fixup:" not in summary.split(";")[0]  # not counted as compiled
+    assert "spec_verify" in recorded  # the modules after it still compiled
+    assert ks._kernel("zos_fixup") is None
+    mod, path = ks._gated_kernel("zos_fixup", SimpleNamespace(is_cuda=True))
+    assert mod is None and "warm-up compile failed: RuntimeError: nvcc exploded" in path
+
+
+def test_listing_failure_does_not_raise(recorded, monkeypatch):
+    from deepinfer_npu.backends.cuda import warmup
+
+    def broken(*a, **k):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(warmup, "reachable_configs", broken)
+    assert kernel_set().warmup(v2_lite_plan()).startswith("skipped: listing the configurations failed")
+
+
+def test_mla_decode_precompile_takes_prefill_configs(monkeypatch):
+    """The 4-tuple form builds the causal-tile-bound variant and primes get_kernel with the launcher's own call."""
+    built, primed = [], []
+    monkeypatch.setattr(md, "build_mla_decode", lambda *a, **k: built.append((a, k)) or object())
+    monkeypatch.setattr(md.tilelang, "compile", lambda f, **k: f)
+    monkeypatch.setattr(md, "get_kernel", lambda *a, **k: primed.append((a, k)))
+    md.precompile([(16, 1, 4), (16, 8, 1, True)], softmax_scale=0.125)
+    assert [k.get("causal_tile_bound") for _a, k in built] == [False, True]
+    assert primed == [((16, 1, 4, 0.125), {}), ((16, 8, 1, 0.125), {"causal_tile_bound": True})]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not found")
+def test_real_compile_of_a_tiny_plan(monkeypatch):
+    """End to end through the real precompile: an fp32 dense plan with spec_verify gated off leaves the ZOS
+    correction kernel only (a few seconds of nvcc, or TileLang's cache)."""
+    from deepinfer_npu.kernels_cuda import zos_fixup
+
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"spec_verify"})
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    summary = kernel_set().warmup(v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0))
+    assert summary.startswith("1 configs in ") and "zos_fixup: 1" in summary, summary
+    assert ("correct", ()) in zos_fixup._KERNELS
