@@ -173,8 +173,10 @@ class AscendKernelSet(KernelSet):
         return ops_mla.mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping, rope_fn, split)
 
     def mla_attention(
-        self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale, host=None
+        self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale, host=None,
+        max_seqlen_q=None,
     ) -> torch.Tensor:
+        # max_seqlen_q (the HAL's query-length bound) is not needed: FIA takes per-request host lengths.
         d = self._attn_decision(
             q_latent.shape[-1], q_rope.shape[-1], q_latent.shape[1], kv_cache.shape[1], kv_cache.dtype
         )

@@ -112,11 +112,15 @@ class KernelSet:
         cu_seqlens_q: torch.Tensor,
         softmax_scale: float,
         host=None,
+        max_seqlen_q: int | None = None,
     ) -> torch.Tensor:
         """Absorbed MLA over the paged latent cache -> ``out_latent`` [T, H, L].
 
         ``host`` (``HostLengths`` or None): host copies of the lengths for kernels whose API takes host ints;
         under ZOS its ``seqlens_k`` are upper bounds (``seqlens_k_exact`` False) and the tensors are the truth.
+        ``max_seqlen_q``: a host bound on any request's query length (``AttentionMetadata.max_seqlen_q``; k + 1
+        after a device re-split, when ``host`` is None), for kernels compiled per query-length bucket; None =
+        unknown. The reference ignores it.
 
         ``q_latent`` [T, H, L], ``q_rope`` [T, H, R]; keys are the cache rows [L+R] (the first L are also the
         values). ``block_tables`` [B, nb] int32, ``seqlens_q``/``seqlens_k`` [B], ``cu_seqlens_q`` [B+1]

@@ -97,6 +97,7 @@ class MLAAttention(nn.Module):
             attn.cu_seqlens_q,
             self.softmax_scale,
             host=attn.host,
+            max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
         )
         return k.mla_epilogue(out_latent, w)
 
