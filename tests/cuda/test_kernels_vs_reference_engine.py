@@ -55,8 +55,14 @@ def _run(monkeypatch, enabled: bool, params, **kw):
 
     _use_kernels(monkeypatch, enabled)
     llm = LLM(backend="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, **kw)
+    _forget_paths(llm)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
-    return llm, [list(o.outputs[0].token_ids) for o in outs]
+    return llm, [list(o.outputs[0].token_ids) for o in outs], dict(llm.llm_engine.backend.op_report())
+
+
+def _forget_paths(llm) -> None:
+    """The op report accumulates over the process (one backend): keep only this run's generate calls."""
+    llm.llm_engine.backend.kernels._paths.clear()
 
 
 @needs_cuda
@@ -72,12 +78,11 @@ def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     kw = dict(speculative_method="mtp", num_speculative_tokens=3, zero_overhead_scheduling=True,
               varlen_verification=varlen)
-    ref_llm, ref = _run(monkeypatch, False, params, **kw)
-    llm, got = _run(monkeypatch, True, params, **kw)
-    ref_report, report = ref_llm.llm_engine.backend.op_report(), llm.llm_engine.backend.op_report()
+    ref_llm, ref, ref_report = _run(monkeypatch, False, params, **kw)
+    llm, got, report = _run(monkeypatch, True, params, **kw)
     assert "not yet verified on a GPU" in ref_report["spec_verify"], ref_report["spec_verify"]
     assert "not yet verified on a GPU" in ref_report["zos_fixup"], ref_report["zos_fixup"]
-    assert report["spec_verify"].startswith("native (kernels_cuda.spec_verify (greedy;"), report["spec_verify"]
+    assert report["spec_verify"].startswith("native (kernels_cuda.spec_verify (greedy)"), report["spec_verify"]
     assert report["zos_fixup"].startswith("native (kernels_cuda.zos_fixup"), report["zos_fixup"]
     stats, ref_stats = llm.get_stats(), ref_llm.get_stats()
     if not varlen:
@@ -101,9 +106,8 @@ def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
     params = [SamplingParams(max_tokens=32, temperature=0.8, seed=1000 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
     params[1] = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)  # a greedy row in the batch
-    ref_llm, ref = _run(monkeypatch, False, params)
-    llm, got = _run(monkeypatch, True, params)
-    report = llm.llm_engine.backend.op_report()
+    _ref_llm, ref, _ref_report = _run(monkeypatch, False, params)
+    _llm, got, report = _run(monkeypatch, True, params)
     assert "kernels_cuda.spec_verify (greedy / temperature rows without drafts" in report["spec_verify"], report
     for a, b in zip(got, ref):
         assert a == b, (a, b)
@@ -135,6 +139,7 @@ def test_prefill_kernel_in_the_engine(monkeypatch, tmp_path):
         _use_kernels(monkeypatch, enabled)
         llm = LLM(str(tmp_path), load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
                   max_num_seqs=4, max_num_batched_tokens=512)  # chunked prefill: context before later chunks
+        _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return llm.llm_engine.backend.op_report()["mla_attention"], outs
 
