@@ -10,24 +10,28 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 
 - ``mla_attention``: ``kernels_cuda.mla_decode`` (paged absorbed MLA, FlashMLA layout) for steps whose host max
   query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
-  draft verification. Other decode shapes: a dense sync-free composition; prefill chunks (exact host lengths) the
-  reference arithmetic looping on those host ints (sync-free); anything else the reference (a sync, reported).
+  draft verification. Prefill chunks (host max query length > 16, same dtype and dims):
+  ``kernels_cuda.mla_decode.mla_prefill`` (causal tile bound). Other decode shapes: a dense sync-free composition;
+  other prefill chunks (exact host lengths) the reference arithmetic looping on those host ints (sync-free);
+  anything else the reference (a sync, reported).
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
 - ``mla_prolog``: the projections on cuBLAS, then ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE
   and the latent-cache write in one launch); else the reference arithmetic with a sync-free cache write.
 - ``silu_and_mul``: ``kernels_cuda.silu_mul``.
 - ``moe_gating_topk`` / ``moe_dispatch`` / ``moe_combine``: ``kernels_cuda.moe_routing`` (warp gating top-k with
   torch's tie and summation order, counting-sort permute, fp32 weighted un-permute); else composed torch.
-- ``grouped_mlp``: ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``),
-  ``torch._grouped_mm`` (CUTLASS, device offsets) above; the reference loops over experts after
-  ``tokens_per_expert.tolist()`` (a sync).
+- ``grouped_mlp``: ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``, at most
+  ``MAX_EXPERTS`` = 256 experts), ``torch._grouped_mm`` (CUTLASS, device offsets) above; the reference loops over
+  experts after ``tokens_per_expert.tolist()`` (a sync).
+- ``sample`` / ``spec_verify`` / ``zos_fixup``: ``kernels_cuda.sampling`` / ``spec_verify`` / ``zos_fixup`` where
+  their ``reason`` accepts the step; else the reference op on CUDA tensors (sync-free).
 - Still on reference ops running on CUDA tensors (sync-free): ``linear`` (cuBLAS), ``rope`` outside the prolog,
-  ``mla_epilogue``, ``sample``, ``spec_verify``, ``zos_fixup``, ``copy_kv_blocks``.
+  ``mla_epilogue``, ``copy_kv_blocks``.
 
-The host max query length for the MLA kernel: the op contract carries no host int, so the kernel set takes
-``max_seqlen_q`` as an optional keyword (the model layer should pass ``attn.max_seqlen_q``; see the backend's
-docstring) and otherwise uses the bound ``T - B + 1`` from the shapes, exact for decode without drafts (T == B)
-and valid whenever every request has at least one query token, as the worker's rows always do.
+The host max query length for the MLA kernel: the HAL's ``max_seqlen_q`` keyword (the model layer passes
+``attn.max_seqlen_q``: k + 1 after a device re-split), else ``host.max_seqlen_q``, else the shape bound
+``T - B + 1``, exact for decode without drafts (T == B) and valid whenever every request has at least one query
+token, as the worker's rows always do.
 """
 
 from __future__ import annotations
@@ -471,6 +475,8 @@ class CudaKernelSet(KernelSet):
         mod = self._kernel("moe_gemm")
         if mod is None or not (mod.supported(w13.shape[1], w13.shape[2]) and mod.supported(w2.shape[1], w2.shape[2])):
             return None
+        if w13.shape[0] > getattr(mod, "MAX_EXPERTS", w13.shape[0]):  # expert_scan: one thread an expert
+            return None
         return mod
 
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
@@ -602,7 +608,7 @@ class CudaKernelSet(KernelSet):
         "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write",
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
-        "else decode (max q <= 16) in composed torch (dense, sync-free); prefill on the host's exact lengths "
+        "else decode (max q <= 16) in composed torch (dense, sync-free); "
         "prefill (max q > 16) on kernels_cuda.mla_decode.mla_prefill (causal tile bound) for the same shapes, "
         "else on the host's exact lengths (the reference loop, sync-free); else the reference (syncs)",
         "moe_gating_topk": "kernels_cuda.moe_routing gating (one kernel) for E % 32 == 0, E <= 256, k <= 16; "

@@ -17,8 +17,9 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
 - ``mla_decode`` (``mla_attention``, host max query length <= 16), configurations (heads, m_tiles, num_splits)
   from ``default_num_splits(B, H, bucket_q(max_q), block-table width, num_sms)``, as the launch computes them:
   decode graphs (``B`` = each graph size, ``max_q = k + 1``, the graphs' table width); eager steps on the
-  scheduler's tables (``B`` = 1 .. most requests of a step, every query bucket up to 16: prefill chunks of
-  <= 16 tokens take this kernel; eager decode and MTP's catch-up forward too); MTP's chained drafts (``max_q =
+  scheduler's tables: prefill (``B`` = 1 .. max_num_prompts, every query bucket up to 16: chunks of <= 16 tokens
+  take this kernel, and so does MTP's catch-up over them) and eager decode or MTP's catch-up over a decode step
+  (``B`` = 1 .. max_num_seqs, ``max_q <= k + 1``, also after a device re-split); MTP's chained drafts (``max_q =
   1``, tables padded by up to k + 1 keys). Prefill (``mla_prefill``: max q > 16): one causal configuration per
   power-of-two query bucket from 32 up to the longest chunk.
 - ``silu_mul``: each SwiGLU width (dense layers, shared experts, routed experts), the row variant (<= 128 rows)
@@ -147,14 +148,12 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
     for b in range(1, min(plan.max_num_prompts, mnbt) + 1):
         add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
     # Eager decode steps (no graphs; with MTP its catch-up forward over the main step's metadata): host max q
-    # <= k + 1, or the shape bound T - B + 1 <= B*k + 1 after a device re-split (no host q lengths).
+    # <= k + 1, also after a device re-split (the worker's AttentionMetadata.max_seqlen_q, which the MLA layer
+    # passes to mla_attention).
     eager_decode = not plan.decode_graph_sizes or plan.speculative_method == "mtp"
-    longest_decode = 0
     if eager_decode:
         for b in range(1, min(plan.max_num_seqs, mnbt) + 1):
-            bound = max(k + 1, min(b * k + 1, mnbt - b + 1)) if plan.varlen else k + 1
-            longest_decode = max(longest_decode, bound)
-            add(b, bound, plan.block_table_width)
+            add(b, k + 1, plan.block_table_width)
     # MTP's chained drafts: one query a row on the step's tables padded to max_seqlen_k + k + 1 keys, where
     # max_seqlen_k <= max_model_len (+ 2k after a device re-split).
     if plan.speculative_method == "mtp" and k:
@@ -165,7 +164,7 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
                 add(b, 1, width)
     cfgs = sorted(decode)
     # Host max q past 16: mla_prefill, one configuration per bucket 32, 64, ... up to the longest query.
-    longest = min(max(min(mnbt, plan.max_model_len), longest_decode), md.MAX_PREFILL_Q)
+    longest = min(mnbt, plan.max_model_len, md.MAX_PREFILL_Q)
     if prefill and longest > MAX_Q:
         bucket = md.bucket_prefill_q(MAX_Q + 1)
         while bucket <= md.bucket_prefill_q(longest):
@@ -230,12 +229,13 @@ def moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     d, inter = plan.hidden_size, plan.moe_intermediate_size
     if not (mg.supported(2 * inter, d) and mg.supported(d, inter)):
         return []
+    if g.num_experts > mg.MAX_EXPERTS:  # grouped_mlp takes torch._grouped_mm (the expert scan's limit)
+        return []
     lo, hi = _step_token_bounds(plan)
     rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_MAX_ROWS) + 1)
     items = [("gemm", (n, kk, bn)) for n, kk in ((2 * inter, d), (d, inter))
              for bn in sorted({mg.pick_block_n(n, r) for r in rows})]
-    if hasattr(mg, "expert_starts") and g.num_experts <= getattr(mg, "MAX_EXPERTS", g.num_experts):
-        items.append(("expert_scan", (g.num_experts,)))
+    items.append(("expert_scan", (g.num_experts,)))
     return items
 
 

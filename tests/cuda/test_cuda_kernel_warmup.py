@@ -226,3 +226,46 @@ def test_real_compile_of_a_tiny_plan(monkeypatch):
     summary = kernel_set().warmup(v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0))
     assert summary.startswith("1 configs in ") and "zos_fixup: 1" in summary, summary
     assert ("correct", ()) in zos_fixup._KERNELS
+
+
+def test_eager_decode_after_a_resplit_stays_within_k_plus_1(recorded):
+    """The MLA layer passes AttentionMetadata.max_seqlen_q (k + 1 after a device re-split) to mla_attention, so
+    eager decode launches buckets up to bucket_q(k + 1) only, not those of the shape bound T - B + 1: with fewer
+    prompts than decode rows, the decode-only row counts must not compile query buckets 8 and 16 at k = 3."""
+    k = 3
+    plan = v2_lite_plan(k=k, varlen=True, method="dflash", graphs=False, max_num_prompts=2, max_model_len=256)
+    kernel_set().warmup(plan)
+    h, width = plan.num_heads, plan.block_table_width
+    want = set()
+    for b in range(1, plan.max_num_prompts + 1):  # prefill chunks of <= 16 tokens: every bucket
+        for q in range(1, 17):
+            bq = md.bucket_q(q)
+            want.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+    for b in range(1, plan.max_num_seqs + 1):  # eager decode, re-split or not: max q <= k + 1
+        for q in range(1, k + 2):
+            bq = md.bucket_q(q)
+            want.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+    cfgs = recorded["mla_decode"][0][0]
+    assert {c for c in cfgs if len(c) == 3} == want
+    # prefill buckets up to the longest chunk, min(max_num_batched_tokens, max_model_len) = 256
+    assert [c for c in cfgs if len(c) == 4] == [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256)]
+
+
+def test_more_experts_than_the_expert_scan_takes_use_the_library_gemm(recorded):
+    """kernels_cuda.moe_gemm's expert scan runs one thread an expert (MAX_EXPERTS = 256): with more experts,
+    grouped_mlp must route to torch._grouped_mm (expert_starts would raise), and the warm-up compiles no GEMM."""
+    from deepinfer_npu.kernels_cuda import moe_gemm
+
+    bf16 = torch.bfloat16
+    ks = kernel_set()
+
+    def route(experts: int):
+        a = SimpleNamespace(is_cuda=True, shape=(6, 2048), dtype=bf16)
+        w13 = SimpleNamespace(shape=(experts, 2816, 2048), dtype=bf16)
+        w2 = SimpleNamespace(shape=(experts, 2048, 1408), dtype=bf16)
+        return ks._moe_gemm_for(a, w13, w2)
+
+    assert route(moe_gemm.MAX_EXPERTS) is not None
+    assert route(moe_gemm.MAX_EXPERTS + 128) is None
+    ks.warmup(v2_lite_plan(moe_gating=GatingParams(top_k=8, num_experts=384)))
+    assert "moe_gemm" not in recorded
