@@ -99,8 +99,12 @@ class Worker:
         if not self.runner.config.kernel_warmup:
             return None
         varlen = self.varlen and self.zos and self.backend.supports_device_resplit  # as _launch_forward's re-split
-        plan = build_kernel_warmup_plan(self.runner, k=self.k, varlen=varlen, drafter=self.drafter,
-                                        graphs=self.graphs)
+        try:
+            plan = build_kernel_warmup_plan(self.runner, k=self.k, varlen=varlen, drafter=self.drafter,
+                                            graphs=self.graphs)
+        except Exception as e:  # noqa: BLE001 - an unusual model layout must not stop start-up: kernels compile lazily
+            logger.warning("kernel warm-up skipped: building its plan failed: %s: %s", type(e).__name__, e)
+            return f"skipped: building the plan failed: {type(e).__name__}: {e}"
         summary = self.kernels.warmup(plan)
         logger.debug("kernel warm-up: %s", summary)
         return summary

@@ -84,3 +84,22 @@ def test_engine_config_rejects_non_bool_kernel_warmup(value):
 def test_cli_flag():
     assert build_parser().parse_args([]).kernel_warmup is True
     assert build_parser().parse_args(["--no-kernel-warmup"]).kernel_warmup is False
+
+
+@needs_model
+def test_a_failing_plan_skips_the_warmup_and_the_engine_serves(warmups, monkeypatch):
+    """An unusual model layout that the plan builder cannot read must not stop start-up."""
+    from deepinfer_npu.worker import worker as worker_mod
+
+    def broken(*a, **kw):
+        raise AttributeError("model has no layers attribute")
+
+    monkeypatch.setattr(worker_mod, "build_kernel_warmup_plan", broken)
+    calls, _ = warmups
+    llm = LLM(max_num_seqs=4, **SMALL_KV)
+    assert calls == []
+    assert llm.llm_engine.worker.kernel_warmup.startswith("skipped: building the plan failed: AttributeError")
+    from deepinfer_npu import SamplingParams
+
+    out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
