@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections import Counter
@@ -70,7 +71,10 @@ def main() -> None:
     p.add_argument("--graphs", action="store_true", help="decode from captured graphs (enable_graphs=True)")
     p.add_argument("--skip-acceptance", action="store_true", help="only the throughput runs")
     p.add_argument("--out", default=None, help="append the JSON lines here")
+    p.add_argument("--repeat", type=int, default=1, help="timed generates per configuration; tok_s is their median")
     args = p.parse_args()
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     out_lines: list[dict] = []
 
     def emit(line: dict) -> None:
@@ -116,16 +120,20 @@ def main() -> None:
                       varlen_verification=varlen, max_num_seqs=max(conc, 1), **extra)
             llm.generate(batch[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
             engine = llm.llm_engine
-            for key in list(engine.stats):
-                engine.stats[key] = 0 if isinstance(engine.stats[key], int) else 0.0
-            t0 = time.perf_counter()
-            outs = llm.generate(batch, greedy, use_tqdm=False)
-            dt = time.perf_counter() - t0
-            n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-            s = llm.get_stats()
+            rates = []
+            for _ in range(args.repeat):  # host-bound runs vary by +-15 % run to run: report the median of several
+                for key in list(engine.stats):
+                    engine.stats[key] = 0 if isinstance(engine.stats[key], int) else 0.0
+                t0 = time.perf_counter()
+                outs = llm.generate(batch, greedy, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+            s = llm.get_stats()  # of the last repeat (greedy: every repeat runs the same steps)
             line = {"bench": "spec_throughput", "method": method or "none", "varlen": varlen, "k": args.k,
-                    "concurrency": conc, "tok_s": round(n_tok / dt, 1), "decode_steps": s["decode_steps"],
+                    "concurrency": conc, "tok_s": round(statistics.median(rates), 1), "decode_steps": s["decode_steps"],
                     "hardware": hw}
+            if args.repeat > 1:
+                line["tok_s_runs"] = [round(r, 1) for r in rates]
             if method:
                 line["mean_verify_length"] = round(s["mean_verify_length"], 3)
                 line["mean_accepted_length"] = round(s["mean_accepted_length"], 3)

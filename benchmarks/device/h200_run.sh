@@ -43,7 +43,7 @@ for l in open('$OUT/profile.jsonl'):
     zos) timeout $LIM python3 benchmarks/bench_zos.py --backend cuda --batch 1 64 --graphs \
              --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;
     spec) timeout $LIM python3 benchmarks/bench_spec.py --backend cuda --methods dflash --concurrency 1 32 \
-             --graphs --max-tokens 128 --out "$OUT/h200_spec.jsonl" 2>&1 | filt > "$OUT/spec.log"; tail -8 "$OUT/spec.log" ;;
+             --graphs --max-tokens 128 --repeat 3 --out "$OUT/h200_spec.jsonl" 2>&1 | filt > "$OUT/spec.log"; tail -8 "$OUT/spec.log" ;;
     e2e|e2e-nohf) x=""; [ $phase = e2e-nohf ] && x=--no-hf
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
              --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > "$OUT/e2e.log"
