@@ -31,6 +31,7 @@ class AscendBackend(Backend):
     #: stays exact. (Key lengths may still be optimistic; ops_mla.mla_attention_fia masks the excess on the
     #: device.)
     supports_device_resplit = False
+    drafter_hook_in_graphs = False  # DFlash's ring write (scatter_reduce) under NPU graph capture: not checked
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)

@@ -36,6 +36,9 @@ class Backend:
     # Decode from captured graphs when ``EngineConfig.enable_graphs`` is None (auto): backends whose graph runner
     # was verified against eager decode on their hardware (CUDA) say True.
     graphs_by_default: ClassVar[bool] = False
+    #: Whether decode graphs may capture the drafter's device-only main-forward hook (DFlash's ring write:
+    #: scatter-reduce + index writes). Ascend says False until that capture is checked on an NPU.
+    drafter_hook_in_graphs: ClassVar[bool] = True
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index

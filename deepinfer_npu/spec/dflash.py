@@ -583,6 +583,12 @@ class DFlashDrafter(Drafter):
         if captured is not None:
             self.capture(captured, attn.positions, slots_per_token)
 
+    def main_forward_hook_in_graph(self):
+        """:meth:`capture` is device ops only (scatter-reduce, index writes into the ring): decode graphs capture it
+        after the main forward, which takes its ~50 launches off the host at every decode step. Padding tokens
+        write ring cell 0 of state slot 0, the dummy slot."""
+        return self.capture
+
     # ---- propose -------------------------------------------------------------------------------------------
     def context_mask(self, golden_positions: torch.Tensor) -> torch.Tensor:
         """[B, ring_size] bool: ring index i holds (as read at P) position p_i = P-1 - ((P-1-i) mod R); valid iff

@@ -53,6 +53,13 @@ class Drafter:
                         slots_per_token: torch.Tensor) -> None:
         """Called right after every main forward (prefill and decode), before verification."""
 
+    def main_forward_hook_in_graph(self):
+        """A function ``(captured, positions [S], slots_per_token [S]) -> None`` doing :meth:`on_main_forward`'s
+        work with device ops only, which decode graphs then capture after the main forward (padding tokens come at
+        position 0 of state slot 0, the dummy slot); the worker skips :meth:`on_main_forward` for steps replayed
+        from such a graph. None (the default): the hook stays eager."""
+        return None
+
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         """-> ``drafts [B', k]`` int64 and ``confidences [B', k]`` fp32 for ``ctx.anchor_rows``."""
         raise NotImplementedError

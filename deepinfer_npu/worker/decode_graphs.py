@@ -1,8 +1,9 @@
 """Decode forwards replayed from captured graphs, one per total_q size (seed §7.2), with static input buffers.
 
 What is graphed: the main model's decode forward, embedding -> layers -> final norm -> logits of every row (and
-DFlash's ``capture_layer_ids`` hidden states). Metadata corrections (``zos_fixup``), verification, drafting and
-sampling stay eager, on the real (unpadded) ``AttentionMetadata``.
+DFlash's ``capture_layer_ids`` hidden states), then the drafter's main-forward hook when it offers a device-only one
+(``Drafter.main_forward_hook_in_graph``: DFlash's ring write). Metadata corrections (``zos_fixup``), verification,
+drafting and sampling stay eager, on the real (unpadded) ``AttentionMetadata``.
 
 A step of ``T`` tokens in ``B`` rows runs in the graph of the smallest size ``S >= T``, which has ``S`` rows and
 ``S`` tokens. Its static buffers hold the step's device tensors in their first rows/tokens; the rest is padding:
@@ -12,6 +13,7 @@ A step of ``T`` tokens in ``B`` rows runs in the graph of the smallest size ``S 
   written: the CPU reference skips it, the CUDA sync-free write rewrites slot 0 with its own contents). A padding
   token therefore reads block 0 only and writes nothing outside block 0.
 * the remaining ``S - B - P`` rows are empty (``seqlens_q = seqlens_k = 0``): they own no tokens and read nothing.
+* the drafter hook's state slot of a padding token is 0 (the dummy slot, which no sequence owns).
 
 Host lengths are fixed per graph (kernels may bake them in): ``max_seqlen_q = k + 1`` and ``max_seqlen_k`` the
 block-table capacity; ``AttentionMetadata.host`` carries only these bounds (per-row host lists are empty), so a
@@ -43,12 +45,15 @@ class DecodeGraphs:
     """Pads a decode step into static buffers and replays (capturing at first use, or all at start-up)."""
 
     def __init__(self, runner, graph_runner: GraphRunner, k: int, max_tokens: int,
-                 capture_layer_ids: tuple[int, ...] | None = None, extra_width: int = 0) -> None:
+                 capture_layer_ids: tuple[int, ...] | None = None, extra_width: int = 0,
+                 drafter_hook=None) -> None:
         self.runner = runner
         self.graphs = graph_runner
         self.k = k
         self.sizes = graph_sizes(max_tokens)
         self.capture_layer_ids = tuple(capture_layer_ids) if capture_layer_ids else None
+        # (captured, positions, slots_per_token) -> None, captured after the forward; needs the captured layers
+        self.drafter_hook = drafter_hook if self.capture_layer_ids else None
         self.disabled: str | None = None  # why graphs were turned off (a failed capture)
         bs = runner.block_size
         # Room for every key a decode step can hold: max_model_len plus the drafts a re-split may add.
@@ -67,6 +72,8 @@ class DecodeGraphs:
                 "cu_seqlens_q": torch.arange(s + 1, dtype=i32, device=dev),
                 "block_tables": torch.zeros(s, self.width, dtype=i32, device=dev),
             }
+            if self.drafter_hook is not None:
+                self.buf["slots_per_token"] = torch.zeros(s, dtype=i64, device=dev)
             self._arange = torch.arange(s + 1, dtype=i32, device=dev)
 
     # ---------------------------------------------------------------- selection
@@ -80,7 +87,8 @@ class DecodeGraphs:
         return {name: (t[: size + 1] if name == "cu_seqlens_q" else t[:size]) for name, t in self.buf.items()}
 
     # ---------------------------------------------------------------- the graphed function
-    def _forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, cu_seqlens_q, block_tables):
+    def _forward(self, input_ids, positions, slot_mapping, seqlens_q, seqlens_k, cu_seqlens_q, block_tables,
+                 slots_per_token=None):
         host = HostLengths((), (), False, self.max_seqlen_q, self.max_seqlen_k, max_kv_shortfall=None)
         attn = AttentionMetadata(seqlens_q=seqlens_q, seqlens_k=seqlens_k, cu_seqlens_q=cu_seqlens_q,
                                  block_tables=block_tables, slot_mapping=slot_mapping, positions=positions,
@@ -92,10 +100,13 @@ class DecodeGraphs:
                                      capture_layer_ids=self.capture_layer_ids)
         else:
             hidden, captured = model(input_ids, positions, attn, self.runner.kv_caches), None
+        if self.drafter_hook is not None and captured is not None:
+            self.drafter_hook(captured, positions, slots_per_token)
         return {"hidden": hidden, "captured": captured, "logits": model.compute_logits(hidden)}
 
     # ---------------------------------------------------------------- step
-    def _fill(self, size: int, ids: torch.Tensor, attn: AttentionMetadata) -> None:
+    def _fill(self, size: int, ids: torch.Tensor, attn: AttentionMetadata,
+              slots_per_token: torch.Tensor | None = None) -> None:
         """Write the step into the static buffers of ``size``; pad as the module docstring says (no host reads)."""
         st = self._static(size)
         t, b = attn.num_tokens, attn.num_seqs
@@ -117,6 +128,12 @@ class DecodeGraphs:
         bt = st["block_tables"]
         bt.zero_()
         bt[:b, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+        if "slots_per_token" in st:  # None (varlen's timing runs): every token writes the dummy slot 0
+            if slots_per_token is None:
+                st["slots_per_token"].zero_()
+            else:
+                st["slots_per_token"][:t].copy_(slots_per_token)
+                st["slots_per_token"][t:].zero_()
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -131,15 +148,19 @@ class DecodeGraphs:
                 st["seqlens_k"].fill_(1)
                 st["cu_seqlens_q"].copy_(self._arange[: size + 1])
                 st["block_tables"].zero_()
+                if "slots_per_token" in st:
+                    st["slots_per_token"].zero_()
                 self.graphs.set_step_host_lengths(size, None, self.k)
                 self.graphs.capture(size, self._forward, st)
 
     @torch.inference_mode()
-    def run(self, size: int, ids: torch.Tensor, attn: AttentionMetadata):
+    def run(self, size: int, ids: torch.Tensor, attn: AttentionMetadata,
+            slots_per_token: torch.Tensor | None = None):
         """-> ``(hidden [T, D], captured {layer: [T, D]} | None, logits [T, V])`` for the step's real tokens, or
         None when capturing ``size`` (or handing the runner this step's host lengths) failed (graphs are then off
-        for good; the caller runs the step eagerly)."""
-        self._fill(size, ids, attn)
+        for good; the caller runs the step eagerly). With a drafter hook (``drafter_hook``), ``slots_per_token``
+        [T] is the state slot of each token and the replay has already done the hook's work."""
+        self._fill(size, ids, attn, slots_per_token)
         try:
             self.graphs.set_step_host_lengths(size, attn.host, self.k)
             if not self.graphs.has(size):

@@ -84,7 +84,11 @@ class Worker:
             return None
         max_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
-        return DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k)
+        hook = None
+        if self.drafter is not None and getattr(self.backend, "drafter_hook_in_graphs", False):
+            hook = self.drafter.main_forward_hook_in_graph()
+        return DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k,
+                            drafter_hook=hook)
 
     def _capture_graphs(self) -> None:
         """``graph_capture="startup"``: capture every decode graph (and the drafter's propose graphs) now."""
@@ -216,15 +220,20 @@ class Worker:
         size = None
         if self.graphs is not None and not plan.is_prefill:
             size = self.graphs.size_for(plan.num_tokens, plan.block_tables.shape[1])
-        replayed = self.graphs.run(size, ids, attn) if size is not None else None
+        hook_in_graph = size is not None and self.graphs.drafter_hook is not None
+        slots_per_token = slots.index_select(0, row) if self.drafter is not None else None
+        replayed = None
+        if size is not None:
+            replayed = (self.graphs.run(size, ids, attn, slots_per_token=slots_per_token) if hook_in_graph
+                        else self.graphs.run(size, ids, attn))
         if replayed is not None:  # the captured decode forward (logits of every row included)
             hidden, captured, logits = replayed
             self.graph_steps += 1
         else:
-            size = None  # eager (no graph for this step, or its capture failed)
+            size, hook_in_graph = None, False  # eager (no graph for this step, or its capture failed)
             hidden, captured = self.runner.forward(ids, attn, capture)
-        if self.drafter is not None:
-            self.drafter.on_main_forward(attn, captured, slots.index_select(0, row))
+        if self.drafter is not None and not hook_in_graph:  # else the graph did the drafter's capture
+            self.drafter.on_main_forward(attn, captured, slots_per_token)
         if plan.is_prefill:
             ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
             logits = self.runner.logits(hidden, self._dev(ends[plan.is_last_chunk]))

@@ -49,14 +49,25 @@ def graph_runners(monkeypatch):
 def padding_audit(monkeypatch):
     """Wrap ``DecodeGraphs.run``: after each replay, every changed KV row is a real token's slot or in block 0,
     and the padding rows of the static buffers point at block 0 and write nothing. -> counters."""
-    stats = {"replays": 0, "padded": 0}
+    stats = {"replays": 0, "padded": 0, "hook_replays": 0}
     orig = DecodeGraphs.run
 
-    def run(self, size, ids, attn):
+    def run(self, size, ids, attn, slots_per_token=None):
         before = [c.clone() for c in self.runner.kv_caches]
-        out = orig(self, size, ids, attn)
+        ring = getattr(getattr(self.drafter_hook, "__self__", None), "ring", None)  # DFlash's ring, in-graph hook
+        ring_before = ring.clone() if ring is not None else None
+        if self.drafter_hook is None:
+            out = orig(self, size, ids, attn)
+        else:
+            assert slots_per_token is not None
+            out = orig(self, size, ids, attn, slots_per_token=slots_per_token)
         t, b = attn.num_tokens, attn.num_seqs
         st = self._static(size)
+        if ring_before is not None:  # the hook wrote only real tokens' slots and the dummy slot 0
+            assert bool((st["slots_per_token"][t:] == 0).all())
+            changed_slots = set((ring_before != ring).flatten(1).any(-1).nonzero().flatten().tolist())
+            assert changed_slots <= set(slots_per_token.tolist()) | {0}, changed_slots
+            stats["hook_replays"] += 1
         assert bool((st["slot_mapping"][t:] < 0).all())
         assert bool((st["block_tables"][b:] == 0).all())
         assert int(st["seqlens_q"].sum()) == size and int(st["cu_seqlens_q"][-1]) == size
@@ -99,6 +110,9 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
         pg = worker.drafter.propose_graphs
         assert pg is not None and pg.disabled is None and pg.replays > 0
         assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
+        # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
+        assert worker.graphs.drafter_hook is not None
+        assert padding_audit["hook_replays"] == worker.graph_steps
 
 
 @pytest.mark.parametrize("method", METHODS)
