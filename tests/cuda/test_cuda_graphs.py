@@ -47,7 +47,7 @@ def test_dense_mla_decode_matches_reference_with_padding_rows():
 
 @needs_cuda
 @needs_reference
-@pytest.mark.parametrize("method", [None, "mtp"])
+@pytest.mark.parametrize("method", [None, "mtp", "dflash"])
 def test_cuda_graph_decode_matches_eager(method):
     from deepinfer_npu import LLM, SamplingParams
 
@@ -62,7 +62,7 @@ def test_cuda_graph_decode_matches_eager(method):
         llm = LLM(**kw, **extra)
         return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    _, eager = run(enable_graphs=False)
+    eager_llm, eager = run(enable_graphs=False)
     llm, graphed = run(enable_graphs=True)
     worker = llm.llm_engine.worker
     assert worker.graphs is not None, "the CUDA backend's graph runner was not used"
@@ -80,6 +80,11 @@ def test_cuda_graph_decode_matches_eager(method):
         common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         assert common >= 8, (common, a, b)
     assert exact >= len(prompts) - 1, (exact, eager, graphed)
+    if method == "dflash":  # the ring write runs inside the decode graph: a stale or misplaced write would show as
+        # drafts that stop being accepted (tokens stay right: verification is lossless)
+        assert worker.graphs.drafter_hook is not None
+        got, want = stats["mean_accepted_length"], eager_llm.get_stats()["mean_accepted_length"]
+        assert got >= 0.8 * want, (got, want)
 
 
 @needs_cuda
@@ -110,7 +115,7 @@ def test_cuda_graph_decode_on_deepseek_dims_matches_eager(tmp_path):
                   max_num_seqs=8, **extra)
         return llm, [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    _, eager = run(enable_graphs=False)
+    eager_llm, eager = run(enable_graphs=False)
     llm, graphed = run(enable_graphs=True)
     worker = llm.llm_engine.worker
     assert worker.graph_steps == llm.get_stats()["decode_steps"] > 0

@@ -92,7 +92,7 @@ def _generate(method, zos, **kw):
 
 @pytest.mark.parametrize("method,zos", list(itertools.product(METHODS, [True, False])))
 def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
-    _, eager = _generate(method, zos)
+    eager_llm, eager = _generate(method, zos)
     assert not graph_runners  # enable_graphs off: the worker never asks for a runner
     llm, graphed = _generate(method, zos, enable_graphs=True)
     assert graphed == eager
@@ -113,6 +113,9 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
         # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
         assert worker.graphs.drafter_hook is not None
         assert padding_audit["hook_replays"] == worker.graph_steps
+        # drafts from the in-graph ring write are as good as from the eager one (a wrong write loses acceptance)
+        got, want = llm.get_stats()["spec_accepted_tokens"], eager_llm.get_stats()["spec_accepted_tokens"]
+        assert got >= 0.9 * want, (got, want)
 
 
 @pytest.mark.parametrize("method", METHODS)
