@@ -64,8 +64,10 @@ except Exception:  # pragma: no cover
 
 try:
     from . import _bench
+    from ._kernel_cache import KernelCache
 except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
     import _bench
+    from _kernel_cache import KernelCache
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Products must round to fp32 before the sums, as in torch's separate multiply and sum kernels.
@@ -450,30 +452,18 @@ def _compile(func, target=None):
     )
 
 
-_BUILDERS = {"gating": build_gating_topk, "permute": build_permute, "unpermute": build_unpermute}
-_KERNELS: dict = {}  # (kind, cfg) -> compiled kernel
+_CACHE = KernelCache({"gating": build_gating_topk, "permute": build_permute, "unpermute": build_unpermute},
+                     _compile, available=tilelang is not None)
+_KERNELS = _CACHE.kernels  # (kind, cfg) -> compiled kernel
 
 
 def _get_kernel(kind, cfg):
-    k = _KERNELS.get((kind, cfg))
-    if k is None:
-        assert tilelang is not None, "tilelang is not installed"
-        k = _KERNELS[(kind, cfg)] = _compile(_BUILDERS[kind](*cfg))
-    return k
+    return _CACHE.get(kind, cfg)
 
 
 def precompile(items):
     """Compile (kind, cfg) pairs in parallel threads (nvcc runs in subprocesses) and keep them for the launchers."""
-    import concurrent.futures as cf
-    import os
-
-    todo = [it for it in dict.fromkeys(items) if it not in _KERNELS]
-    if not todo:
-        return
-    funcs = [_BUILDERS[kind](*cfg) for kind, cfg in todo]  # parse on this thread (ast.parse is not thread-safe)
-    with cf.ThreadPoolExecutor(max(1, min(len(funcs), os.cpu_count() or 1))) as ex:
-        for it, k in zip(todo, ex.map(_compile, funcs)):
-            _KERNELS[it] = k
+    _CACHE.precompile(items)
 
 
 def _gating_cfg(params, norm_order="torch_last", has_bias=True):
@@ -614,12 +604,7 @@ CI_CONFIGS = [
 
 def ci_compile(configs=None, target=None):
     """Compile representative configurations for sm_90a (or ``target``; no GPU, no cache); see tests/kernels_cuda."""
-    import concurrent.futures as cf
-
-    cfgs = configs or CI_CONFIGS
-    funcs = [_BUILDERS[kind](*args) for kind, args in cfgs]  # parse on this thread (ast.parse is not thread-safe)
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
-        return list(ex.map(lambda f: _compile(f, target), funcs))
+    return _CACHE.ci_compile(configs or CI_CONFIGS, target)
 
 
 # ---- references (same arithmetic as backends/cpu/moe.py) ---------------------------------------------------------

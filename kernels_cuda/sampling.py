@@ -16,9 +16,8 @@ batch, most of them elementwise over [B, V] int64 hash words (the 16-bit-limb mu
 The worker samples through ``spec_verify`` (its prefill and draft-free decode steps take the same kernels via
 kernels_cuda/spec_verify.py); this op serves direct callers of the HAL ``sample`` op.
 
-Verified here (no GPU on the machine these kernels were written on): compile only, for sm_90a and sm_100a. The
-``--check`` below has not run yet; ``backends/cuda/kernels.py`` keeps the reference unless
-DEEPINFER_CUDA_UNVERIFIED_KERNELS=1.
+Verified: the ``--check`` below passed on an H200 (session 3; kernels_cuda/NOTES.md), and the kernel set uses it
+by default. CI compiles it for sm_90a and sm_100a.
 
 Run alone:  python kernels_cuda/sampling.py --check --bench
 """
@@ -40,9 +39,11 @@ except Exception:  # pragma: no cover
 try:
     from . import _argmax as am
     from . import _bench
+    from ._kernel_cache import KernelCache
 except ImportError:  # run as a script: python kernels_cuda/sampling.py
     import _argmax as am
     import _bench
+    from _kernel_cache import KernelCache
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -51,31 +52,18 @@ def _compile(func, target=None):
     return am.compile_func(func, target or SM90_TARGET)
 
 
-def _builders():
-    return {"argmax": am.build_row_argmax, "reduce": am.build_reduce_argmax}
-
-
-_KERNELS: dict = {}
+_CACHE = KernelCache({"argmax": am.build_row_argmax, "reduce": am.build_reduce_argmax}, _compile,
+                     available=tilelang is not None)
+_KERNELS = _CACHE.kernels  # (kind, cfg) -> compiled kernel
 
 
 def get_kernel(kind: str, *cfg):
-    k = _KERNELS.get((kind, cfg))
-    if k is None:
-        assert tilelang is not None, "tilelang is not installed"
-        k = _KERNELS[(kind, cfg)] = _compile(_builders()[kind](*cfg))
-    return k
+    return _CACHE.get(kind, cfg)
 
 
 def precompile(items):
-    import concurrent.futures as cf
-
-    todo = [it for it in dict.fromkeys(items) if it not in _KERNELS]
-    if not todo:
-        return
-    funcs = [_builders()[kind](*cfg) for kind, cfg in todo]  # parse on this thread (ast.parse is not thread-safe)
-    with cf.ThreadPoolExecutor(max(1, min(len(funcs), os.cpu_count() or 1))) as ex:
-        for it, k in zip(todo, ex.map(_compile, funcs)):
-            _KERNELS[it] = k
+    """Compile (kind, cfg) pairs in parallel threads (nvcc runs in subprocesses)."""
+    _CACHE.precompile(items)
 
 
 CI_CONFIGS = [("argmax", (129280, True)), ("reduce", ())]
@@ -83,12 +71,7 @@ CI_CONFIGS = [("argmax", (129280, True)), ("reduce", ())]
 
 def ci_compile(configs=None, target=None):
     """Compile representative configurations for sm_90a (or ``target``; no GPU, no cache); see tests/kernels_cuda."""
-    import concurrent.futures as cf
-
-    cfgs = configs or CI_CONFIGS
-    funcs = [_builders()[kind](*args) for kind, args in cfgs]
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
-        return list(ex.map(lambda f: _compile(f, target), funcs))
+    return _CACHE.ci_compile(configs or CI_CONFIGS, target)
 
 
 # ---- host side -----------------------------------------------------------------------------------------------
