@@ -56,6 +56,9 @@ MAX_Q = 16  # query tokens per request the decode kernel handles (speculative ve
 # Rows (tokens x top-k) up to which grouped_mlp uses kernels_cuda.moe_gemm: it re-reads an expert's weight tile
 # per 64-row block, so prefill-sized batches go to the library grouped GEMM.
 MOE_GEMM_MAX_ROWS = 2048
+# Rows (tokens x top-k) up to which grouped_mlp streams the experts with kernels_cuda.skinny_gemm (CUDA cores, the
+# SwiGLU in the w13 epilogue) instead of moe_gemm's wgmma tiles: decode of a few tokens, one or two rows an expert.
+SKINNY_GROUPED_MAX_ROWS = 24
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
@@ -79,7 +82,7 @@ _STATIC_FALLBACK = {
 #: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
 #: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md).
-UNVERIFIED_KERNELS: set[str] = set()
+UNVERIFIED_KERNELS: set[str] = {"skinny_gemm"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -206,10 +209,42 @@ class CudaKernelSet(KernelSet):
             x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps)
         )
 
-    # ---- dense (reference ops, sync-free on CUDA) ----------------------------------------------------------
+    # ---- dense ---------------------------------------------------------------------------------------------
+    def _skinny(self, x2d: torch.Tensor, weight: torch.Tensor, gated: bool = False, grouped: bool = False):
+        """(kernels_cuda.skinny_gemm, None) when it takes these operands, else (None, why)."""
+        if not x2d.is_cuda:
+            return None, "tensor not on a CUDA device"
+        if not unverified_kernel_enabled("skinny_gemm"):
+            return None, f"kernels_cuda.skinny_gemm is unverified (enable with {UNVERIFIED_ENV}=1)"
+        mod = self._kernel("skinny_gemm")
+        if mod is None:
+            return None, self._kernel_error["skinny_gemm"]
+        why = mod.reason(x2d, weight, gated, grouped)
+        return (mod, None) if why is None else (None, why)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        self._note("linear", "reference", False)
-        return _ref("linear").linear(x, weight, bias)
+        """Decode-sized row counts (<= ``skinny_gemm.MAX_ROWS``, no bias): ``kernels_cuda.skinny_gemm`` (weights
+        streamed by CUDA cores, one launch); else the reference (cuBLAS)."""
+        x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        mod, why = (None, "bias") if bias is not None else self._skinny(x2d, weight)
+        if mod is None:
+            self._note("linear", "reference", False)
+            return _ref("linear").linear(x, weight, bias)
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.MAX_ROWS}{unverified_note('skinny_gemm')})",
+                   True)
+        return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
+
+    def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Decode-sized row counts: the SwiGLU in the gate/up GEMM's epilogue (``skinny_gemm`` gated, the
+        reference's roundings), then ``linear``; else ``linear`` + ``silu_and_mul`` + ``linear``."""
+        mod, _why = self._skinny(x, gate_up, gated=True) if x.dim() == 2 else (None, "not 2-D")
+        if mod is None:
+            return super().dense_mlp(x, gate_up, down)
+        self._note("silu_and_mul", f"kernels_cuda.skinny_gemm gated (SwiGLU in the gate/up GEMM, rows <= "
+                   f"{mod.MAX_ROWS}{unverified_note('skinny_gemm')})", True)
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.MAX_ROWS}{unverified_note('skinny_gemm')})",
+                   True)
+        return self.linear(mod.skinny_gemm(x, gate_up, gated=True), down)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``kernels_cuda.silu_mul`` (one kernel, the reference's bf16 rounding) for bf16 with I a multiple of 8;
@@ -253,7 +288,7 @@ class CudaKernelSet(KernelSet):
         (same roundings; padding rows write nothing). Otherwise composed torch, with the norms on this kernel set
         and a cache write that needs no host read: padding rows (negative slots) rewrite slot 0 (block 0, the
         reserved padding block that no sequence owns) with its own current contents, so nothing visible changes."""
-        lin, apply_rope = _ref("linear").linear, _ref("rope").rope
+        lin, apply_rope = self.linear, _ref("rope").rope
         num_tokens = hidden.shape[0]
         nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
         if w.q_proj is not None:
@@ -485,6 +520,16 @@ class CudaKernelSet(KernelSet):
         ``torch._grouped_mm`` (CUTLASS); else the reference (syncs)."""
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self._moe_gemm_for(sorted_hidden, w13, w2)
+        sk = None
+        if mg is not None and rows <= SKINNY_GROUPED_MAX_ROWS:
+            sk, _why = self._skinny(sorted_hidden, w13, gated=True, grouped=True)
+        if sk is not None:  # a row or two an expert: CUDA-core streams, SwiGLU fused into w13 (2 launches + scan)
+            starts = mg.expert_starts(tokens_per_expert)
+            h = sk.skinny_gemm(sorted_hidden, w13, gated=True, scan=starts)
+            out = sk.skinny_gemm(h, w2, scan=starts)
+            self._note("grouped_mlp", f"kernels_cuda.skinny_gemm grouped (rows <= {SKINNY_GROUPED_MAX_ROWS}, "
+                       f"SwiGLU in the w13 epilogue{unverified_note('skinny_gemm')})", True)
+            return out
         if mg is not None:
             starts = mg.expert_starts(tokens_per_expert)  # once for both GEMMs
             h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts)

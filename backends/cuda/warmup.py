@@ -59,6 +59,7 @@ from .kernels import (
     NORM_MULT,
     PAGE,
     ROPE,
+    SKINNY_GROUPED_MAX_ROWS,
     tilelang_importable,
     unverified_kernel_enabled,
 )
@@ -239,6 +240,29 @@ def moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return items
 
 
+def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    """``kernels_cuda.skinny_gemm.config_for`` tuples: ``linear`` on every (in_features, dtype) of the model's
+    weights at each row block up to MAX_ROWS tokens (fp32 weights: the router, fed fp32 rows); the gated gate/up
+    GEMM of the dense MLPs; the grouped expert GEMMs (w13 gated, w2) up to ``SKINNY_GROUPED_MAX_ROWS`` rows."""
+    sk = _kc("skinny_gemm")
+    lo, hi = _step_token_bounds(plan)
+    blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, sk.MAX_ROWS) + 1)})
+    name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+    cfgs = []
+    for k, dt in plan.linear_weights:
+        if dt in name and k % sk.vec_for(name[dt]) == 0:
+            cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
+    if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0:
+        cfgs += [sk.config_for(plan.hidden_size, rb, True, False, _BF16, _BF16, _BF16) for rb in blocks]
+    g, inter = plan.moe_gating, plan.moe_intermediate_size
+    if g is not None and plan.dtype == _BF16 and inter and moe_gemm_configs(plan):
+        rows = range(lo * g.top_k, min(hi * g.top_k, SKINNY_GROUPED_MAX_ROWS) + 1)
+        for rb in sorted({sk.rows_block(min(r, 2)) for r in rows}):  # skinny_gemm's grouped row block
+            cfgs += [sk.config_for(plan.hidden_size, rb, True, True, _BF16, _BF16, _BF16),
+                     sk.config_for(inter, rb, False, True, _BF16, _BF16, _BF16)]
+    return list(dict.fromkeys(cfgs))
+
+
 def spec_verify_configs(plan: KernelWarmupPlan) -> list[tuple]:
     """``(kind, cfg)``: the greedy arg-max, the noise arg-max (temperature rows without drafts: every prefill's
     sampled rows, and decode without speculation) and the accept kernel, where ``reason`` accepts them."""
@@ -285,6 +309,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "rms_norm": rms_norm_configs(plan),
         "mla_rope_cache": mla_rope_cache_configs(plan),
         "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill")),
+        "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),
         "moe_routing": moe_routing_configs(plan),
         "moe_gemm": moe_gemm_configs(plan),

@@ -9,6 +9,7 @@
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   mla       benchmarks/bench_mla_decode.py
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
+#   skinny    kernels_cuda/skinny_gemm.py --check --bench
 #   routing   kernels_cuda/moe_routing.py --check
 #   unverified  kernels_cuda/device_run_unverified.sh (the gated sampling / spec_verify / zos_fixup kernels)
 # Outputs under $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150).
@@ -30,7 +31,7 @@ for phase in "$@"; do
   case $phase in
     tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
-    profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch 1 64 --graphs --sequence 200 \
+    profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
              2>&1 | filt >> "$OUT/profile.log"; grep -v '^{' "$OUT/profile.log" | tail -5
              grep '^{' "$OUT/profile.log" > "$OUT/profile.jsonl"
              python3 -c "
@@ -51,6 +52,8 @@ for l in open('$OUT/profile.jsonl'):
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
     unverified) OUT=$OUT bash kernels_cuda/device_run_unverified.sh ;;
+    skinny) timeout $LIM python3 kernels_cuda/skinny_gemm.py --check --bench --out "$OUT/h200_skinny_gemm.jsonl" 2>&1 \
+             | filt > "$OUT/skinny.log"; grep -v '^{' "$OUT/skinny.log" | tail -20 ;;
     routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
     kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
              echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \

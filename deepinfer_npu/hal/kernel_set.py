@@ -73,6 +73,13 @@ class KernelSet:
         """SwiGLU activation: ``x`` [..., 2I] = [gate | up] -> ``silu(gate) * up`` [..., I]."""
         return _ref("linear").silu_and_mul(x)
 
+    def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """Composite of the ops above, the dense SwiGLU MLP: ``linear(silu_and_mul(linear(x, gate_up)), down)``
+        with ``gate_up`` [2I, D] = [gate | up] and ``down`` [D, I]. Not in :attr:`OPS` (its parts are reported);
+        a backend may fuse it (CUDA fuses the activation into the gate/up GEMM at decode sizes), with the same
+        roundings as the composition."""
+        return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
+
     # ---- attention -----------------------------------------------------------------------------------------
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool

@@ -113,6 +113,8 @@ class KernelWarmupPlan:
     moe_gating: GatingParams | None = None  # routed experts (num_experts, top_k, router); None: no MoE layer
     moe_intermediate_size: int = 0  # I of one routed expert
     drafter_rms_norm_eps: float | None = None  # a drafter's own hidden-size RMSNorms (DFlash), plain only
+    # (in_features, weight dtype) of the 2-D weights the model's layers run through ``linear`` (router: fp32)
+    linear_weights: tuple[tuple[int, torch.dtype], ...] = ()
 
     # ---- engine
     block_size: int  # tokens per KV-cache block (page)

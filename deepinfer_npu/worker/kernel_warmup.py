@@ -23,6 +23,10 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
     moe = next((m for m in modules if isinstance(m, DeepseekMoE)), None)
     # DFlash's decoder norms run on the kernel set with the drafter's own eps (MTP's layers are the model's).
     drafter_eps = float(drafter.cfg.rms_norm_eps) if getattr(drafter, "name", None) == "dflash" else None
+    # Every 2-D floating weight of the model (MTP layers included): the linears' (in_features, dtype); the
+    # embedding's entry coincides with the hidden-size projections'.
+    linear_weights = tuple(sorted({(int(p.shape[1]), p.dtype) for p in runner.model.parameters()
+                                   if p.dim() == 2 and p.dtype.is_floating_point}, key=str))
     return KernelWarmupPlan(
         dtype=runner.dtype,
         vocab_size=mc.vocab_size,
@@ -40,6 +44,7 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
         moe_gating=moe.gating if moe is not None else None,
         moe_intermediate_size=int(moe.experts.w2.shape[2]) if moe is not None else 0,
         drafter_rms_norm_eps=drafter_eps,
+        linear_weights=linear_weights,
         block_size=runner.block_size,
         max_model_len=runner.max_model_len,
         max_num_seqs=cfg.max_num_seqs,

@@ -34,7 +34,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, D] -> [T, D]."""
-        return self.down_proj(self.kernels.silu_and_mul(self.kernels.linear(x, self.gate_up_proj)))
+        return self.kernels.dense_mlp(x, self.gate_up_proj, self.down_proj.weight)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
