@@ -44,6 +44,23 @@ MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lan
 THREADS = 128
 ROWS_PER_WARP = 2  # R: output columns a warp owns
 UNROLL = 4  # U: 16-byte weight vectors per row a lane loads before its FMAs
+VARIANT_ENV = "DEEPINFER_SKINNY_VARIANT"  # "R,U": overrides (ROWS_PER_WARP, UNROLL) for tuning runs
+
+
+def default_variant() -> tuple[int, int]:
+    """(rows_per_warp, unroll) the launches use: ``DEEPINFER_SKINNY_VARIANT`` ("R,U") or the defaults."""
+    import os
+
+    env = os.environ.get(VARIANT_ENV, "").strip()
+    if not env:
+        return ROWS_PER_WARP, UNROLL
+    try:
+        r, u = (int(v) for v in env.split(","))
+    except ValueError:
+        raise ValueError(f"{VARIANT_ENV}={env!r}: expected 'R,U', e.g. '1,8'") from None
+    if r not in (1, 2, 4) or u not in (1, 2, 4, 8):
+        raise ValueError(f"{VARIANT_ENV}={env!r}: R in 1, 2, 4 and U in 1, 2, 4, 8")
+    return r, u
 _BYTES = {"bfloat16": 2, "float32": 4}
 
 
@@ -174,7 +191,8 @@ _KERNELS = _CACHE.kernels
 def config_for(k: int, m: int, gated: bool, grouped: bool, a_dtype, w_dtype, out_dtype) -> tuple:
     """The cache key of the kernel :func:`skinny_gemm` launches (dtypes as torch dtypes or names)."""
     name = lambda d: d if isinstance(d, str) else str(d).removeprefix("torch.")  # noqa: E731
-    return (int(k), rows_block(m), bool(gated), bool(grouped), name(a_dtype), name(w_dtype), name(out_dtype))
+    return (int(k), rows_block(m), bool(gated), bool(grouped), name(a_dtype), name(w_dtype), name(out_dtype),
+            *default_variant())
 
 
 def get_kernel(*cfg):
@@ -311,6 +329,9 @@ def check() -> bool:
         (6, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (6, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
         (96, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (384, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
     ]
+    # compile every case's kernel first, nvcc in parallel threads (one at a time took ~150 s on the H200 host)
+    _CACHE.precompile(("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, ad, wd, "float32" if wd == "float32"
+                                            else "bfloat16")) for m, n, k, e, g, ad, wd in cases)
     for m, n, k, e, gated, ad, wd in cases:
         a, w, counts = _problem(m, n, k, e, getattr(torch, ad), getattr(torch, wd))
         scan = expert_starts(counts) if e else None
@@ -356,12 +377,15 @@ def bench(out=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    variants = ((2, 4), (1, 4), (2, 8), (4, 4))  # (rows_per_warp, unroll)
-    row_counts = (1, 2, 6, 8, 16)
-    todo = [("skinny", config_for(k, m, g, False, "bfloat16", "bfloat16", "bfloat16") + v)
-            for m in row_counts if m <= MAX_ROWS for _name, _n, k, g in shapes for v in variants]
-    todo += [("skinny", config_for(k, r, g, True, "bfloat16", "bfloat16", "bfloat16"))
-             for r in (1, 2) for k, g in ((2048, True), (1408, False))]
+    variants = ((2, 4), (1, 8), (2, 8), (1, 4))  # (rows_per_warp, unroll)
+    row_counts = (1, 6, 16)
+
+    def cfg(k, m, g, grouped, v):
+        return ("skinny", config_for(k, m, g, grouped, "bfloat16", "bfloat16", "bfloat16")[:7] + v)
+
+    todo = [cfg(k, m, g, False, v) for m in row_counts if m <= MAX_ROWS for _name, _n, k, g in shapes
+            for v in variants]
+    todo += [cfg(k, r, g, True, v) for r in (1, 2) for k, g in ((2048, True), (1408, False)) for v in variants]
     _CACHE.precompile(todo)  # nvcc in parallel threads
     for m in row_counts:
         for name, n, k, gated in shapes:
@@ -379,7 +403,7 @@ def bench(out=None):
                 continue
             for rpw, unr in variants:
                 o = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
-                kern = _CACHE.get("skinny", config_for(k, m, gated, False, a.dtype, w.dtype, o.dtype) + (rpw, unr))
+                kern = _CACHE.get(*cfg(k, m, gated, False, (rpw, unr)))
                 t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, o=o: kern(a, w, o))
                 emit({"bench": "skinny_gemm", "shape": name, "rows": m, "N": n, "K": k, "gated": gated,
                       "rows_per_warp": rpw, "unroll": unr, "us": round(t, 2),
@@ -392,11 +416,14 @@ def bench(out=None):
             hit = int((counts > 0).sum())
             nbytes = hit * n * k * 2 + a.numel() * 2 + a.shape[0] * (n // 2 if gated else n) * 2
             t_mg, _ = _bench.time_us(lambda a=a, w=w, c=counts, s=scan: moe_gemm(a, w, c, starts=s))
-            t, _ = _bench.time_us(lambda a=a, w=w, s=scan, g=gated: skinny_gemm(a, w, gated=g, scan=s))
-            emit({"bench": "skinny_gemm", "shape": name, "tokens": tokens, "rows": a.shape[0], "experts_hit": hit,
-                  "N": n, "K": k, "gated": gated, "us": round(t, 2),
-                  "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4), "moe_gemm_us": round(t_mg, 2),
-                  "speedup_vs_moe_gemm": round(t_mg / t, 3)})
+            for v in variants:
+                kern = _CACHE.get(*cfg(k, min(a.shape[0], 2), gated, True, v))
+                o = torch.empty(a.shape[0], n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
+                t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, s=scan, o=o: kern(a, w, s, o))
+                emit({"bench": "skinny_gemm", "shape": name, "tokens": tokens, "rows": a.shape[0],
+                      "experts_hit": hit, "N": n, "K": k, "gated": gated, "rows_per_warp": v[0], "unroll": v[1],
+                      "us": round(t, 2), "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4),
+                      "moe_gemm_us": round(t_mg, 2), "speedup_vs_moe_gemm": round(t_mg / t, 3)})
     if out:
         with open(out, "a") as f:
             for r in rows:

@@ -59,6 +59,8 @@ MOE_GEMM_MAX_ROWS = 2048
 # Rows (tokens x top-k) up to which grouped_mlp streams the experts with kernels_cuda.skinny_gemm (CUDA cores, the
 # SwiGLU in the w13 epilogue) instead of moe_gemm's wgmma tiles: decode of a few tokens, one or two rows an expert.
 SKINNY_GROUPED_MAX_ROWS = 24
+# run_parallel overlaps independent branches (shared experts | routed experts) on two streams
+PARALLEL_BRANCHES = True
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
@@ -123,6 +125,7 @@ class CudaKernelSet(KernelSet):
         self._kernel_modules: dict[str, Any] = {}
         self._kernel_error: dict[str, str] = {}
         self._grouped_mm_error: str | None = None
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # run_parallel's second stream per device
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def _note(self, op: str, path: str, native: bool, syncs: bool = False) -> None:
@@ -173,6 +176,30 @@ class CudaKernelSet(KernelSet):
         from .warmup import warm_up
 
         return warm_up(self, plan)
+
+    # ---- concurrency ---------------------------------------------------------------------------------------
+    def run_parallel(self, main, *side):
+        """With a CUDA device: the ``side`` branches on a second stream, forked from the current stream (event)
+        and joined back before returning; inside graph capture this makes parallel branches of the graph. At
+        batch 1 the routed experts' chain of one-CTA kernels (gating, permute, scan) then runs next to the shared
+        experts' GEMMs. Else (no device, ``PARALLEL_BRANCHES`` off) in order."""
+        if not (PARALLEL_BRANCHES and side and torch.cuda.is_available()):
+            return super().run_parallel(main, *side)
+        cur = torch.cuda.current_stream()
+        alt = self._side_streams.get(cur.device)
+        if alt is None:
+            alt = self._side_streams[cur.device] = torch.cuda.Stream(device=cur.device)
+        alt.wait_stream(cur)
+        with torch.cuda.stream(alt):
+            side_out = [f() for f in side]
+        main_out = main()
+        cur.wait_stream(alt)
+        if not torch.cuda.is_current_stream_capturing():  # eager: the allocator must not hand these to alt early
+            for t in side_out:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(cur)
+        self._note("run_parallel", "side branches on a second CUDA stream (fork/join events)", True)
+        return [main_out, *side_out]
 
     # ---- norms ---------------------------------------------------------------------------------------------
     def _norm_reason(self, x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -291,14 +318,18 @@ class CudaKernelSet(KernelSet):
         lin, apply_rope = self.linear, _ref("rope").rope
         num_tokens = hidden.shape[0]
         nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
-        if w.q_proj is not None:
-            q = lin(hidden, w.q_proj)
-        else:
-            q = lin(self.rms_norm(lin(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
-        q = q.view(num_tokens, w.num_heads, nope + rdim)
-        q_nope, q_pe = q.split([nope, rdim], dim=-1)
-        q_latent = torch.einsum("thn,hnl->thl", q_nope, w.w_uk)
-        kv = lin(hidden, w.kv_a_proj, w.kv_a_bias)
+
+        def q_branch():
+            if w.q_proj is not None:
+                q = lin(hidden, w.q_proj)
+            else:
+                q = lin(self.rms_norm(lin(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
+            q = q.view(num_tokens, w.num_heads, nope + rdim)
+            return q, torch.einsum("thn,hnl->thl", q[..., :nope], w.w_uk)
+
+        # the latent projection does not wait for the query's two GEMMs (a second stream at decode sizes)
+        (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias))
+        q_pe = q[..., nope:]
         bf16, mod = torch.bfloat16, None
         if not kv.is_cuda:
             why = "tensor not on a CUDA device"
@@ -431,8 +462,10 @@ class CudaKernelSet(KernelSet):
         return out
 
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-        self._note("mla_epilogue", "reference", False)
-        return _ref("mla").mla_epilogue(out_latent, w)
+        """The reference's arithmetic (einsum with W_UV on cuBLAS), with o_proj through this set's ``linear``."""
+        self._note("mla_epilogue", "reference einsum (W_UV) + linear (o_proj)", False)
+        values = torch.einsum("thl,hvl->thv", out_latent, w.w_uv)
+        return self.linear(values.reshape(values.shape[0], -1), w.o_proj, w.o_bias)
 
     # ---- MoE -----------------------------------------------------------------------------------------------
     def moe_gating_topk(self, router_logits, bias, params: GatingParams):

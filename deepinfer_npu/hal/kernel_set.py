@@ -11,6 +11,7 @@ Tensors live on the backend's device; activations use the model dtype unless sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -79,6 +80,14 @@ class KernelSet:
         a backend may fuse it (CUDA fuses the activation into the gate/up GEMM at decode sizes), with the same
         roundings as the composition."""
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
+
+    def run_parallel(self, main: Callable[[], Any], *side: Callable[[], Any]) -> list[Any]:
+        """Independent branches of a forward (e.g. the shared experts next to the routed ones) ->
+        ``[main(), *(f() for f in side)]``. No branch may read another's outputs. A backend may overlap them
+        (CUDA: the side branches on a second stream forked from the current one and joined back, inside CUDA
+        graph capture too), which hides the small kernels of one branch behind the other at decode sizes.
+        Default: in order on the current stream."""
+        return [main(), *(f() for f in side)]
 
     # ---- attention -----------------------------------------------------------------------------------------
     def rope(

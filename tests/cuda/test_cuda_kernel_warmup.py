@@ -28,7 +28,8 @@ from deepinfer_npu.hal.graph_sizes import graph_sizes  # noqa: E402
 from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan  # noqa: E402
 
 SMS = 132  # H200
-PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup")
+PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup",
+               "skinny_gemm")
 
 
 def v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
@@ -269,3 +270,26 @@ def test_more_experts_than_the_expert_scan_takes_use_the_library_gemm(recorded):
     assert route(moe_gemm.MAX_EXPERTS + 128) is None
     ks.warmup(v2_lite_plan(moe_gating=GatingParams(top_k=8, num_experts=384)))
     assert "moe_gemm" not in recorded
+
+
+def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeypatch):
+    """Every (in_features, dtype) of the model's weights at the row blocks of 1..8 tokens; the dense MLPs' gated
+    gate/up GEMM; the grouped expert GEMMs (w13 gated, w2) at <= SKINNY_GROUPED_MAX_ROWS rows (row block 2)."""
+    from deepinfer_npu.kernels_cuda import skinny_gemm as sk
+
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", set())
+    bf, f32 = torch.bfloat16, torch.float32
+    weights = ((2048, bf), (2816, bf), (10944, bf), (2048, f32))
+    kernel_set().warmup(v2_lite_plan(k=0, linear_weights=weights))
+    got = recorded["skinny_gemm"][0][0]
+    v = sk.default_variant()
+    name = {bf: "bfloat16", f32: "float32"}
+    want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in (1, 2, 4, 8)}
+    want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in (1, 2, 4, 8)}
+    want |= {(2048, 2, True, True, "bfloat16", "bfloat16", "bfloat16", *v),
+             (1408, 2, False, True, "bfloat16", "bfloat16", "bfloat16", *v)}
+    assert len(got) == len(set(got)) and set(got) == want
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"skinny_gemm"})
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, linear_weights=weights))
+    assert "skinny_gemm" not in recorded

@@ -97,11 +97,16 @@ class DeepseekMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
         k = self.kernels
-        router_logits = k.linear(hidden.float(), self.gate.weight)  # [T, E] fp32, as the reference routers
-        weights, ids = k.moe_gating_topk(router_logits, self.gate.e_score_correction_bias, self.gating)
-        sorted_hidden, tokens_per_expert, state = k.moe_dispatch(hidden, ids, self.num_experts)
-        expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
-        out = k.moe_combine(expert_out, state, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
-        return out
+
+        def routed() -> torch.Tensor:
+            router_logits = k.linear(hidden.float(), self.gate.weight)  # [T, E] fp32, as the reference routers
+            weights, ids = k.moe_gating_topk(router_logits, self.gate.e_score_correction_bias, self.gating)
+            sorted_hidden, tokens_per_expert, state = k.moe_dispatch(hidden, ids, self.num_experts)
+            expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
+            return k.moe_combine(expert_out, state, weights)
+
+        if self.shared_experts is None:
+            return routed()
+        # the two branches are independent: a backend may overlap them (KernelSet.run_parallel)
+        out, shared = k.run_parallel(routed, lambda: self.shared_experts(hidden))
+        return out + shared
