@@ -40,9 +40,14 @@ except ImportError:  # run as a script: python kernels_cuda/skinny_gemm.py
     from _kernel_cache import KernelCache
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
-MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane); more rows: library GEMM
+MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane)
+# What the engine routes here (reason()): one row, K <= DENSE_MAX_K. Measured on an H200 (--bench, session 4):
+# at 1 row 1.35-2.4x cuBLAS on the V2-Lite projections, but at 6 rows 2-8x slower (the FMAs, not the bytes,
+# then bound a CUDA-core kernel), and at K = 10944 (one CTA walks 43 vectors a lane) slower than cuBLAS' split-K.
+DENSE_MAX_ROWS = 1
+DENSE_MAX_K = 8192
 THREADS = 128
-ROWS_PER_WARP = 2  # R: output columns a warp owns
+ROWS_PER_WARP = 1  # R: output columns a warp owns  ((1, 4) was the best or within 10 % at 1 row, --bench)
 UNROLL = 4  # U: 16-byte weight vectors per row a lane loads before its FMAs
 VARIANT_ENV = "DEEPINFER_SKINNY_VARIANT"  # "R,U": overrides (ROWS_PER_WARP, UNROLL) for tuning runs
 
@@ -236,9 +241,20 @@ def reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False, grouped: bool 
         return f"K={k}, contiguous={w.is_contiguous()}: 16-byte weight rows needed"
     if gated and w.shape[-2] % 2:
         return f"gated: weight rows {w.shape[-2]} are not [gate | up]"
-    if not grouped and a.shape[0] > MAX_ROWS:
-        return f"{a.shape[0]} rows > {MAX_ROWS}: the library GEMM is faster"
+    if not grouped and a.shape[0] > MAX_ROWS * 8:
+        return f"{a.shape[0]} rows > {MAX_ROWS * 8} (8 row blocks a CTA)"
     return None
+
+
+def engine_reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False) -> str | None:
+    """:func:`reason` plus where the kernel is faster than the library GEMM (the backend's routing, dense only):
+    one row, K <= DENSE_MAX_K."""
+    why = reason(a, w, gated)
+    if why is None and a.shape[0] > DENSE_MAX_ROWS:
+        why = f"{a.shape[0]} rows > {DENSE_MAX_ROWS}: the library GEMM is faster there"
+    if why is None and w.shape[-1] > DENSE_MAX_K:
+        why = f"K={w.shape[-1]} > {DENSE_MAX_K}: the library's split-K GEMM is faster there"
+    return why
 
 
 def skinny_gemm(a: torch.Tensor, w: torch.Tensor, gated: bool = False, scan: torch.Tensor | None = None,

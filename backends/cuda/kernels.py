@@ -58,7 +58,9 @@ MAX_Q = 16  # query tokens per request the decode kernel handles (speculative ve
 MOE_GEMM_MAX_ROWS = 2048
 # Rows (tokens x top-k) up to which grouped_mlp streams the experts with kernels_cuda.skinny_gemm (CUDA cores, the
 # SwiGLU in the w13 epilogue) instead of moe_gemm's wgmma tiles: decode of a few tokens, one or two rows an expert.
-SKINNY_GROUPED_MAX_ROWS = 24
+# 0: off. Measured on an H200 (skinny_gemm --bench, session 4): at 1 token (6 rows) the grouped skinny w13 + w2
+# took 24.1 + 11.9 us against moe_gemm's 22.0 + 11.9 (+ ~1.5 us of silu_mul), and lost more at 2 and 4 tokens.
+SKINNY_GROUPED_MAX_ROWS = 0
 # run_parallel overlaps independent branches (shared experts | routed experts) on two streams
 PARALLEL_BRANCHES = True
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
@@ -83,8 +85,9 @@ _STATIC_FALLBACK = {
 #: kernels_cuda modules written and compiled (sm_90a / sm_100a) but never run on a GPU: their ops keep the reference
 #: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
 #: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
-#: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md).
-UNVERIFIED_KERNELS: set[str] = {"skinny_gemm"}
+#: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
+#: (session 4) entered and left it the same session after its check passed on an H200.
+UNVERIFIED_KERNELS: set[str] = set()
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -246,18 +249,18 @@ class CudaKernelSet(KernelSet):
         mod = self._kernel("skinny_gemm")
         if mod is None:
             return None, self._kernel_error["skinny_gemm"]
-        why = mod.reason(x2d, weight, gated, grouped)
+        why = mod.reason(x2d, weight, gated, grouped) if grouped else mod.engine_reason(x2d, weight, gated)
         return (mod, None) if why is None else (None, why)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode-sized row counts (<= ``skinny_gemm.MAX_ROWS``, no bias): ``kernels_cuda.skinny_gemm`` (weights
-        streamed by CUDA cores, one launch); else the reference (cuBLAS)."""
+        """One row (batch-1 decode; ``skinny_gemm.engine_reason``: K <= DENSE_MAX_K, no bias):
+        ``kernels_cuda.skinny_gemm`` (weights streamed by CUDA cores, one launch); else the reference (cuBLAS)."""
         x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         mod, why = (None, "bias") if bias is not None else self._skinny(x2d, weight)
         if mod is None:
             self._note("linear", "reference", False)
             return _ref("linear").linear(x, weight, bias)
-        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.MAX_ROWS}{unverified_note('skinny_gemm')})",
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
                    True)
         return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
 
@@ -268,8 +271,8 @@ class CudaKernelSet(KernelSet):
         if mod is None:
             return super().dense_mlp(x, gate_up, down)
         self._note("silu_and_mul", f"kernels_cuda.skinny_gemm gated (SwiGLU in the gate/up GEMM, rows <= "
-                   f"{mod.MAX_ROWS}{unverified_note('skinny_gemm')})", True)
-        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.MAX_ROWS}{unverified_note('skinny_gemm')})",
+                   f"{mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})", True)
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
                    True)
         return self.linear(mod.skinny_gemm(x, gate_up, gated=True), down)
 
@@ -554,7 +557,7 @@ class CudaKernelSet(KernelSet):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self._moe_gemm_for(sorted_hidden, w13, w2)
         sk = None
-        if mg is not None and rows <= SKINNY_GROUPED_MAX_ROWS:
+        if mg is not None and rows <= SKINNY_GROUPED_MAX_ROWS:  # off (0) until it beats moe_gemm
             sk, _why = self._skinny(sorted_hidden, w13, gated=True, grouped=True)
         if sk is not None:  # a row or two an expert: CUDA-core streams, SwiGLU fused into w13 (2 launches + scan)
             starts = mg.expert_starts(tokens_per_expert)

@@ -242,20 +242,22 @@ def moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
 
 def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     """``kernels_cuda.skinny_gemm.config_for`` tuples: ``linear`` on every (in_features, dtype) of the model's
-    weights at each row block up to MAX_ROWS tokens (fp32 weights: the router, fed fp32 rows); the gated gate/up
-    GEMM of the dense MLPs; the grouped expert GEMMs (w13 gated, w2) up to ``SKINNY_GROUPED_MAX_ROWS`` rows."""
+    weights (K <= DENSE_MAX_K) at each row block up to DENSE_MAX_ROWS tokens (fp32 weights: the router, fed fp32
+    rows); the gated gate/up GEMM of the dense MLPs; the grouped expert GEMMs (w13 gated, w2) up to
+    ``SKINNY_GROUPED_MAX_ROWS`` rows (0: off)."""
     sk = _kc("skinny_gemm")
     lo, hi = _step_token_bounds(plan)
-    blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, sk.MAX_ROWS) + 1)})
+    blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, sk.DENSE_MAX_ROWS) + 1)})
     name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
     cfgs = []
     for k, dt in plan.linear_weights:
-        if dt in name and k % sk.vec_for(name[dt]) == 0:
+        if dt in name and k % sk.vec_for(name[dt]) == 0 and k <= sk.DENSE_MAX_K:
             cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
-    if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0:
+    if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
+            and plan.hidden_size <= sk.DENSE_MAX_K:
         cfgs += [sk.config_for(plan.hidden_size, rb, True, False, _BF16, _BF16, _BF16) for rb in blocks]
     g, inter = plan.moe_gating, plan.moe_intermediate_size
-    if g is not None and plan.dtype == _BF16 and inter and moe_gemm_configs(plan):
+    if g is not None and plan.dtype == _BF16 and inter and SKINNY_GROUPED_MAX_ROWS and moe_gemm_configs(plan):
         rows = range(lo * g.top_k, min(hi * g.top_k, SKINNY_GROUPED_MAX_ROWS) + 1)
         for rb in sorted({sk.rows_block(min(r, 2)) for r in rows}):  # skinny_gemm's grouped row block
             cfgs += [sk.config_for(plan.hidden_size, rb, True, True, _BF16, _BF16, _BF16),

@@ -273,8 +273,9 @@ def test_more_experts_than_the_expert_scan_takes_use_the_library_gemm(recorded):
 
 
 def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeypatch):
-    """Every (in_features, dtype) of the model's weights at the row blocks of 1..8 tokens; the dense MLPs' gated
-    gate/up GEMM; the grouped expert GEMMs (w13 gated, w2) at <= SKINNY_GROUPED_MAX_ROWS rows (row block 2)."""
+    """Every (in_features, dtype) of the model's weights with K <= DENSE_MAX_K at the row blocks of 1 ..
+    DENSE_MAX_ROWS tokens, and the dense MLPs' gated gate/up GEMM; the grouped expert GEMMs only where
+    SKINNY_GROUPED_MAX_ROWS routes rows to them."""
     from deepinfer_npu.kernels_cuda import skinny_gemm as sk
 
     monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", set())
@@ -284,11 +285,19 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
     got = recorded["skinny_gemm"][0][0]
     v = sk.default_variant()
     name = {bf: "bfloat16", f32: "float32"}
-    want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in (1, 2, 4, 8)}
-    want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in (1, 2, 4, 8)}
-    want |= {(2048, 2, True, True, "bfloat16", "bfloat16", "bfloat16", *v),
-             (1408, 2, False, True, "bfloat16", "bfloat16", "bfloat16", *v)}
+    blocks = {sk.rows_block(m) for m in range(1, sk.DENSE_MAX_ROWS + 1)}
+    want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in blocks
+            if k <= sk.DENSE_MAX_K}
+    want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in blocks}
+    assert (10944, 1, False, False, "bfloat16", "bfloat16", "bfloat16", *v) not in want
     assert len(got) == len(set(got)) and set(got) == want
+    recorded.clear()
+    monkeypatch.setattr(cuda_kernels, "SKINNY_GROUPED_MAX_ROWS", 24)
+    monkeypatch.setattr("deepinfer_npu.backends.cuda.warmup.SKINNY_GROUPED_MAX_ROWS", 24)
+    kernel_set().warmup(v2_lite_plan(k=0, linear_weights=weights))
+    got = set(recorded["skinny_gemm"][0][0])
+    assert {(2048, 2, True, True, "bfloat16", "bfloat16", "bfloat16", *v),
+            (1408, 2, False, True, "bfloat16", "bfloat16", "bfloat16", *v)} <= got
     monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"skinny_gemm"})
     recorded.clear()
     kernel_set().warmup(v2_lite_plan(k=0, linear_weights=weights))

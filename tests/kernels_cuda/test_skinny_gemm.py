@@ -38,6 +38,7 @@ def test_variant_env(monkeypatch):
 def test_reason_rejects_cpu_tensors_and_bad_shapes():
     a, w = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.bfloat16)
     assert sk.reason(a, w) == "tensor not on a CUDA device"
+    assert sk.engine_reason(a, w) == "tensor not on a CUDA device"
     with pytest.raises(ValueError, match="skinny_gemm: tensor not on a CUDA device"):
         sk.skinny_gemm(a, w)
 
