@@ -328,7 +328,7 @@ class CudaKernelSet(KernelSet):
             else:
                 q = lin(self.rms_norm(lin(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
             q = q.view(num_tokens, w.num_heads, nope + rdim)
-            return q, torch.einsum("thn,hnl->thl", q[..., :nope], w.w_uk)
+            return q, absorb_heads(q[..., :nope], w.w_uk)
 
         # the latent projection does not wait for the query's two GEMMs (a second stream at decode sizes)
         (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias))
@@ -467,7 +467,7 @@ class CudaKernelSet(KernelSet):
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         """The reference's arithmetic (einsum with W_UV on cuBLAS), with o_proj through this set's ``linear``."""
         self._note("mla_epilogue", "reference einsum (W_UV) + linear (o_proj)", False)
-        values = torch.einsum("thl,hvl->thv", out_latent, w.w_uv)
+        values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
         return self.linear(values.reshape(values.shape[0], -1), w.o_proj, w.o_bias)
 
     # ---- MoE -----------------------------------------------------------------------------------------------
@@ -742,6 +742,16 @@ class CudaKernelSet(KernelSet):
             else:
                 report[op] = f"fallback ({fb_text(fallback)})"
         return report
+
+
+def absorb_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul ``out[t, h] = x[t, h] @ w[h]`` (x [T, H, K], w [H, K, N] -> [T, H, N]): the reference's
+    ``einsum("thn,hnl->thl")`` (W_UK; W_UV with ``w`` transposed). For one token as a direct cuBLAS batched GEMM
+    over the heads: the strided q_nope view and the transposed W_UV feed it without a copy, and its [H, 1, N]
+    result is already [1, H, N] in memory (einsum copied q_nope first: one more launch a layer at batch 1)."""
+    if x.shape[0] == 1:
+        return torch.bmm(x.transpose(0, 1), w).view(1, x.shape[1], w.shape[2])
+    return torch.einsum("thn,hnl->thl", x, w)
 
 
 @contextlib.contextmanager
