@@ -233,10 +233,10 @@ def build_mla_decode(
 
 @functools.cache
 def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2,
-               causal_tile_bound: bool = False):
+               causal_tile_bound: bool = False, threads: int = 256):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
-    func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages,
+    func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages, threads=threads,
                             causal_tile_bound=causal_tile_bound)
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
@@ -354,8 +354,12 @@ def mla_decode(
     out=None,
     lse=None,
     num_sms: int | None = None,
+    num_stages: int = 2,
+    threads: int = 256,
 ):
-    """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync."""
+    """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
+    ``num_stages`` / ``threads``: the split kernel's pipeline depth and CTA size (tuning sweeps; the engine uses the
+    defaults)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -365,7 +369,7 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     mt = m_tiles_for(H, bucket_q(max_seqlen_q))
-    kern = get_kernel(H, mt, num_splits, float(softmax_scale))
+    kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
@@ -619,7 +623,8 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
-def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100):
+def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=2,
+               threads=256):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
     Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table."""
     from triton.testing import do_bench
@@ -638,7 +643,8 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
 
     def fn():
         mla_decode(
-            **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms
+            **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms,
+            num_stages=num_stages, threads=threads,
         )
 
     fn()
@@ -680,6 +686,8 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "heads": heads,
         "q_len": q_len,
         "num_splits": S,
+        "num_stages": num_stages,
+        "threads": threads,
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),
@@ -701,6 +709,8 @@ def main(argv=None):
         "--compile-only", action="store_true", help="compile the check/bench configurations for sm_90a"
     )
     ap.add_argument("--check-prefill", action="store_true", help="mla_prefill vs the fp32 reference (needs a GPU)")
+    ap.add_argument("--sweep-batch1", action="store_true",
+                    help="batch-1 latency sweep (16 heads, contexts 512, 4096): splits x stages x threads (GPU)")
     args = ap.parse_args(argv)
     if args.compile_only or args.check or args.bench:
         cfgs = []
@@ -724,7 +734,30 @@ def main(argv=None):
         print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
         for B, H, S in BENCH_SHAPES:
             print(json.dumps(bench_case(B, H, S, 1, copy_gbps=cb)), flush=True)
+    if args.sweep_batch1:
+        sweep_batch1()
     return 0 if ok else 1
+
+
+def sweep_batch1(heads=16, contexts=(512, 4096)):
+    """Batch-1 decode is latency, not bytes (a 512-token context is 590 KB: 13.4 us a layer in the engine's
+    profile). Time every (num_splits, num_stages, threads) on graph replays; JSON lines."""
+    import concurrent.futures as cf
+    import json
+
+    scale = HEAD_DIM**-0.5
+    grid = [(s, st, th) for s in (1, 2, 3, 5, 9) for st in (1, 2) for th in (128, 256)]
+    funcs = [build_mla_decode(heads, 1, s, scale, st, threads=th) for s, st, th in grid]
+    with cf.ThreadPoolExecutor(16) as ex:  # compile in parallel; get_kernel then hits TileLang's cache
+        list(ex.map(lambda f: tilelang.compile(f, out_idx=None, target=dict(SM90_TARGET),
+                                               pass_configs=_pass_configs()), funcs))
+    cb = copy_bandwidth()
+    for ctx in contexts:
+        for s, st, th in grid:
+            if s > -(-ctx // PAGE):
+                continue
+            row = bench_case(1, heads, ctx, 1, num_splits=s, copy_gbps=cb, num_stages=st, threads=th)
+            print(json.dumps(dict(row, sweep="batch1")), flush=True)
 
 
 if __name__ == "__main__":

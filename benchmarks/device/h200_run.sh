@@ -8,6 +8,7 @@
 #   e2e-nohf  the same without transformers
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   mla       benchmarks/bench_mla_decode.py
+#   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
 #   skinny    kernels_cuda/skinny_gemm.py --check --bench
 #   routing   kernels_cuda/moe_routing.py --check
@@ -58,6 +59,8 @@ for l in open('$OUT/profile.jsonl'):
     kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
              echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \
              | filt | grep -v '^{' | tail -25; done ;;
+    mla1) timeout $LIM python3 kernels_cuda/mla_decode.py --sweep-batch1 2>&1 | filt > "$OUT/mla1.log"
+             grep '^{' "$OUT/mla1.log" > "$OUT/h200_mla_decode_batch1.jsonl"; tail -25 "$OUT/mla1.log" ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --out "$OUT/h200_mla_decode.jsonl" 2>&1 | filt \
              > "$OUT/mla.log"; tail -20 "$OUT/mla.log" ;;
     *) echo "unknown phase $phase" ;;
