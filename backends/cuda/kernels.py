@@ -264,6 +264,16 @@ class CudaKernelSet(KernelSet):
                    True)
         return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
 
+    def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One bf16 row and an fp32 router: ``kernels_cuda.skinny_gemm`` on the bf16 row (exact fp32 conversion in
+        the kernel, fp32 out), no cast launch; else ``linear(hidden.float(), weight)``."""
+        mod, _why = self._skinny(hidden, weight) if hidden.dim() == 2 else (None, "not 2-D")
+        if mod is None:
+            return super().router_logits(hidden, weight)
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
+                   True)
+        return mod.skinny_gemm(hidden, weight)
+
     def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Decode-sized row counts: the SwiGLU in the gate/up GEMM's epilogue (``skinny_gemm`` gated, the
         reference's roundings), then ``linear``; else ``linear`` + ``silu_and_mul`` + ``linear``."""

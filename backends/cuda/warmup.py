@@ -253,6 +253,8 @@ def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     for k, dt in plan.linear_weights:
         if dt in name and k % sk.vec_for(name[dt]) == 0 and k <= sk.DENSE_MAX_K:
             cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
+            if dt == torch.float32 and plan.dtype == _BF16:  # the router on bf16 rows (router_logits)
+                cfgs += [sk.config_for(k, rb, False, False, _BF16, dt, dt) for rb in blocks]
     if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
             and plan.hidden_size <= sk.DENSE_MAX_K:
         cfgs += [sk.config_for(plan.hidden_size, rb, True, False, _BF16, _BF16, _BF16) for rb in blocks]

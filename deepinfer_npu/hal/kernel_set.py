@@ -81,6 +81,12 @@ class KernelSet:
         roundings as the composition."""
         return self.linear(self.silu_and_mul(self.linear(x, gate_up)), down)
 
+    def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Composite, not in :attr:`OPS`: the MoE router's fp32 logits ``linear(hidden.float(), weight)`` for
+        ``hidden`` [T, D] in the model dtype and ``weight`` [E, D] fp32. CUDA reads bf16 rows directly (the
+        conversion to fp32 is exact) instead of launching the cast."""
+        return self.linear(hidden.float(), weight)
+
     def run_parallel(self, main: Callable[[], Any], *side: Callable[[], Any]) -> list[Any]:
         """Independent branches of a forward (e.g. the shared experts next to the routed ones) ->
         ``[main(), *(f() for f in side)]``. No branch may read another's outputs. A backend may overlap them

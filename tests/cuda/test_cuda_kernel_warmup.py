@@ -289,6 +289,7 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
     want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in blocks
             if k <= sk.DENSE_MAX_K}
     want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in blocks}
+    want |= {(2048, rb, False, False, "bfloat16", "float32", "float32", *v) for rb in blocks}  # router_logits
     assert (10944, 1, False, False, "bfloat16", "bfloat16", "bfloat16", *v) not in want
     assert len(got) == len(set(got)) and set(got) == want
     recorded.clear()

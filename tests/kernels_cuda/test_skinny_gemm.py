@@ -54,6 +54,8 @@ def test_cuda_kernel_set_keeps_the_reference_linear_off_cuda():
     want = torch.nn.functional.linear(torch.nn.functional.silu(ref[:, :16]) * ref[:, 16:], down)
     assert torch.allclose(ks.dense_mlp(x, gate_up, down), want)
     assert ks.op_report()["linear"].startswith("fallback")
+    h, wr = torch.randn(2, 64).bfloat16(), torch.randn(8, 64)
+    assert torch.equal(ks.router_logits(h, wr), torch.nn.functional.linear(h.float(), wr))
     out = ks.run_parallel(lambda: 1, lambda: 2, lambda: 3)
     assert out == [1, 2, 3]
 

@@ -99,7 +99,7 @@ class DeepseekMoE(nn.Module):
         k = self.kernels
 
         def routed() -> torch.Tensor:
-            router_logits = k.linear(hidden.float(), self.gate.weight)  # [T, E] fp32, as the reference routers
+            router_logits = k.router_logits(hidden, self.gate.weight)  # [T, E] fp32, as the reference routers
             weights, ids = k.moe_gating_topk(router_logits, self.gate.e_score_correction_bias, self.gating)
             sorted_hidden, tokens_per_expert, state = k.moe_dispatch(hidden, ids, self.num_experts)
             expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
