@@ -178,6 +178,9 @@ class CudaKernelSet(KernelSet):
         take the reference, with the reason). -> one-line summary, also logged."""
         from .warmup import warm_up
 
+        if PARALLEL_BRANCHES and torch.cuda.is_available():  # run_parallel's stream, before any graph capture
+            dev = torch.device("cuda", torch.cuda.current_device())
+            self._side_streams.setdefault(dev, torch.cuda.Stream(device=dev))
         return warm_up(self, plan)
 
     # ---- concurrency ---------------------------------------------------------------------------------------
@@ -191,6 +194,8 @@ class CudaKernelSet(KernelSet):
         cur = torch.cuda.current_stream()
         alt = self._side_streams.get(cur.device)
         if alt is None:
+            if torch.cuda.is_current_stream_capturing():  # no stream creation inside a capture: in order this time
+                return super().run_parallel(main, *side)
             alt = self._side_streams[cur.device] = torch.cuda.Stream(device=cur.device)
         alt.wait_stream(cur)
         with torch.cuda.stream(alt):
