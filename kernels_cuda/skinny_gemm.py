@@ -1,9 +1,11 @@
 """Skinny GEMM for decode (a few rows x a weight matrix), in TileLang: ``out = a @ w^T`` streamed at HBM speed.
 
-Op: the ``linear`` of docs/interfaces.md §2 when the step has few rows (batch-1 decode, short verification), and
-the expert GEMMs of ``grouped_mlp`` when each expert holds a row or two. ``a`` [M, K] (bf16 or fp32), ``w`` [N, K]
-(the checkpoint's ``[out, in]`` layout; bf16, or fp32 for the router) or, grouped, [E, N, K] with ``a``'s rows
-sorted by expert and ``moe_gemm.expert_starts``' scan. fp32 accumulation; the output is rounded once to its dtype.
+Op: the ``linear`` of docs/interfaces.md §2 for 1-row steps (batch-1 decode; the backend's routing,
+``engine_reason``), the gate/up GEMM of ``dense_mlp`` with the SwiGLU fused, and the router's fp32 GEMM on bf16
+rows. Its grouped mode (experts) is checked but not routed (``SKINNY_GROUPED_MAX_ROWS = 0`` in the backend).
+``a`` [M, K] (bf16 or fp32), ``w`` [N, K] (the checkpoint's ``[out, in]`` layout; bf16, or fp32 for the router)
+or, grouped, [E, N, K] with ``a``'s rows sorted by expert and ``moe_gemm.expert_starts``' scan. fp32
+accumulation; the output is rounded once to its dtype.
 ``gated=True`` fuses the SwiGLU activation: ``w`` is [gate | up] = [2I, K] and the output [M, I] is
 ``silu(bf16(a @ gate^T)) * bf16(a @ up^T)`` with the CPU reference's roundings (``silu_and_mul`` of a bf16 GEMM
 result: silu in fp32 rounded to bf16, the product in fp32 rounded to bf16; precise expf, no fast math).
@@ -13,9 +15,9 @@ projections at about half the copy bandwidth on an H200 (1.19 ms of a 3.2 ms bat
 profile_decode.py, session 4). Tensor cores buy nothing at M <= 8 (compute is free, bytes are not), so this is a
 CUDA-core kernel: each warp owns R output columns, each lane streams 16-byte vectors of those weight rows along K
 (U vectors per row in flight before any FMA), multiplies them with the ``a`` rows of its row block (RB rows, read
-through L1), and a warp shuffle sums the lanes. A CTA of 4 warps covers 4R columns, so even the narrow
-projections launch hundreds of CTAs (kv_a: 576 columns = 72 CTAs of 8) and every SM keeps loads in flight
-without split-K (one launch, no workspace, deterministic).
+through L1), and a warp shuffle sums the lanes. A CTA of 4 warps covers 4R columns (R = 1: kv_a's 576 columns are
+144 CTAs), so the narrow projections still spread over the SMs without split-K (one launch, no workspace,
+deterministic).
 
 Run alone:  python kernels_cuda/skinny_gemm.py --check --bench
 """
@@ -239,6 +241,8 @@ def reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False, grouped: bool 
         return f"a has K={a.shape[1]}, w has K={k}"
     if k % vec_for(names[1]) or not w.is_contiguous():
         return f"K={k}, contiguous={w.is_contiguous()}: 16-byte weight rows needed"
+    if w.data_ptr() % 16 or (a.is_contiguous() and a.data_ptr() % 16):  # a non-contiguous a is copied (aligned)
+        return "operand not 16-byte aligned (vector loads)"
     if gated and w.shape[-2] % 2:
         return f"gated: weight rows {w.shape[-2]} are not [gate | up]"
     if not grouped and a.shape[0] > MAX_ROWS * 8:

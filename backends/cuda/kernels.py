@@ -198,14 +198,17 @@ class CudaKernelSet(KernelSet):
                 return super().run_parallel(main, *side)
             alt = self._side_streams[cur.device] = torch.cuda.Stream(device=cur.device)
         alt.wait_stream(cur)
-        with torch.cuda.stream(alt):
-            side_out = [f() for f in side]
-        main_out = main()
-        cur.wait_stream(alt)
-        if not torch.cuda.is_current_stream_capturing():  # eager: the allocator must not hand these to alt early
-            for t in side_out:
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(cur)
+        side_out: list = []
+        try:
+            with torch.cuda.stream(alt):
+                side_out = [f() for f in side]
+            main_out = main()
+        finally:  # joined even when a branch raises
+            cur.wait_stream(alt)
+            if not torch.cuda.is_current_stream_capturing():  # eager: side outputs are read on cur from now on
+                for t in side_out:
+                    if isinstance(t, torch.Tensor) and t.is_cuda:
+                        t.record_stream(cur)
         self._note("run_parallel", "side branches on a second CUDA stream (fork/join events)", True)
         return [main_out, *side_out]
 
@@ -261,7 +264,10 @@ class CudaKernelSet(KernelSet):
         """One row (batch-1 decode; ``skinny_gemm.engine_reason``: K <= DENSE_MAX_K, no bias):
         ``kernels_cuda.skinny_gemm`` (weights streamed by CUDA cores, one launch); else the reference (cuBLAS)."""
         x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        mod, why = (None, "bias") if bias is not None else self._skinny(x2d, weight)
+        if bias is not None or x.dtype != weight.dtype:  # the reference's contract (F.linear): one dtype
+            mod = None
+        else:
+            mod, _why = self._skinny(x2d, weight)
         if mod is None:
             self._note("linear", "reference", False)
             return _ref("linear").linear(x, weight, bias)
@@ -480,8 +486,9 @@ class CudaKernelSet(KernelSet):
         return out
 
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-        """The reference's arithmetic (einsum with W_UV on cuBLAS), with o_proj through this set's ``linear``."""
-        self._note("mla_epilogue", "reference einsum (W_UV) + linear (o_proj)", False)
+        """The reference's arithmetic (W_UV per head on cuBLAS: ``absorb_heads``), with o_proj through this set's
+        ``linear``."""
+        self._note("mla_epilogue", "reference arithmetic: W_UV per head (cuBLAS) + linear (o_proj)", False)
         values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
         return self.linear(values.reshape(values.shape[0], -1), w.o_proj, w.o_bias)
 
@@ -698,6 +705,7 @@ class CudaKernelSet(KernelSet):
 
     # ---- reporting -----------------------------------------------------------------------------------------
     PLANNED = {
+        "linear": "kernels_cuda.skinny_gemm for 1-row steps (K <= 8192, no bias); else F.linear on cuBLAS",
         "rms_norm": "kernels_cuda.rms_norm for bf16, width 512..7168 (x256); else the reference",
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
         "mla_prolog": "kernels_cuda.mla_rope_cache (kv_a_layernorm + both ropes + cache write in one kernel) for "

@@ -28,6 +28,8 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
 - ``spec_verify``: the greedy and the sampled (noise) arg-max over the vocabulary and the accept kernel. The worker
   samples every step through ``spec_verify`` (prefill: one row per finished prompt, ``max_q = 1``), with or
   without speculation, so ``kernels_cuda.sampling`` (the ``sample`` op) is not on the engine's path.
+- ``skinny_gemm``: ``linear`` on 1-row steps for each (in_features, dtype) of the model's weights (K <= 8192), the
+  fp32 router on bf16 rows, the dense MLPs' gated gate/up GEMM.
 - ``zos_fixup``: the correction (every decode step) and, with varlen re-splitting, the re-split for ``k`` at every
   launch shape ``resplit_launch(rows)`` of 1 .. max_num_seqs rows.
 
@@ -252,8 +254,9 @@ def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     cfgs = []
     for k, dt in plan.linear_weights:
         if dt in name and k % sk.vec_for(name[dt]) == 0 and k <= sk.DENSE_MAX_K:
-            cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
-            if dt == torch.float32 and plan.dtype == _BF16:  # the router on bf16 rows (router_logits)
+            if dt == plan.dtype:  # linear on the model's own dtype
+                cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
+            elif dt == torch.float32 and plan.dtype == _BF16:  # the fp32 router on bf16 rows (router_logits)
                 cfgs += [sk.config_for(k, rb, False, False, _BF16, dt, dt) for rb in blocks]
     if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
             and plan.hidden_size <= sk.DENSE_MAX_K:
