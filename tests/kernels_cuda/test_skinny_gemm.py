@@ -73,3 +73,31 @@ def test_skinny_gemm_rejects_bad_scan_gpu():
     w = torch.zeros(4, 16, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(ValueError, match="scan must be expert_starts"):
         sk.skinny_gemm(a, w, scan=torch.zeros(3, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_kernel_set_one_row_paths_match_reference_gpu():
+    """The CUDA kernel set's 1-row linear, dense_mlp (SwiGLU in the gate/up epilogue) and router_logits (bf16 row x
+    fp32 router) with the default variant, against the reference ops in fp32 (bf16 outputs: 2 ulp of |ref| + 1e-2;
+    the gated path 4)."""
+    pytest.importorskip("tilelang", reason="tilelang is not installed")
+    import torch.nn.functional as F
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    ks = CudaKernelSet()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(1, 2048, device="cuda", generator=g).to(bf)
+    w = (torch.randn(3072, 2048, device="cuda", generator=g) * 2048**-0.5).to(bf)
+    ref = F.linear(x.float(), w.float())
+    assert ((ks.linear(x, w).float() - ref).abs() <= 2 * 2.0**-8 * ref.abs() + 1e-2).all()
+    gate_up = (torch.randn(2 * 1408, 2048, device="cuda", generator=g) * 2048**-0.5).to(bf)
+    down = (torch.randn(2048, 1408, device="cuda", generator=g) * 1408**-0.5).to(bf)
+    h = F.linear(x.float(), gate_up.float()).to(bf)
+    want = F.linear((F.silu(h[:, :1408]) * h[:, 1408:]).float(), down.float())
+    got = ks.dense_mlp(x, gate_up, down).float()
+    assert ((got - want).abs() <= 4 * 2.0**-8 * want.abs() + 2e-2).all()
+    router = torch.randn(64, 2048, device="cuda", generator=g) * 2048**-0.5
+    want = F.linear(x.float(), router)
+    assert torch.allclose(ks.router_logits(x, router), want, rtol=1e-5, atol=1e-5)
+    assert ks.op_report()["linear"].startswith("native (kernels_cuda.skinny_gemm"), ks.op_report()["linear"]
