@@ -65,7 +65,7 @@ def _pass_configs():
 # ----------------------------------------------------------------------------------------------------
 def build_mla_decode(
     heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
-    causal_tile_bound: bool = False,
+    causal_tile_bound: bool = False, block_m: int = BLOCK_M,
 ):
     """Return the TileLang PrimFunc (not compiled).
 
@@ -78,7 +78,7 @@ def build_mla_decode(
     assert tilelang is not None, "tilelang is not installed"
     H = heads
     DV, DPE = KV_LORA, ROPE
-    BM, BN = BLOCK_M, BLOCK_N
+    BM, BN = block_m, BLOCK_N  # block_m < 64 (tuning sweeps only): mma.sync instead of wgmma on sm_90a
     S = num_splits
     scale = float(softmax_scale * LOG2E)
     dtype = T.bfloat16
@@ -233,11 +233,11 @@ def build_mla_decode(
 
 @functools.cache
 def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2,
-               causal_tile_bound: bool = False, threads: int = 256):
+               causal_tile_bound: bool = False, threads: int = 256, block_m: int = BLOCK_M):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
     func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages, threads=threads,
-                            causal_tile_bound=causal_tile_bound)
+                            causal_tile_bound=causal_tile_bound, block_m=block_m)
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
 
@@ -356,10 +356,11 @@ def mla_decode(
     num_sms: int | None = None,
     num_stages: int = 2,
     threads: int = 256,
+    block_m: int = BLOCK_M,
 ):
     """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
-    ``num_stages`` / ``threads``: the split kernel's pipeline depth and CTA size (tuning sweeps; the engine uses the
-    defaults)."""
+    ``num_stages`` / ``threads`` / ``block_m``: the split kernel's pipeline depth, CTA size and folded rows a CTA
+    (tuning sweeps; the engine uses the defaults)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -368,11 +369,11 @@ def mla_decode(
         num_sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
-    mt = m_tiles_for(H, bucket_q(max_seqlen_q))
-    if (num_stages, threads) == (2, 256):  # precompile's own call form: functools.cache keys on the call's spelling
+    mt = -(-bucket_q(max_seqlen_q) * H // block_m)
+    if (num_stages, threads, block_m) == (2, 256, BLOCK_M):  # precompile's call form: functools.cache keys on it
         kern = get_kernel(H, mt, num_splits, float(softmax_scale))
     else:
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads)
+        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads, block_m=block_m)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
@@ -627,9 +628,10 @@ def copy_bandwidth(nbytes=2 << 30):
 
 
 def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=2,
-               threads=256):
+               threads=256, block_m=BLOCK_M, check=False):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
-    Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table."""
+    Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table. ``check``: also compare the
+    output with the fp32 reference (``compare``, 2 ulps) and report it in the row."""
     from triton.testing import do_bench
 
     scale = HEAD_DIM**-0.5
@@ -647,7 +649,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
     def fn():
         mla_decode(
             **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms,
-            num_stages=num_stages, threads=threads,
+            num_stages=num_stages, threads=threads, block_m=block_m,
         )
 
     fn()
@@ -691,6 +693,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "num_splits": S,
         "num_stages": num_stages,
         "threads": threads,
+        "block_m": block_m,
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),
@@ -699,6 +702,11 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
     }
     if copy_gbps:
         row.update(copy_GBps=round(copy_gbps, 1), frac_of_copy=round(gbps / copy_gbps, 3))
+    if check:
+        ref, _ = mla_decode_ref(**inp, softmax_scale=scale)
+        fn()
+        ok, info = compare(out, ref, "sweep")
+        row.update(check="PASS" if ok else "FAIL", check_info={k: v for k, v in info.items() if k != "name"})
     return row
 
 
@@ -749,17 +757,19 @@ def sweep_batch1(heads=16, contexts=(512, 4096)):
     import json
 
     scale = HEAD_DIM**-0.5
-    grid = [(s, st, th) for s in (1, 2, 3, 5, 9) for st in (1, 2) for th in (128, 256)]
-    funcs = [build_mla_decode(heads, 1, s, scale, st, threads=th) for s, st, th in grid]
+    # block_m 16: the 16 heads of one token in an mma.sync tile instead of a 64-row wgmma tile (4x fewer rows)
+    grid = [(s, st, th, bm) for s in (1, 3, 9) for st in (1, 2) for th in (128, 256) for bm in (64, 16)]
+    funcs = [build_mla_decode(heads, -(-heads // bm), s, scale, st, threads=th, block_m=bm) for s, st, th, bm in grid]
     with cf.ThreadPoolExecutor(16) as ex:  # compile in parallel; get_kernel then hits TileLang's cache
         list(ex.map(lambda f: tilelang.compile(f, out_idx=None, target=dict(SM90_TARGET),
                                                pass_configs=_pass_configs()), funcs))
     cb = copy_bandwidth()
     for ctx in contexts:
-        for s, st, th in grid:
+        for s, st, th, bm in grid:
             if s > -(-ctx // PAGE):
                 continue
-            row = bench_case(1, heads, ctx, 1, num_splits=s, copy_gbps=cb, num_stages=st, threads=th)
+            row = bench_case(1, heads, ctx, 1, num_splits=s, copy_gbps=cb, num_stages=st, threads=th, block_m=bm,
+                             check=True)
             print(json.dumps(dict(row, sweep="batch1")), flush=True)
 
 
