@@ -82,8 +82,9 @@ def rows_block(m: int) -> int:
 
 def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = False, a_dtype: str = "bfloat16",
                       w_dtype: str = "bfloat16", out_dtype: str = "bfloat16", rows_per_warp: int = ROWS_PER_WARP,
-                      unroll: int = UNROLL, threads: int = THREADS):
-    """PrimFunc for K = ``k`` (compile-time) and row block ``rb``; M, N (and E) are dynamic. Dense:
+                      unroll: int = UNROLL, threads: int = THREADS, col_iters: int = 1):
+    """PrimFunc for K = ``k`` (compile-time) and row block ``rb``; M, N (and E) are dynamic. ``col_iters``: column
+    groups a CTA handles in turn (tuning; 1 in the engine). Dense:
     (A [M, K], W [N, K], Out [M, NO]); grouped: (A, W [E, N, K], Scan [2E + 1] i32, Out). NO = N, or N / 2 gated
     (the host checks N == 2 * NO)."""
     assert tilelang is not None, "tilelang is not installed"
@@ -96,7 +97,8 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     U = min(unroll, ITER)
     OUTER = (ITER + U - 1) // U
     NW = threads // 32
-    RC = NW * R  # output columns a CTA
+    RC = NW * R  # output columns a CTA (per column group)
+    C = col_iters
     NACC = RB * R * G
     f32, i32, bf16 = T.float32, T.int32, T.bfloat16
     M = T.dynamic("num_rows")
@@ -106,53 +108,62 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     S = T.dynamic("scan_len")
 
     @T.macro
+    def tile(A, W, Out, e, row0, cnt, mb, n0, lane, acc, w, x):
+        # one row block ``mb`` of ``cnt`` rows against this warp's R columns from ``n0``
+        for i in T.unroll(NACC, explicit=True):
+            acc[i] = T.float32(0)
+        for o in T.serial(OUTER):
+            for u in T.unroll(U, explicit=True):  # loads first: U * R * G vectors in flight a lane
+                if (o * U + u) * 32 + lane < KV:  # provably true (dropped) when KV % (32 U) == 0
+                    for r in T.unroll(R, explicit=True):
+                        for g in T.unroll(G, explicit=True):
+                            if n0 + r < NO:
+                                for v in T.vectorized(VEC):
+                                    if grouped:
+                                        w[((u * R + r) * G + g) * VEC + v] = W[
+                                            e, g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
+                                    else:
+                                        w[((u * R + r) * G + g) * VEC + v] = W[
+                                            g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
+            for u in T.unroll(U, explicit=True):
+                if (o * U + u) * 32 + lane < KV:  # provably true (dropped) when KV % (32 U) == 0
+                    for m in T.unroll(RB, explicit=True):
+                        if mb * RB + m < cnt:
+                            for v in T.vectorized(VEC):
+                                x[v] = A[row0 + mb * RB + m, ((o * U + u) * 32 + lane) * VEC + v]
+                            for r in T.unroll(R, explicit=True):
+                                for g in T.unroll(G, explicit=True):
+                                    for v in T.unroll(VEC, explicit=True):
+                                        acc[(m * R + r) * G + g] = acc[(m * R + r) * G + g] + T.Cast(
+                                            f32, x[v]) * T.Cast(f32, w[((u * R + r) * G + g) * VEC + v])
+        for i in T.unroll(NACC, explicit=True):
+            acc[i] = T.warp_reduce_sum(acc[i])
+        if lane == 0:
+            for m in T.unroll(RB, explicit=True):
+                for r in T.unroll(R, explicit=True):
+                    if (mb * RB + m < cnt) & (n0 + r < NO):
+                        if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
+                            gv = T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G]))
+                            s = T.Cast(bf16, gv / (T.float32(1) + T.exp(-gv)))
+                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(
+                                bf16, T.Cast(f32, s) * T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G + 1])))
+                        else:
+                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(out_dtype, acc[m * R + r])
+
+    @T.macro
     def body(A, W, Out, e, row0, cnt, bx):
         tid = T.get_thread_binding()
         lane = tid % 32
-        n0 = bx * RC + (tid // 32) * R
         acc = T.alloc_local([NACC], f32)
         w = T.alloc_local([U * R * G * VEC], w_dtype)
         x = T.alloc_local([VEC], a_dtype)
-        for mb in T.serial(T.ceildiv(cnt, RB)):
-            for i in T.unroll(NACC, explicit=True):
-                acc[i] = T.float32(0)
-            for o in T.serial(OUTER):
-                for u in T.unroll(U, explicit=True):  # loads first: U * R * G vectors in flight a lane
-                    if (o * U + u) * 32 + lane < KV:  # provably true (dropped) when KV % (32 U) == 0
-                        for r in T.unroll(R, explicit=True):
-                            for g in T.unroll(G, explicit=True):
-                                if n0 + r < NO:
-                                    for v in T.vectorized(VEC):
-                                        if grouped:
-                                            w[((u * R + r) * G + g) * VEC + v] = W[
-                                                e, g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
-                                        else:
-                                            w[((u * R + r) * G + g) * VEC + v] = W[
-                                                g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
-                for u in T.unroll(U, explicit=True):
-                    if (o * U + u) * 32 + lane < KV:  # provably true (dropped) when KV % (32 U) == 0
-                        for m in T.unroll(RB, explicit=True):
-                            if mb * RB + m < cnt:
-                                for v in T.vectorized(VEC):
-                                    x[v] = A[row0 + mb * RB + m, ((o * U + u) * 32 + lane) * VEC + v]
-                                for r in T.unroll(R, explicit=True):
-                                    for g in T.unroll(G, explicit=True):
-                                        for v in T.unroll(VEC, explicit=True):
-                                            acc[(m * R + r) * G + g] = acc[(m * R + r) * G + g] + T.Cast(
-                                                f32, x[v]) * T.Cast(f32, w[((u * R + r) * G + g) * VEC + v])
-            for i in T.unroll(NACC, explicit=True):
-                acc[i] = T.warp_reduce_sum(acc[i])
-            if lane == 0:
-                for m in T.unroll(RB, explicit=True):
-                    for r in T.unroll(R, explicit=True):
-                        if (mb * RB + m < cnt) & (n0 + r < NO):
-                            if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
-                                gv = T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G]))
-                                s = T.Cast(bf16, gv / (T.float32(1) + T.exp(-gv)))
-                                Out[row0 + mb * RB + m, n0 + r] = T.Cast(
-                                    bf16, T.Cast(f32, s) * T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G + 1])))
-                            else:
-                                Out[row0 + mb * RB + m, n0 + r] = T.Cast(out_dtype, acc[m * R + r])
+        if C == 1:
+            for mb in T.serial(T.ceildiv(cnt, RB)):
+                tile(A, W, Out, e, row0, cnt, mb, bx * RC + (tid // 32) * R, lane, acc, w, x)
+        else:  # C column groups a CTA in turn: the scan / row reads before the first load are paid once
+            for cm in T.serial(C * T.ceildiv(cnt, RB)):
+                tile(A, W, Out, e, row0, cnt, cm % T.ceildiv(cnt, RB),
+                     (bx * C + cm // T.ceildiv(cnt, RB)) * RC + (tid // 32) * R, lane, acc, w, x)
 
     if grouped:
 
@@ -163,7 +174,7 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
             Scan: T.Tensor([S], i32),  # moe_gemm.expert_starts: row starts [E + 1], then the hit experts
             Out: T.Tensor([M, NO], out_dtype),
         ):
-            with T.Kernel(T.ceildiv(NO, RC), T.min(E, M), threads=threads) as (bx, slot):
+            with T.Kernel(T.ceildiv(NO, RC * C), T.min(E, M), threads=threads) as (bx, slot):
                 hit = Scan[E + 1 + slot]
                 e = T.max(hit, 0)  # a slot past the hit experts does no row
                 body(A, W, Out, e, Scan[e], T.if_then_else(hit >= 0, Scan[e + 1] - Scan[e], 0), bx)
@@ -176,7 +187,7 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
         W: T.Tensor([N, K], w_dtype),
         Out: T.Tensor([M, NO], out_dtype),
     ):
-        with T.Kernel(T.ceildiv(NO, RC), T.ceildiv(M, RB * 8), threads=threads) as (bx, by):
+        with T.Kernel(T.ceildiv(NO, RC * C), T.ceildiv(M, RB * 8), threads=threads) as (bx, by):
             # a CTA takes up to 8 row blocks (64 rows) in turn; the weight tile stays in L1/L2 between them
             body(A, W, Out, 0, by * RB * 8, T.min(M - by * RB * 8, RB * 8), bx)
 
@@ -187,8 +198,10 @@ def _compile(func, target=None):
     return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
 
-def _builder(k, rb, gated, grouped, a_dtype, w_dtype, out_dtype, rows_per_warp=ROWS_PER_WARP, unroll=UNROLL):
-    return build_skinny_gemm(k, rb, gated, grouped, a_dtype, w_dtype, out_dtype, rows_per_warp, unroll)
+def _builder(k, rb, gated, grouped, a_dtype, w_dtype, out_dtype, rows_per_warp=ROWS_PER_WARP, unroll=UNROLL,
+             col_iters=1):
+    return build_skinny_gemm(k, rb, gated, grouped, a_dtype, w_dtype, out_dtype, rows_per_warp, unroll,
+                             col_iters=col_iters)
 
 
 _CACHE = KernelCache({"skinny": _builder}, _compile, available=tilelang is not None)
@@ -349,9 +362,16 @@ def check() -> bool:
         (6, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (6, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
         (96, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (384, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
     ]
+    tuning = [(1, 3072, 2048, 0, False), (6, 2816, 2048, 64, True)]  # col_iters = 4 (bench variants), checked too
+
+    def tuned(m, k, e, g):
+        return ("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, "bfloat16", "bfloat16", "bfloat16")[:7]
+                + (1, 4, 4))
+
     # compile every case's kernel first, nvcc in parallel threads (one at a time took ~150 s on the H200 host)
-    _CACHE.precompile(("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, ad, wd, "float32" if wd == "float32"
-                                            else "bfloat16")) for m, n, k, e, g, ad, wd in cases)
+    _CACHE.precompile([("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, ad, wd, "float32" if wd == "float32"
+                                             else "bfloat16")) for m, n, k, e, g, ad, wd in cases]
+                      + [tuned(m, k, e, g) for m, _n, k, e, g in tuning])
     for m, n, k, e, gated, ad, wd in cases:
         a, w, counts = _problem(m, n, k, e, getattr(torch, ad), getattr(torch, wd))
         scan = expert_starts(counts) if e else None
@@ -369,6 +389,15 @@ def check() -> bool:
         ok &= good
         print(f"{'PASS' if good else 'FAIL'} rows={a.shape[0]} N={n} K={k} E={e} gated={gated} a={ad} w={wd}: "
               f"max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
+    for m, n, k, e, gated in tuning:
+        a, w, counts = _problem(m, n, k, e)
+        out = torch.empty(a.shape[0], n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
+        kern = _CACHE.get(*tuned(m, k, e, gated))
+        kern(a, w, expert_starts(counts), out) if e else kern(a, w, out)
+        ref = skinny_gemm_ref(a, w, gated, counts).float()
+        good = bool(((out.float() - ref).abs() <= (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2).all())
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} col_iters=4 rows={a.shape[0]} N={n} K={k} E={e} gated={gated}")
     return ok
 
 
@@ -397,7 +426,8 @@ def bench(out=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    variants = ((2, 4), (1, 8), (2, 8), (1, 4))  # (rows_per_warp, unroll)
+    variants = ((2, 4), (1, 8), (2, 8), (1, 4), (1, 4, 4))  # (rows_per_warp, unroll[, col_iters])
+    grouped_variants = ((1, 4), (1, 8), (1, 4, 4), (1, 4, 8), (2, 4, 4))
     row_counts = (1, 6, 16)
 
     def cfg(k, m, g, grouped, v):
@@ -405,7 +435,8 @@ def bench(out=None):
 
     todo = [cfg(k, m, g, False, v) for m in row_counts if m <= MAX_ROWS for _name, _n, k, g in shapes
             for v in variants]
-    todo += [cfg(k, r, g, True, v) for r in (1, 2) for k, g in ((2048, True), (1408, False)) for v in variants]
+    todo += [cfg(k, r, g, True, v) for r in (1, 2) for k, g in ((2048, True), (1408, False))
+             for v in grouped_variants]
     _CACHE.precompile(todo)  # nvcc in parallel threads
     for m in row_counts:
         for name, n, k, gated in shapes:
@@ -421,12 +452,13 @@ def bench(out=None):
                 emit({"bench": "skinny_gemm", "shape": name, "rows": m, "N": n, "K": k, "library_us": round(t_lib, 2),
                       "library_frac_of_copy": round(nbytes / (t_lib * 1e-6) / copy_bw, 4)})
                 continue
-            for rpw, unr in variants:
+            for v in variants:
+                rpw, unr = v[:2]
                 o = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
-                kern = _CACHE.get(*cfg(k, m, gated, False, (rpw, unr)))
+                kern = _CACHE.get(*cfg(k, m, gated, False, v))
                 t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, o=o: kern(a, w, o))
                 emit({"bench": "skinny_gemm", "shape": name, "rows": m, "N": n, "K": k, "gated": gated,
-                      "rows_per_warp": rpw, "unroll": unr, "us": round(t, 2),
+                      "rows_per_warp": rpw, "unroll": unr, "col_iters": v[2] if len(v) > 2 else 1, "us": round(t, 2),
                       "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4), "library_us": round(t_lib, 2),
                       "speedup_vs_library": round(t_lib / t, 3)})
     for tokens in (1, 2, 4):
@@ -436,12 +468,13 @@ def bench(out=None):
             hit = int((counts > 0).sum())
             nbytes = hit * n * k * 2 + a.numel() * 2 + a.shape[0] * (n // 2 if gated else n) * 2
             t_mg, _ = _bench.time_us(lambda a=a, w=w, c=counts, s=scan: moe_gemm(a, w, c, starts=s))
-            for v in variants:
+            for v in grouped_variants:
                 kern = _CACHE.get(*cfg(k, min(a.shape[0], 2), gated, True, v))
                 o = torch.empty(a.shape[0], n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
                 t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, s=scan, o=o: kern(a, w, s, o))
                 emit({"bench": "skinny_gemm", "shape": name, "tokens": tokens, "rows": a.shape[0],
                       "experts_hit": hit, "N": n, "K": k, "gated": gated, "rows_per_warp": v[0], "unroll": v[1],
+                      "col_iters": v[2] if len(v) > 2 else 1,
                       "us": round(t, 2), "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4),
                       "moe_gemm_us": round(t_mg, 2), "speedup_vs_moe_gemm": round(t_mg / t, 3)})
     if out:
