@@ -20,7 +20,8 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
   scheduler's tables: prefill (``B`` = 1 .. max_num_prompts, every query bucket up to 16: chunks of <= 16 tokens
   take this kernel, and so does MTP's catch-up over them) and eager decode or MTP's catch-up over a decode step
   (``B`` = 1 .. max_num_seqs, ``max_q <= k + 1``, also after a device re-split); MTP's chained drafts (``max_q =
-  1``, tables padded by up to k + 1 keys). Prefill (``mla_prefill``: max q > 16): one causal configuration per
+  1``, tables padded by up to k + 1 keys; with graphs, the chain graphs' fixed width at every propose graph
+  size). Prefill (``mla_prefill``: max q > 16): one causal configuration per
   power-of-two query bucket from 32 up to the longest chunk.
 - ``silu_mul``: each SwiGLU width (dense layers, shared experts, routed experts), the row variant (<= 128 rows)
   and the tile variant (more rows) where the step sizes reach them.
@@ -165,6 +166,15 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         for b in range(1, _max_step_rows(plan) + 1):
             for width in range(plan.block_table_width, widest + 1):
                 add(b, 1, width)
+    # MTP's chain replayed from graphs (spec/mtp_drafter.py): one query a row at every propose graph size, on
+    # tables of the chain graphs' fixed width.
+    if plan.speculative_method == "mtp" and k and plan.decode_graph_sizes:
+        from deepinfer_npu.hal.graph_sizes import graph_sizes
+        from deepinfer_npu.spec.mtp_drafter import chain_graph_width
+
+        width = chain_graph_width(plan.max_model_len, k, bs)
+        for b in graph_sizes(max(1, plan.max_num_seqs)):
+            add(b, 1, width)
     cfgs = sorted(decode)
     # Host max q past 16: mla_prefill, one configuration per bucket 32, 64, ... up to the longest query.
     longest = min(mnbt, plan.max_model_len, md.MAX_PREFILL_Q)

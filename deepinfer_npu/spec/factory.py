@@ -17,7 +17,8 @@ def build_drafter(config: EngineConfig, runner) -> Drafter | None:
     if method == "mtp":
         from .mtp_drafter import MtpDrafter
 
-        return MtpDrafter(runner.model, k, runner.num_kv_blocks, runner.block_size, runner.dtype, runner.device)
+        return MtpDrafter(runner.model, k, runner.num_kv_blocks, runner.block_size, runner.dtype, runner.device,
+                          max_model_len=runner.max_model_len)
     if method == "dflash":
         from .dflash import DFlashDrafter
 

@@ -6,6 +6,11 @@ the main forward, inputs ``(hidden_j, embed(target_tokens_j))``) writes the MTP 
 hidden at its anchor (the token before the golden one) gives draft 1; drafts 2..k chain one token per row at the
 following positions. Entries written for rejected or chained positions sit at positions the next catch-up rewrites
 before anything reads them.
+
+Graphs: the catch-up runs on the main step's metadata (any token count) and stays eager; the chain (k logits and
+k - 1 one-token MTP forwards per row) is row-independent and sync-free, so with a graph runner that needs no host
+lengths (CUDA) it is replayed per padded row count (``ProposeGraphs``) on block tables padded to a fixed width
+(``chain_graph_width``). Padding rows (zero hidden state, position 0, block 0) write only the padding block.
 """
 
 from __future__ import annotations
@@ -19,12 +24,21 @@ from deepinfer_npu.model_executor.device_metadata import build_device_metadata, 
 from .drafter import DraftContext, Drafter
 
 
+def chain_graph_width(max_model_len: int, k: int, block_size: int) -> int:
+    """Block-table width of the chain graphs: keys up to max_model_len + 2k (a device re-split's optimistic
+    lengths) + k + 1 (the chain's own positions), as ``pad_block_tables`` would widen the eager chain's tables."""
+    return (max_model_len + 3 * k + 1) // block_size + 1
+
+
 class MtpDrafter(Drafter):
     name = "mtp"
 
     def __init__(self, model, num_speculative_tokens: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> None:
         super().__init__(num_speculative_tokens)
+        self.max_model_len = max_model_len  # None: no chain graphs (their table width is unknown)
+        self.dtype, self.device = dtype, device
+        self.propose_graphs = None  # ProposeGraphs of the chain once enable_graphs accepted a runner
         self.mtp = model.mtp
         if self.mtp is None:
             raise ValueError(
@@ -32,6 +46,7 @@ class MtpDrafter(Drafter):
                 "(config.json num_nextn_predict_layers = 0 or no weights for model.layers.{num_hidden_layers})"
             )
         cfg = model.config
+        self.hidden_size = cfg.hidden_size
         kv_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.block_size = block_size
         self.kv_caches = [
@@ -47,23 +62,57 @@ class MtpDrafter(Drafter):
         """MTP forward over every token of the step; returns the MTP hidden states [T, D]."""
         return self.mtp(ctx.target_tokens, ctx.hidden, ctx.attn.positions, ctx.attn, self.kv_caches[0], depth=0)
 
+    def enable_graphs(self, runner, max_rows: int) -> bool:
+        """Replay the draft chain from graphs (module docstring) when the runner bakes no host lengths into its
+        kernels (the chain's graphs have none to give) and the table width is known."""
+        from deepinfer_npu.hal.graph_runner import GraphRunner
+
+        from .propose_graphs import ProposeGraphs
+
+        if self.max_model_len is None or type(runner).set_step_host_lengths is not GraphRunner.set_step_host_lengths:
+            return False
+        width = chain_graph_width(self.max_model_len, self.num_speculative_tokens, self.block_size)
+        inputs = {"hidden": ((self.hidden_size,), self.dtype), "positions": ((), torch.int64),
+                  "tables": ((width,), torch.int32)}
+        self.propose_graphs = ProposeGraphs(self._graph_chain, runner, max_rows, self.device, inputs=inputs)
+        return True
+
+    def _graph_chain(self, hidden: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor):
+        """The chain on static buffers (captured): tables already at the graph width, no host lengths."""
+        max_k = tables.shape[1] * self.block_size
+        return self._chain(hidden, positions, tables, max_k, None, None)
+
     def propose(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         h_all = self.catch_up(ctx)
         k = self.num_speculative_tokens
         b = ctx.anchor_rows.shape[0]
-        drafts = torch.zeros(b, k, dtype=torch.int64, device=h_all.device)
-        conf = torch.zeros(b, k, dtype=torch.float32, device=h_all.device)
         if b == 0:
-            return drafts, conf
+            return (torch.zeros(0, k, dtype=torch.int64, device=h_all.device),
+                    torch.zeros(0, k, dtype=torch.float32, device=h_all.device))
         h = h_all.index_select(0, ctx.anchor_rows)
         row_of_anchor = torch.searchsorted(ctx.attn.cu_seqlens_q.to(torch.int64), ctx.anchor_rows, right=True) - 1
         tables = ctx.attn.block_tables.index_select(0, row_of_anchor)
+        if self.propose_graphs is not None:
+            out = self.propose_graphs.run(h, ctx.bonus_positions, tables.to(torch.int32))
+            if out is not None:
+                return out
         tables = pad_block_tables(tables, ctx.attn.max_seqlen_k + k + 1, self.block_size)
-        ones = torch.ones(b, dtype=torch.int32, device=h.device)
         main_host = ctx.attn.host
         host_k = None
         if main_host is not None and ctx.host_rows is not None:
             host_k = np.asarray(main_host.seqlens_k, dtype=np.int64)[ctx.host_rows]
+        return self._chain(h, ctx.bonus_positions, tables, ctx.attn.max_seqlen_k + k + 1, host_k,
+                           main_host.max_kv_shortfall if main_host is not None else None)
+
+    def _chain(self, h: torch.Tensor, bonus_positions: torch.Tensor, tables: torch.Tensor, max_k: int,
+               host_k: np.ndarray | None, shortfall: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts 1..k from the anchors' MTP hidden states ``h`` [B, D]; ``tables`` [B, W] wide enough for the
+        chain's positions; ``host_k``: the main step's host key lengths of these rows (host bounds), or None."""
+        k = self.num_speculative_tokens
+        b = h.shape[0]
+        drafts = torch.zeros(b, k, dtype=torch.int64, device=h.device)
+        conf = torch.zeros(b, k, dtype=torch.float32, device=h.device)
+        ones = torch.ones(b, dtype=torch.int32, device=h.device)
         for m in range(k):
             probs = torch.softmax(self.mtp.compute_logits(h, depth=self._depth(m)), dim=-1)
             p, tok = probs.max(dim=-1)
@@ -72,16 +121,16 @@ class MtpDrafter(Drafter):
             if m + 1 == k:
                 break
             # Chain: MTP entry at position bonus_pos + m from (h, embed(draft_{m+1})).
-            pos = ctx.bonus_positions + m
+            pos = bonus_positions + m
             # Host bounds for kernels that take host lengths: the chain's key length is bonus_pos + m + 1, at most
             # the main step's (bound on the) context length + m + 1.
             host = None
             if host_k is not None:
                 bound = tuple(int(x) + m + 1 for x in host_k)
                 host = HostLengths((1,) * b, bound, False, 1, max(bound) if bound else 0,
-                                   max_kv_shortfall=(main_host.max_kv_shortfall or 0) + k + 1)
+                                   max_kv_shortfall=(shortfall or 0) + k + 1)
             attn, _, _ = build_device_metadata(ones, (pos + 1).to(torch.int32), tables, self.block_size, b,
-                                               1, ctx.attn.max_seqlen_k + k + 1, False, host)
+                                               1, max_k, False, host)
             h = self.mtp(tok, h, attn.positions, attn, self.kv_caches[self._depth(m + 1)],
                          depth=self._depth(m + 1))
         return drafts, conf

@@ -159,6 +159,11 @@ def test_mtp_eager_steps_and_chains(recorded):
     widths = {8, 9}  # the scheduler's 512 / 64, and (512 + 2*2 + 2 + 1) // 64 + 1 for the padded chains
     assert {(16, 1, md.default_num_splits(1, 16, 1, w, SMS)) for w in widths} <= got
     assert (16, 1, 9) in got and (16, 1, 8) in got
+    # the chain replayed from graphs: one query a row at each propose graph size, on the chain graphs' width
+    from deepinfer_npu.spec.mtp_drafter import chain_graph_width
+
+    w = chain_graph_width(512, 2, 64)
+    assert {(16, 1, md.default_num_splits(b, 16, 1, w, SMS)) for b in (1, 2, 4)} <= got
 
 
 def test_not_bf16_or_off_dims_compile_what_still_applies(recorded):

@@ -106,10 +106,14 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
     assert worker.graph_steps == llm.get_stats()["decode_steps"]  # every decode step replayed
     assert runner.num_captures == len(runner.static_out) <= len(worker.graphs.sizes)
     assert padding_audit["padded"] > 0  # batches that are not graph sizes were padded
-    if method == "dflash":  # the drafter's propose replays graphs of its own (spec/propose_graphs.py)
+    if method in ("dflash", "mtp"):  # the drafter's propose (MTP: its draft chain) replays graphs of its own
         pg = worker.drafter.propose_graphs
         assert pg is not None and pg.disabled is None and pg.replays > 0
         assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
+    if method == "mtp":  # chain graphs on padded rows and wider tables draft as well as the eager chain
+        got, want = llm.get_stats()["spec_accepted_tokens"], eager_llm.get_stats()["spec_accepted_tokens"]
+        assert got >= 0.9 * want, (got, want)
+    if method == "dflash":
         # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
         assert worker.graphs.drafter_hook is not None
         assert padding_audit["hook_replays"] == worker.graph_steps
@@ -238,3 +242,31 @@ def test_propose_graphs_pad_and_fall_back():
     pg = ProposeGraphs(broken, EagerReplayRunner(), max_rows=8, device=torch.device("cpu"))
     assert pg.run(g, p, s) is None and "an op that syncs" in pg.disabled
     assert pg.run(g, p, s) is None  # off for good
+
+
+def test_mtp_chain_graphs_pad_rows_to_block_0_and_match_the_eager_chain(graph_runners):
+    """MTP's draft chain from ProposeGraphs (3 rows -> graph size 4, tables narrower than the graph width): the
+    same drafts as the eager chain on the same inputs, and the MTP cache changes only at the real rows' chain
+    slots and in block 0 (the padding row)."""
+    from deepinfer_npu.model_executor.device_metadata import pad_block_tables
+    from deepinfer_npu.spec.mtp_drafter import chain_graph_width
+
+    llm = LLM(speculative_method="mtp", num_speculative_tokens=4, enable_graphs=True, **SMALL_KV)
+    drafter = llm.llm_engine.worker.drafter
+    pg, bs, k = drafter.propose_graphs, drafter.block_size, drafter.num_speculative_tokens
+    assert pg is not None and pg.buf["tables"].shape[1] == chain_graph_width(drafter.max_model_len, k, bs)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, drafter.hidden_size, generator=g).to(drafter.dtype)
+    pos = torch.tensor([5, 17, 30])
+    tables = torch.tensor([[3, 4, 0], [5, 6, 0], [7, 8, 9]], dtype=torch.int32)
+    before = [c.clone() for c in drafter.kv_caches]
+    drafts, confs = pg.run(h, pos, tables)
+    assert drafts.shape == (3, k) and pg.replays == 1
+    allowed = {int(tables[r, p // bs]) * bs + p % bs for r in range(3) for p in (int(pos[r]) + m for m in range(k - 1))}
+    allowed |= set(range(bs))  # block 0: the padding row
+    for old, new in zip(before, drafter.kv_caches):
+        changed = set((old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist())
+        assert changed <= allowed and changed, sorted(changed - allowed)
+    eager_drafts, eager_confs = drafter._chain(h, pos, pad_block_tables(tables.long(), 64, bs), 64, None, None)
+    assert torch.equal(drafts, eager_drafts)
+    assert torch.allclose(confs, eager_confs, atol=1e-4)
