@@ -31,7 +31,9 @@ class EngineConfig:
     model: str | os.PathLike | None = None
     backend: str = "auto"
     dtype: str = "auto"
-    load_format: str = "auto"  # "auto" (safetensors) | "dummy" (random weights from config.json)
+    # "auto" (safetensors) | "dummy" (random weights from config.json, drawn on the device: fast) | "dummy_portable"
+    # (the same random weights on every backend: drawn on the CPU, then copied; parity runs at real dims)
+    load_format: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -85,8 +87,8 @@ class EngineConfig:
                 raise ValueError(f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.load_format not in ("auto", "dummy", "dummy_portable"):
+            raise ValueError(f"load_format must be 'auto', 'dummy' or 'dummy_portable', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.state_slot_ratio >= 1.0:

@@ -21,16 +21,22 @@ GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
 
 @pytest.mark.parametrize("path", GOLDENS, ids=[p.name for p in GOLDENS])
 def test_cpu_backend_against_golden(path):
+    check_cpu_against(path)
+
+
+def check_cpu_against(path: Path) -> None:
     golden = json.loads(path.read_text())
-    model_dir = Path(golden["model"]["dir"])
+    model = golden["model"]
+    load_format = model.get("load_format", "auto")
+    model_dir = recorder.REPO_ROOT / model["repo_dir"] if model.get("repo_dir") else Path(model["dir"])
     if not (model_dir / "config.json").exists():
         model_dir = REFERENCE_MODEL_DIR
-    fp = recorder.model_fingerprint(model_dir)
+    fp = recorder.model_fingerprint(model_dir, load_format)
     assert (
-        fp["config_sha256"] == golden["model"]["config_sha256"]
-        and fp["weights"] == golden["model"]["weights"]
+        fp["config_sha256"] == model["config_sha256"]
+        and fp["weights"] == model["weights"]
     ), f"{path.name} was recorded on a different model; re-record it on the current reference model"
-    cand = recorder.record("cpu", golden["dtype"], model_dir, golden["max_tokens"])
+    cand = recorder.record("cpu", golden["dtype"], model_dir, golden["max_tokens"], load_format=load_format)
     verdicts = compare_docs(golden, cand)
     assert all(v.ok for v in verdicts), [v.message for v in verdicts if not v.ok]
 
@@ -72,3 +78,34 @@ def test_recorder_end_to_end_on_cpu_with_negative_control(tmp_path):
     bad = json.loads(path.read_text())
     bad["traces"][0]["tokens"][3] = (bad["traces"][0]["tokens"][3] + 1) % 4096
     assert not all(v.ok for v in compare_docs(bad, doc))  # the rule catches a changed token
+
+
+REAL_DIMS_MODEL = Path(__file__).resolve().parent / "models" / "deepseek-v2-lite-dims-2l"
+
+
+def test_real_dims_parity_model_is_v2_lite_shaped():
+    """The real-dims parity model: DeepSeek-V2-Lite's attention and expert dims (the ones the CUDA kernels are built
+    for), two layers (one dense, one MoE), the reference tokenizer's vocabulary; config.json only (seeded
+    ``dummy_portable`` weights, identical on every backend)."""
+    cfg = json.loads((REAL_DIMS_MODEL / "config.json").read_text())
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"],
+            cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["moe_intermediate_size"], cfg["n_routed_experts"],
+            cfg["num_experts_per_tok"]) == (2048, 16, 512, 64, 128, 128, 1408, 64, 6)
+    assert cfg["num_hidden_layers"] == 2 and cfg["first_k_dense_replace"] == 1
+    assert not list(REAL_DIMS_MODEL.glob("*.safetensors"))
+
+
+def test_real_dims_golden_round_trip_on_cpu(tmp_path):
+    """A golden recorded on the real-dims model with portable random weights replays through the CI check (the
+    model found through its repository-relative path, the load format kept); a changed token fails it."""
+    doc = recorder.record("cpu", "bfloat16", REAL_DIMS_MODEL, max_tokens=3, load_format="dummy_portable")
+    assert doc["model"]["load_format"] == "dummy_portable" and doc["model"]["weights"] == {}
+    assert doc["model"]["repo_dir"] == "parity_tests/models/deepseek-v2-lite-dims-2l"
+    doc["model"]["dir"] = "/elsewhere/on/the/recording/machine"
+    path = recorder.write(doc, tmp_path / "cuda-bfloat16-real-dims.json")
+    check_cpu_against(path)
+    doc["traces"][0]["tokens"][0] = (doc["traces"][0]["tokens"][0] + 1) % 4096
+    doc["traces"][0]["top5"][0] = [[t, -1.0] for t in range(4090, 4095) if t != doc["traces"][0]["tokens"][0]][:5]
+    recorder.write(doc, path)
+    with pytest.raises(AssertionError):
+        check_cpu_against(path)

@@ -172,11 +172,12 @@ def load_weights(
 ) -> None:
     """Fill ``model``'s weights from ``model_dir`` (``load_format="auto"``/``"safetensors"``) or with seeded
     random values (``"dummy"``, no files read). Raises :class:`CheckpointError` / ``FileNotFoundError``."""
-    if load_format == "dummy":
-        init_dummy_weights(model, seed)
+    if load_format in ("dummy", "dummy_portable"):
+        init_dummy_weights(model, seed, portable=load_format == "dummy_portable")
         return
     if load_format not in ("auto", "safetensors"):
-        raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors' or 'dummy'")
+        raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'dummy' or "
+                         "'dummy_portable'")
     if model_dir is None:
         raise ValueError("load_weights needs model_dir unless load_format='dummy'")
     model_dir = os.fspath(model_dir)
@@ -238,17 +239,18 @@ def _check_names(
         raise CheckpointError(f"missing tensor {name!r} ({expected}, model directory {model_dir})")
 
 
-def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0) -> None:
+def init_dummy_weights(model: DeepseekForCausalLM, seed: int = 0, portable: bool = False) -> None:
     """Seeded random weights from the config alone (benchmarks): norms 1, correction biases small, matrices
-    ~N(0, 0.02) so activations stay in range at any depth. Same seed, same device type -> same weights."""
-    gen = torch.Generator(device=model.backend.device).manual_seed(seed)
+    ~N(0, 0.02) so activations stay in range at any depth. Same seed, same device type -> same weights.
+    ``portable``: drawn by a CPU generator and copied to the device, so every backend gets the same weights (the
+    parity goldens at real dims; slower for big models)."""
+    gen_device = torch.device("cpu") if portable else model.backend.device
+    gen = torch.Generator(device=gen_device).manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         data = param.data
         if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
             data.fill_(1.0)
         elif name.endswith("e_score_correction_bias"):
-            data.copy_(torch.randn(data.shape, generator=gen, device=data.device).mul_(0.01))
+            data.copy_(torch.randn(data.shape, generator=gen, device=gen_device).mul_(0.01))
         else:
-            data.copy_(
-                torch.randn(data.shape, generator=gen, device=data.device, dtype=torch.float32).mul_(0.02)
-            )
+            data.copy_(torch.randn(data.shape, generator=gen, device=gen_device, dtype=torch.float32).mul_(0.02))

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     r.add_argument("--model", default=None, help="model directory (default: the shipped reference model)")
     r.add_argument("--max-tokens", type=int, default=recorder.P.MAX_TOKENS)
+    r.add_argument("--load-format", default="auto", choices=["auto", "dummy_portable"],
+                   help="dummy_portable: seeded random weights, the same on every backend (real-dims parity models)")
     r.add_argument(
         "--out", default=None, help="output file (default parity_tests/golden/<backend>-<dtype>.json)"
     )
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     if args.cmd == "record":
-        doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens)
+        doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens, load_format=args.load_format)
         out = Path(args.out) if args.out else recorder.golden_path(args.backend, args.dtype)
         recorder.write(doc, out)
         print(f"wrote {out} ({len(doc['traces'])} prompts, {doc['seconds']} s)")
@@ -66,7 +68,8 @@ def _run(args) -> int:
     recorded = golden.get("model") or {}
     if model is None and recorded.get("dir") and Path(recorded["dir"]).is_dir():
         model = recorded["dir"]  # replay on the model the golden was recorded on
-    cand = recorder.record(args.backend, golden["dtype"], model, golden["max_tokens"])
+    cand = recorder.record(args.backend, golden["dtype"], model, golden["max_tokens"],
+                           load_format=recorded.get("load_format", "auto"))
     if recorded.get("config_sha256") and (cand.get("model") or {}).get("config_sha256") != recorded["config_sha256"]:
         print(f"FAIL: the golden was recorded on model {recorded.get('dir')} (config sha256 "
               f"{recorded['config_sha256'][:12]}), not on {(cand.get('model') or {}).get('dir')}; pass --model")

@@ -21,12 +21,23 @@ def default_model_dir() -> Path:
     return REFERENCE_MODEL_DIR
 
 
-def model_fingerprint(model_dir: Path) -> dict:
-    """Config hash and weight file sizes: a golden is only comparable on the same model."""
+REPO_ROOT = GOLDEN_DIR.parents[1]
+
+
+def model_fingerprint(model_dir: Path, load_format: str = "auto") -> dict:
+    """Config hash and weight file sizes (none for seeded random weights): a golden is only comparable on the same
+    model. ``repo_dir``: the directory relative to the repository when it lies inside it (parity models at real
+    dims ship as config.json only, with ``load_format="dummy_portable"``)."""
     cfg = (model_dir / "config.json").read_bytes()
-    weights = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    weights = [] if load_format.startswith("dummy") else sorted(p.name for p in model_dir.glob("*.safetensors"))
     sizes = {w: (model_dir / w).stat().st_size for w in weights}
-    return {"dir": str(model_dir), "config_sha256": hashlib.sha256(cfg).hexdigest(), "weights": sizes}
+    doc = {"dir": str(model_dir), "config_sha256": hashlib.sha256(cfg).hexdigest(), "weights": sizes,
+           "load_format": load_format}
+    try:
+        doc["repo_dir"] = str(Path(model_dir).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        pass
+    return doc
 
 
 def environment(backend) -> dict:
@@ -100,7 +111,7 @@ def record(
         "backend": backend,
         "dtype": dtype,
         "max_tokens": max_tokens,
-        "model": model_fingerprint(model_dir),
+        "model": model_fingerprint(model_dir, engine_kwargs.get("load_format", "auto")),
         "environment": environment(engine.backend),
         "op_report": engine.backend.op_report(),
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

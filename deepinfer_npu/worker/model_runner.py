@@ -47,8 +47,8 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = build_model(model_config, backend, self.dtype)
-        if config.load_format == "dummy":
-            self.model.init_dummy_weights(seed=config.seed)
+        if config.load_format in ("dummy", "dummy_portable"):
+            self.model.init_dummy_weights(seed=config.seed, portable=config.load_format == "dummy_portable")
         else:
             load_weights(self.model, config.model_dir)
         self.model.eval()

@@ -150,11 +150,11 @@ class DeepseekForCausalLM(nn.Module):
         """Length of the ``kv_caches`` list ``forward`` takes (MTP layers get caches of their own)."""
         return self.config.num_hidden_layers
 
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """Seeded random weights (same as ``load_weights(model, load_format="dummy", seed=seed)``)."""
+    def init_dummy_weights(self, seed: int = 0, portable: bool = False) -> None:
+        """Seeded random weights (same as ``load_weights(model, load_format="dummy" | "dummy_portable")``)."""
         from ..loader import init_dummy_weights
 
-        init_dummy_weights(self, seed)
+        init_dummy_weights(self, seed, portable=portable)
 
     # ---- MTP -----------------------------------------------------------------------------------------------
     @property
