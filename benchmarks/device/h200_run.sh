@@ -7,6 +7,7 @@
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
 #   e2e-nohf  the same without transformers
 #   goldens   parity goldens (fp32, bf16) on the reference model
+#   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
 #   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
@@ -52,6 +53,9 @@ for l in open('$OUT/profile.jsonl'):
              grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
+    goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
+             --dtype $dt --model parity_tests/models/deepseek-v2-lite-dims-2l --load-format dummy_portable \
+             --out "$OUT/cuda-$dt-v2-lite-dims.json" 2>&1 | filt | tail -3; done ;;
     unverified) OUT=$OUT bash kernels_cuda/device_run_unverified.sh ;;
     skinny) timeout $LIM python3 kernels_cuda/skinny_gemm.py --check --bench --out "$OUT/h200_skinny_gemm.jsonl" 2>&1 \
              | filt > "$OUT/skinny.log"; grep -v '^{' "$OUT/skinny.log" | tail -20 ;;
