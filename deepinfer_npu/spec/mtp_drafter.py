@@ -26,8 +26,11 @@ from .drafter import DraftContext, Drafter
 
 def chain_graph_width(max_model_len: int, k: int, block_size: int) -> int:
     """Block-table width of the chain graphs: keys up to max_model_len + 2k (a device re-split's optimistic
-    lengths) + k + 1 (the chain's own positions), as ``pad_block_tables`` would widen the eager chain's tables."""
-    return (max_model_len + 3 * k + 1) // block_size + 1
+    lengths) + k + 1 (the chain's own positions), as ``pad_block_tables`` would widen the eager chain's tables;
+    and at least the decode graphs' width (``DecodeGraphs``: ceil((max_model_len + 2k) / block_size) + 1), whose
+    tables a graph-replayed step hands the drafter (a wider table falls back to the eager chain)."""
+    decode_graph_width = -(-(max_model_len + 2 * k) // block_size) + 1
+    return max((max_model_len + 3 * k + 1) // block_size + 1, decode_graph_width)
 
 
 class MtpDrafter(Drafter):

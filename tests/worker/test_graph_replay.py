@@ -270,3 +270,18 @@ def test_mtp_chain_graphs_pad_rows_to_block_0_and_match_the_eager_chain(graph_ru
     eager_drafts, eager_confs = drafter._chain(h, pos, pad_block_tables(tables.long(), 64, bs), 64, None, None)
     assert torch.equal(drafts, eager_drafts)
     assert torch.allclose(confs, eager_confs, atol=1e-4)
+
+
+def test_chain_graph_width_holds_the_decode_graph_tables_and_the_chain():
+    """The chain graphs take the tables a graph-replayed step hands the drafter (DecodeGraphs' width) and the
+    chain's own positions (keys up to max_model_len + 2k, then k + 1 more)."""
+    import math
+
+    from deepinfer_npu.spec.mtp_drafter import chain_graph_width
+
+    for mml in (64, 65, 511, 512, 576, 4096):
+        for k in (1, 3, 5, 15):
+            for bs in (16, 64, 128):
+                w = chain_graph_width(mml, k, bs)
+                assert w >= math.ceil((mml + 2 * k) / bs) + 1  # worker/decode_graphs.py's width
+                assert (mml + 2 * k + k) // bs < w  # the chain's last position has a column
