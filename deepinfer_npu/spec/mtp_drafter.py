@@ -10,7 +10,11 @@ before anything reads them.
 Graphs: the catch-up runs on the main step's metadata (any token count) and stays eager; the chain (k logits and
 k - 1 one-token MTP forwards per row) is row-independent and sync-free, so with a graph runner that needs no host
 lengths (CUDA) it is replayed per padded row count (``ProposeGraphs``) on block tables padded to a fixed width
-(``chain_graph_width``). Padding rows (zero hidden state, position 0, block 0) write only the padding block.
+(``chain_graph_width``). Padding rows (zero hidden state, block-0 tables) write only the padding block, at
+position k - 1 on: a real row whose chain runs past its allocated blocks writes block 0 too, at slots 0 .. k - 2
+(its positions start a fresh block), so the padding rows' slots k - 1 .. 2k - 3 stay clear of them while
+2k - 2 <= block_size. (Two real rows past their blocks in one step still share those slots, as in the eager
+chain: their later drafts can lose acceptance, never correctness.)
 """
 
 from __future__ import annotations
@@ -75,7 +79,8 @@ class MtpDrafter(Drafter):
         if self.max_model_len is None or type(runner).set_step_host_lengths is not GraphRunner.set_step_host_lengths:
             return False
         width = chain_graph_width(self.max_model_len, self.num_speculative_tokens, self.block_size)
-        inputs = {"hidden": ((self.hidden_size,), self.dtype), "positions": ((), torch.int64),
+        k = self.num_speculative_tokens
+        inputs = {"hidden": ((self.hidden_size,), self.dtype), "positions": ((), torch.int64, k - 1),
                   "tables": ((width,), torch.int32)}
         self.propose_graphs = ProposeGraphs(self._graph_chain, runner, max_rows, self.device, inputs=inputs)
         return True

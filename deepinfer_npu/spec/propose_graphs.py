@@ -7,9 +7,9 @@ and replays it. The inputs are per-row tensors ``[S, *tail]``: by default ``gold
 ``[S]`` int64, DFlash); MTP's draft chain passes its anchor hidden states ``[S, D]``, positions and block tables
 ``[S, W]`` (a row's table narrower than ``W`` is padded with block 0, as ``pad_block_tables`` does):
 
-* the step's ``B`` rows go into the first rows of static buffers; padding rows carry zeros (token 0, position 0,
-  state slot 0 = the reserved dummy slot that no sequence owns, block 0 = the padding block), and their outputs
-  are dropped;
+* the step's ``B`` rows go into the first rows of static buffers; padding rows carry each input's pad value
+  (zeros by default: token 0, position 0, state slot 0 = the reserved dummy slot that no sequence owns, block 0 =
+  the padding block), and their outputs are dropped;
 * ``fn`` must be row-independent and sync-free, and read per-slot state only through persistent tensors (the
   drafter's ring buffer), so a replay sees the current state;
 * outputs are views into the graph's static outputs, valid until the next replay of that size: the worker copies
@@ -31,24 +31,24 @@ from deepinfer_npu.hal.graph_sizes import graph_sizes
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_INPUTS: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-    name: ((), torch.int64) for name in ("golden", "positions", "slots")
-}
+DEFAULT_INPUTS: dict[str, tuple] = {name: ((), torch.int64) for name in ("golden", "positions", "slots")}
 
 
 class ProposeGraphs:
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], runner: GraphRunner, max_rows: int,
-                 device: torch.device, inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
-        """``inputs``: name -> (per-row tail shape, dtype) of ``fn``'s keyword inputs, in ``run``'s order."""
+                 device: torch.device, inputs: dict[str, tuple] | None = None) -> None:
+        """``inputs``: name -> (per-row tail shape, dtype[, padding rows' value, default 0]) of ``fn``'s inputs, in
+        ``run``'s order."""
         self.fn = fn
         self.graphs = runner
         self.sizes = graph_sizes(max(1, max_rows))
         self.disabled: str | None = None
         self.inputs = dict(inputs or DEFAULT_INPUTS)
+        self.pad = {name: (spec[2] if len(spec) > 2 else 0) for name, spec in self.inputs.items()}
         s = self.sizes[-1]
         with torch.inference_mode():
-            self.buf = {name: torch.zeros(s, *tail, dtype=dt, device=device)
-                        for name, (tail, dt) in self.inputs.items()}
+            self.buf = {name: torch.full((s, *spec[0]), self.pad[name], dtype=spec[1], device=device)
+                        for name, spec in self.inputs.items()}
         self.replays = 0
 
     def _graphed(self, **inputs: torch.Tensor):
@@ -61,8 +61,8 @@ class ProposeGraphs:
             if self.disabled or self.graphs.has(size):
                 continue
             st = {name: t[:size] for name, t in self.buf.items()}
-            for t in st.values():
-                t.zero_()
+            for name, t in st.items():
+                t.fill_(self.pad[name])
             try:
                 self.graphs.capture(size, self._graphed, st)
             except Exception as e:  # noqa: BLE001 - propose stays correct, only eager
@@ -89,7 +89,7 @@ class ProposeGraphs:
                 buf[:b, real.shape[1] :].zero_()
             else:
                 buf[:b].copy_(real)
-            buf[b:].zero_()
+            buf[b:].fill_(self.pad[name])
         if not self.graphs.has(size):
             try:
                 self.graphs.capture(size, self._graphed, st)

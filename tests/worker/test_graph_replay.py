@@ -245,9 +245,10 @@ def test_propose_graphs_pad_and_fall_back():
 
 
 def test_mtp_chain_graphs_pad_rows_to_block_0_and_match_the_eager_chain(graph_runners):
-    """MTP's draft chain from ProposeGraphs (3 rows -> graph size 4, tables narrower than the graph width): the
-    same drafts as the eager chain on the same inputs, and the MTP cache changes only at the real rows' chain
-    slots and in block 0 (the padding row)."""
+    """MTP's draft chain from ProposeGraphs (3 rows -> graph size 4, tables narrower than the graph width; row 1's
+    chain starts a block its table does not have, so it writes block 0 at slots 0 .. k - 2): the same drafts as
+    the eager chain on the same inputs (the padding row writes block 0 from slot k - 1 on, clear of row 1), and
+    the MTP cache changes only at the real rows' chain slots and in block 0."""
     from deepinfer_npu.model_executor.device_metadata import pad_block_tables
     from deepinfer_npu.spec.mtp_drafter import chain_graph_width
 
@@ -257,7 +258,7 @@ def test_mtp_chain_graphs_pad_rows_to_block_0_and_match_the_eager_chain(graph_ru
     assert pg is not None and pg.buf["tables"].shape[1] == chain_graph_width(drafter.max_model_len, k, bs)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, drafter.hidden_size, generator=g).to(drafter.dtype)
-    pos = torch.tensor([5, 17, 30])
+    pos = torch.tensor([5, 32, 30])  # row 1: position 32 is block column 2, a 0 (unallocated) in its table
     tables = torch.tensor([[3, 4, 0], [5, 6, 0], [7, 8, 9]], dtype=torch.int32)
     before = [c.clone() for c in drafter.kv_caches]
     drafts, confs = pg.run(h, pos, tables)
