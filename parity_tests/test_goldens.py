@@ -109,3 +109,31 @@ def test_real_dims_golden_round_trip_on_cpu(tmp_path):
     recorder.write(doc, path)
     with pytest.raises(AssertionError):
         check_cpu_against(path)
+
+
+def test_dummy_portable_weights_do_not_depend_on_the_cpu_code_path():
+    """``dummy_portable`` draws in float64: the same values under torch's default and AVX2/AVX512 CPU kernels (its
+    float32 sampler differs between them), so a golden's weights are rebuilt exactly on any machine."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib, torch\n"
+        "from deepinfer_npu.model_executor.loader import init_dummy_weights\n"
+        "m = torch.nn.Module(); m.w = torch.nn.Parameter(torch.empty(3, 70000)); m.b = torch.nn.Parameter("
+        "torch.empty(5)); m.e_score_correction_bias = torch.nn.Parameter(torch.empty(64))\n"
+        "init_dummy_weights(m, seed=7, portable=True)\n"
+        "print(hashlib.sha256(b''.join(p.detach().to(torch.bfloat16).view(torch.int16).numpy().tobytes() "
+        "for _n, p in sorted(m.named_parameters()))).hexdigest())\n"
+    )
+    digests = set()
+    for capability in ("default", None):
+        env = dict(os.environ)
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        if capability:
+            env["ATEN_CPU_CAPABILITY"] = capability
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        digests.add(out.stdout.strip().splitlines()[-1])
+    assert len(digests) == 1, digests

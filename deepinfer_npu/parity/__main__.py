@@ -66,7 +66,9 @@ def _run(args) -> int:
     golden = json.loads(path.read_text())
     model = args.model
     recorded = golden.get("model") or {}
-    if model is None and recorded.get("dir") and Path(recorded["dir"]).is_dir():
+    if model is None and recorded.get("repo_dir") and (recorder.REPO_ROOT / recorded["repo_dir"]).is_dir():
+        model = str(recorder.REPO_ROOT / recorded["repo_dir"])  # a model shipped in this repository
+    elif model is None and recorded.get("dir") and Path(recorded["dir"]).is_dir():
         model = recorded["dir"]  # replay on the model the golden was recorded on
     cand = recorder.record(args.backend, golden["dtype"], model, golden["max_tokens"],
                            load_format=recorded.get("load_format", "auto"))
