@@ -65,7 +65,7 @@ def _pass_configs():
 # ----------------------------------------------------------------------------------------------------
 def build_mla_decode(
     heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
-    causal_tile_bound: bool = False, block_m: int = BLOCK_M,
+    causal_tile_bound: bool = False, block_m: int = BLOCK_M, skip_empty_splits: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled).
 
@@ -73,6 +73,9 @@ def build_mla_decode(
     num_splits: KV splits (grid z); softmax_scale: applied to q.k before the softmax.
     causal_tile_bound: a CTA stops at the last key tile its last row can see (prefill: rows early in a long
     chunk skip the tiles past their position). Off for decode / verification, where it changes nothing.
+    skip_empty_splits (tuning sweeps; off in the engine): a split with no key tile writes only its -inf LSE, not
+    its zero partial output, and the combine does not read such partials (a batch-1 graph on a wide table runs
+    32 splits for a 9-page context).
     Dynamic (run-time) sizes: total tokens T, requests B, cache blocks, block-table width.
     """
     assert tilelang is not None, "tilelang is not installed"
@@ -192,6 +195,14 @@ def build_mla_decode(
                 for i in T.Parallel(BM):
                     if row0 + i < n_valid_rows:
                         Lse[qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i] * LN2
+            elif skip_empty_splits:
+                if my_tiles > 0:
+                    for i, d in T.Parallel(BM, DV):
+                        if row0 + i < n_valid_rows:
+                            O_part[z, qs + (row0 + i) // H, (row0 + i) % H, d] = acc_o[i, d]
+                for i in T.Parallel(BM):
+                    if row0 + i < n_valid_rows:
+                        Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i]
             else:
                 for i, d in T.Parallel(BM, DV):
                     if row0 + i < n_valid_rows:
@@ -219,11 +230,19 @@ def build_mla_decode(
                     lsum += T.exp2(Lse_part[s, t, h] - lmax)
                 inv = T.if_then_else(lsum > 0, 1.0 / lsum, 0.0)
                 for s in T.serial(S):
-                    for d in T.Parallel(DV):
-                        po[d] = O_part[s, t, h, d]
-                    w = T.exp2(Lse_part[s, t, h] - lmax) * inv
-                    for d in T.Parallel(DV):
-                        o_acc[d] += po[d] * w
+                    if skip_empty_splits:
+                        if Lse_part[s, t, h] > -T.infinity(acc):  # an empty split's partial was never written
+                            for d in T.Parallel(DV):
+                                po[d] = O_part[s, t, h, d]
+                            w = T.exp2(Lse_part[s, t, h] - lmax) * inv
+                            for d in T.Parallel(DV):
+                                o_acc[d] += po[d] * w
+                    else:
+                        for d in T.Parallel(DV):
+                            po[d] = O_part[s, t, h, d]
+                        w = T.exp2(Lse_part[s, t, h] - lmax) * inv
+                        for d in T.Parallel(DV):
+                            o_acc[d] += po[d] * w
                 for d in T.Parallel(DV):
                     Out[t, h, d] = T.cast(o_acc[d], dtype)
                 Lse[t, h] = T.if_then_else(lsum > 0, (T.log2(lsum) + lmax) * LN2, -T.infinity(acc))
@@ -233,11 +252,13 @@ def build_mla_decode(
 
 @functools.cache
 def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2,
-               causal_tile_bound: bool = False, threads: int = 256, block_m: int = BLOCK_M):
+               causal_tile_bound: bool = False, threads: int = 256, block_m: int = BLOCK_M,
+               skip_empty_splits: bool = False):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
     func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages, threads=threads,
-                            causal_tile_bound=causal_tile_bound, block_m=block_m)
+                            causal_tile_bound=causal_tile_bound, block_m=block_m,
+                            skip_empty_splits=skip_empty_splits)
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
 
@@ -357,10 +378,11 @@ def mla_decode(
     num_stages: int = 2,
     threads: int = 256,
     block_m: int = BLOCK_M,
+    skip_empty_splits: bool = False,
 ):
     """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
-    ``num_stages`` / ``threads`` / ``block_m``: the split kernel's pipeline depth, CTA size and folded rows a CTA
-    (tuning sweeps; the engine uses the defaults)."""
+    ``num_stages`` / ``threads`` / ``block_m`` / ``skip_empty_splits``: the split kernel's pipeline depth, CTA
+    size, folded rows a CTA, and empty-split handling (tuning sweeps; the engine uses the defaults)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -370,10 +392,11 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     mt = -(-bucket_q(max_seqlen_q) * H // block_m)
-    if (num_stages, threads, block_m) == (2, 256, BLOCK_M):  # precompile's call form: functools.cache keys on it
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale))
+    if (num_stages, threads, block_m, skip_empty_splits) == (2, 256, BLOCK_M, False):  # precompile's call form:
+        kern = get_kernel(H, mt, num_splits, float(softmax_scale))  # functools.cache keys on the call's spelling
     else:
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads, block_m=block_m)
+        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads, block_m=block_m,
+                          skip_empty_splits=skip_empty_splits)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
@@ -628,7 +651,7 @@ def copy_bandwidth(nbytes=2 << 30):
 
 
 def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=2,
-               threads=256, block_m=BLOCK_M, check=False):
+               threads=256, block_m=BLOCK_M, check=False, skip_empty_splits=False):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
     Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table. ``check``: also compare the
     output with the fp32 reference (``compare``, 2 ulps) and report it in the row."""
@@ -649,7 +672,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
     def fn():
         mla_decode(
             **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms,
-            num_stages=num_stages, threads=threads, block_m=block_m,
+            num_stages=num_stages, threads=threads, block_m=block_m, skip_empty_splits=skip_empty_splits,
         )
 
     fn()
@@ -694,6 +717,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "num_stages": num_stages,
         "threads": threads,
         "block_m": block_m,
+        "skip_empty_splits": skip_empty_splits,
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),
@@ -760,16 +784,18 @@ def sweep_batch1(heads=16, contexts=(512, 4096)):
     # block_m 16: the 16 heads of one token in an mma.sync tile instead of a 64-row wgmma tile (4x fewer rows)
     # 32 splits: what a batch-1 decode graph gets from a wide table (default_num_splits caps by the table width,
     # not the context), so most of its CTAs hold no page at a 512-token context
-    grid = [(s, st, th, bm) for s in (1, 3, 9, 32) for st in (1, 2) for th in (128, 256) for bm in (64, 16)]
-    funcs = [build_mla_decode(heads, -(-heads // bm), s, scale, st, threads=th, block_m=bm) for s, st, th, bm in grid]
+    grid = [(s, st, th, bm, False) for s in (1, 3, 9, 32) for st in (1, 2) for th in (128, 256) for bm in (64, 16)]
+    grid += [(s, 2, 256, bm, True) for s in (9, 32) for bm in (64, 16)]  # empty splits write / read nothing
+    funcs = [build_mla_decode(heads, -(-heads // bm), s, scale, st, threads=th, block_m=bm, skip_empty_splits=sk)
+             for s, st, th, bm, sk in grid]
     with cf.ThreadPoolExecutor(16) as ex:  # compile in parallel; get_kernel then hits TileLang's cache
         list(ex.map(lambda f: tilelang.compile(f, out_idx=None, target=dict(SM90_TARGET),
                                                pass_configs=_pass_configs()), funcs))
     cb = copy_bandwidth()
     for ctx in contexts:
-        for s, st, th, bm in grid:
+        for s, st, th, bm, sk in grid:
             row = bench_case(1, heads, ctx, 1, num_splits=s, copy_gbps=cb, num_stages=st, threads=th, block_m=bm,
-                             check=True)
+                             check=True, skip_empty_splits=sk)
             print(json.dumps(dict(row, sweep="batch1")), flush=True)
 
 

@@ -328,4 +328,4 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: primed.append((a, k)))
     md.precompile([(16, 1, 2)], softmax_scale=0.125)
     assert calls[0] == primed[0] == ((16, 1, 2, 0.125), {})
-    assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 64})
+    assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 64, "skip_empty_splits": False})
