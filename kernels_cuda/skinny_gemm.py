@@ -347,6 +347,13 @@ def _problem(m, n, k, e=0, dtype=torch.bfloat16, w_dtype=torch.bfloat16, seed=0,
     return a, w, counts
 
 
+def _tolerance(ref: torch.Tensor, gated: bool, bf16_out: bool) -> torch.Tensor:
+    """bf16 output: one rounding can flip (2 ulp of |ref|), gated two more (4); fp32 output: the sum order only."""
+    if bf16_out:
+        return (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
+    return 1e-5 * ref.abs() + 1e-5
+
+
 def check() -> bool:
     """Against the fp32 GEMM rounded like the reference (fp32 sums in another order): bf16 outputs within 2 bf16 ulp
     of |ref| + 1e-2 (gated: 4, the gate/up roundings can flip too), fp32 outputs within 1e-5 relative + 1e-5;
@@ -377,10 +384,7 @@ def check() -> bool:
         scan = expert_starts(counts) if e else None
         got = skinny_gemm(a, w, gated=gated, scan=scan).float()
         ref = skinny_gemm_ref(a, w, gated, counts).float()
-        if (ad, wd) == ("bfloat16", "bfloat16"):  # one rounding can flip (2 ulp of |ref|); gated: two more
-            tol = (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
-        else:  # fp32 output: the sum order only
-            tol = 1e-5 * ref.abs() + 1e-5
+        tol = _tolerance(ref, gated, bf16_out=(ad, wd) == ("bfloat16", "bfloat16"))
         err = (got - ref).abs()
         bad = int((err > tol).sum())
         nan_ok = bool(torch.equal(torch.isnan(got), torch.isnan(ref)))
@@ -395,7 +399,7 @@ def check() -> bool:
         kern = _CACHE.get(*tuned(m, k, e, gated))
         kern(a, w, expert_starts(counts), out) if e else kern(a, w, out)
         ref = skinny_gemm_ref(a, w, gated, counts).float()
-        good = bool(((out.float() - ref).abs() <= (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2).all())
+        good = bool(((out.float() - ref).abs() <= _tolerance(ref, gated, bf16_out=True)).all())
         ok &= good
         print(f"{'PASS' if good else 'FAIL'} col_iters=4 rows={a.shape[0]} N={n} K={k} E={e} gated={gated}")
     return ok

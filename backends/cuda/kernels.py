@@ -260,6 +260,10 @@ class CudaKernelSet(KernelSet):
         why = mod.reason(x2d, weight, gated, grouped) if grouped else mod.engine_reason(x2d, weight, gated)
         return (mod, None) if why is None else (None, why)
 
+    def _note_skinny_linear(self, mod) -> None:
+        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
+                   True)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """One row (batch-1 decode; ``skinny_gemm.engine_reason``: K <= DENSE_MAX_K, no bias):
         ``kernels_cuda.skinny_gemm`` (weights streamed by CUDA cores, one launch); else the reference (cuBLAS)."""
@@ -271,8 +275,7 @@ class CudaKernelSet(KernelSet):
         if mod is None:
             self._note("linear", "reference", False)
             return _ref("linear").linear(x, weight, bias)
-        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
-                   True)
+        self._note_skinny_linear(mod)
         return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
 
     def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -281,8 +284,7 @@ class CudaKernelSet(KernelSet):
         mod, _why = self._skinny(hidden, weight) if hidden.dim() == 2 else (None, "not 2-D")
         if mod is None:
             return super().router_logits(hidden, weight)
-        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
-                   True)
+        self._note_skinny_linear(mod)
         return mod.skinny_gemm(hidden, weight)
 
     def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -293,8 +295,7 @@ class CudaKernelSet(KernelSet):
             return super().dense_mlp(x, gate_up, down)
         self._note("silu_and_mul", f"kernels_cuda.skinny_gemm gated (SwiGLU in the gate/up GEMM, rows <= "
                    f"{mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})", True)
-        self._note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS}{unverified_note('skinny_gemm')})",
-                   True)
+        self._note_skinny_linear(mod)
         return self.linear(mod.skinny_gemm(x, gate_up, gated=True), down)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
