@@ -44,11 +44,21 @@ except Exception:  # pragma: no cover - exercised where tilelang is absent
     tilelang = None
     T = None
 
+try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/mla_decode.py
+    from _pdl import pdl_enabled
+
 KV_LORA = 512
 ROPE = 64
 HEAD_DIM = KV_LORA + ROPE  # 576
 PAGE = 64  # block_size of the paged latent cache
 BLOCK_M = 64  # folded (q token x head) rows per CTA
+# One token of a few heads (V2-Lite's 16, batch-1 decode): the 16 rows in an mma.sync tile of 16 at 128 threads
+# instead of a 64-row wgmma tile (48 padding rows). Batch-1 sweep on an H200 (session 5, --sweep-batch1, 16 heads,
+# 512-token context): 8.2 us at 32 splits against 16.0-16.5 us for the 64-row tile.
+SMALL_BLOCK_M = 16
+SMALL_THREADS = 128
 BLOCK_N = 64  # keys per pipeline stage (= one page)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -79,6 +89,7 @@ def build_mla_decode(
     Dynamic (run-time) sizes: total tokens T, requests B, cache blocks, block-table width.
     """
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     H = heads
     DV, DPE = KV_LORA, ROPE
     BM, BN = block_m, BLOCK_N  # block_m < 64 (tuning sweeps only): mma.sync instead of wgmma on sm_90a
@@ -108,6 +119,9 @@ def build_mla_decode(
         Lse_part: T.Tensor([S, Tq, H], acc),
     ):
         with T.Kernel(m_tiles, B, S, threads=threads) as (mt, b, z):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             Q_shared = T.alloc_shared([BM, DV], dtype)
             Q_pe_shared = T.alloc_shared([BM, DPE], dtype)
             KV_shared = T.alloc_shared([BN, DV], dtype)
@@ -214,6 +228,9 @@ def build_mla_decode(
         if S > 1:
             # combine the splits: one CTA per (head, token), 128 threads x 4 values
             with T.Kernel(H, Tq, threads=128) as (h, t):
+                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                    T.pdl_sync()
+                    T.pdl_trigger()
                 o_acc = T.alloc_fragment([DV], acc)
                 po = T.alloc_fragment([DV], acc)
                 lmax = T.alloc_var(acc)
@@ -262,34 +279,51 @@ def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, 
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
 
+def _engine_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, causal: bool = False,
+                   block_m: int = BLOCK_M):
+    """The engine's kernels, always through this one call form: ``get_kernel``'s functools cache keys on how a call
+    is spelled, so precompile and the launches must spell it the same way."""
+    if causal:
+        return get_kernel(heads, m_tiles, num_splits, softmax_scale, causal_tile_bound=True)
+    if block_m == BLOCK_M:
+        return get_kernel(heads, m_tiles, num_splits, softmax_scale)
+    return get_kernel(heads, m_tiles, num_splits, softmax_scale, 2, threads=SMALL_THREADS, block_m=block_m)
+
+
+def _normalize(config) -> tuple:
+    """(heads, m_tiles, num_splits[, causal[, block_m]]) -> the 5-tuple."""
+    c = tuple(config)
+    return (c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False, int(c[4]) if len(c) > 4 else BLOCK_M)
+
+
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
-    """Compile several configurations ahead of use: decode ``(heads, m_tiles, num_splits)`` or, with a fourth item,
-    ``(heads, m_tiles, num_splits, causal_tile_bound)`` (True: :func:`mla_prefill`'s variant)."""
+    """Compile several configurations ahead of use: decode ``(heads, m_tiles, num_splits)`` (``decode_config``:
+    plus ``False, block_m`` for the small-tile variant) or, with a fourth item ``True``, ``mla_prefill``'s causal
+    variant ``(heads, m_tiles, num_splits, True)``."""
     import concurrent.futures as cf
 
-    configs = [(c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False) for c in dict.fromkeys(configs)]
+    configs = list(dict.fromkeys(_normalize(c) for c in configs))
     if not configs:
         return
     # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
     # cache then serves get_kernel, which re-parses serially but does not recompile.
-    funcs = [build_mla_decode(h, mt, s, float(softmax_scale), causal_tile_bound=ctb) for h, mt, s, ctb in configs]
+    funcs = [build_mla_decode(h, mt, s, float(softmax_scale), causal_tile_bound=ctb, block_m=bm,
+                              threads=SMALL_THREADS if bm != BLOCK_M else 256) for h, mt, s, ctb, bm in configs]
 
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
     with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(one, funcs))
-    for h, mt, s, ctb in configs:  # the launchers' own calls, so that their functools cache keys match
-        if ctb:
-            get_kernel(h, mt, s, float(softmax_scale), causal_tile_bound=True)
-        else:
-            get_kernel(h, mt, s, float(softmax_scale))
+    for h, mt, s, ctb, bm in configs:  # the launchers' own calls, so that their functools cache keys match
+        _engine_kernel(h, mt, s, float(softmax_scale), ctb, bm)
 
 
 CI_CONFIGS = [
     (128, 2, 1),
     (16, 4, 3),
-]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine
+    (16, 1, 32, False, SMALL_BLOCK_M),
+]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine; V2-Lite batch-1 decode
 
 
 def ci_compile(configs=None):
@@ -302,7 +336,9 @@ def ci_compile(configs=None):
 
     # Build the prim funcs (Python AST parsing) on this thread: CPython 3.11's ast.parse is not thread-safe
     # ("AST constructor recursion depth mismatch" seen here); only nvcc runs in parallel.
-    funcs = [build_mla_decode(c[0], c[1], c[2], HEAD_DIM**-0.5) for c in cfgs]
+    funcs = [build_mla_decode(h, mt, s, HEAD_DIM**-0.5, causal_tile_bound=ctb, block_m=bm,
+                              threads=SMALL_THREADS if bm != BLOCK_M else 256)
+             for h, mt, s, ctb, bm in map(_normalize, cfgs)]
     if configs is None:
         funcs.append(build_mla_decode(16, m_tiles_for(16, 512), 1, HEAD_DIM**-0.5, causal_tile_bound=True))
 
@@ -315,6 +351,20 @@ def ci_compile(configs=None):
 
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
     return -(-max_seqlen_q * heads // BLOCK_M)
+
+
+def decode_block_m(heads: int, q_bucket: int) -> int:
+    """Rows a CTA tile of the engine's decode kernel: 16 when one tile of 16 holds all the (token x head) rows."""
+    return SMALL_BLOCK_M if heads * q_bucket <= SMALL_BLOCK_M else BLOCK_M
+
+
+def decode_config(heads: int, q_bucket: int, num_splits: int) -> tuple:
+    """The precompile configuration the engine's decode launch uses for ``q_bucket`` (``bucket_q``) query tokens:
+    ``(heads, m_tiles, num_splits)``, or ``(heads, 1, num_splits, False, SMALL_BLOCK_M)`` for the small tile."""
+    bm = decode_block_m(heads, q_bucket)
+    if bm == BLOCK_M:
+        return (heads, m_tiles_for(heads, q_bucket), num_splits)
+    return (heads, -(-q_bucket * heads // bm), num_splits, False, bm)
 
 
 def default_num_splits(
@@ -375,14 +425,15 @@ def mla_decode(
     out=None,
     lse=None,
     num_sms: int | None = None,
-    num_stages: int = 2,
-    threads: int = 256,
-    block_m: int = BLOCK_M,
+    num_stages: int | None = None,
+    threads: int | None = None,
+    block_m: int | None = None,
     skip_empty_splits: bool = False,
 ):
     """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
     ``num_stages`` / ``threads`` / ``block_m`` / ``skip_empty_splits``: the split kernel's pipeline depth, CTA
-    size, folded rows a CTA, and empty-split handling (tuning sweeps; the engine uses the defaults)."""
+    size, folded rows a CTA, and empty-split handling (tuning sweeps; None: the engine's choice,
+    ``decode_block_m``)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -391,12 +442,16 @@ def mla_decode(
         num_sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
-    mt = -(-bucket_q(max_seqlen_q) * H // block_m)
-    if (num_stages, threads, block_m, skip_empty_splits) == (2, 256, BLOCK_M, False):  # precompile's call form:
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale))  # functools.cache keys on the call's spelling
+    engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
+    if num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
+        mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
+        kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm)  # precompile's call form
     else:
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages, threads=threads, block_m=block_m,
-                          skip_empty_splits=skip_empty_splits)
+        bm = block_m or BLOCK_M
+        mt = -(-bucket_q(max_seqlen_q) * H // bm)
+        th = threads or (SMALL_THREADS if bm < BLOCK_M else 256)
+        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages or 2, threads=th,
+                          block_m=bm, skip_empty_splits=skip_empty_splits)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
@@ -421,7 +476,7 @@ def mla_prefill(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, 
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     mt = m_tiles_for(H, bucket_prefill_q(int(max_seqlen_q)))
-    kern = get_kernel(H, mt, 1, float(softmax_scale), causal_tile_bound=True)
+    kern = _engine_kernel(H, mt, 1, float(softmax_scale), causal=True)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
@@ -618,19 +673,14 @@ def run_prefill_checks(seed=0):
 
 
 def configs_for_cases(cases):
-    return [
-        (H, m_tiles_for(H, bucket_q(max(sq) if isinstance(sq, list) else sq)), S)
-        for (_, H, _, sq, S) in cases
-    ]
+    return [decode_config(H, bucket_q(max(sq) if isinstance(sq, list) else sq), S) for (_, H, _, sq, S) in cases]
 
 
 BENCH_SHAPES = [(B, H, S) for H in (16, 128) for B in (64, 128) for S in (4096, 8192)]
 
 
 def bench_configs(num_sms=132):
-    return [
-        (H, m_tiles_for(H, 1), default_num_splits(B, H, 1, S // PAGE, num_sms)) for B, H, S in BENCH_SHAPES
-    ]
+    return [decode_config(H, 1, default_num_splits(B, H, 1, S // PAGE, num_sms)) for B, H, S in BENCH_SHAPES]
 
 
 def run_checks(seed=0):
@@ -650,8 +700,8 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / (t * 1e-3) / 1e9
 
 
-def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=2,
-               threads=256, block_m=BLOCK_M, check=False, skip_empty_splits=False):
+def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=None,
+               threads=None, block_m=None, check=False, skip_empty_splits=False):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
     Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table. ``check``: also compare the
     output with the fp32 reference (``compare``, 2 ulps) and report it in the row."""
@@ -714,9 +764,9 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "heads": heads,
         "q_len": q_len,
         "num_splits": S,
-        "num_stages": num_stages,
-        "threads": threads,
-        "block_m": block_m,
+        "num_stages": num_stages or 2,
+        "threads": threads or (SMALL_THREADS if (block_m or decode_block_m(heads, bucket_q(q_len))) < BLOCK_M else 256),
+        "block_m": block_m or decode_block_m(heads, bucket_q(q_len)),
         "skip_empty_splits": skip_empty_splits,
         "us": round(t * 1e3, 2),
         "bytes": nbytes,

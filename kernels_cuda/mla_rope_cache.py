@@ -41,6 +41,11 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/mla_rope_cache.py
+    from _pdl import pdl_enabled
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 KV_LORA = 512
@@ -65,6 +70,7 @@ def build_mla_rope_cache(heads: int, q_dim: int, q_off: int, interleaved: bool, 
     """PrimFunc for H = ``heads`` query heads of ``q_dim`` values with the rope part at ``q_off`` (compile-time);
     tokens, cos/sin rows and cache slots are dynamic."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     assert supported_heads(heads), f"heads={heads}: need a multiple of 16 or 1/2/4/8"
     assert 0 <= q_off and q_off + ROPE <= q_dim
     H, HB = heads, heads_per_cta(heads)
@@ -104,6 +110,9 @@ def build_mla_rope_cache(heads: int, q_dim: int, q_off: int, interleaved: bool, 
         QR: T.Tensor([Tn, H, R], dtype),
     ):
         with T.Kernel(Tn, NHB + 1, threads=threads) as (t, hb):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             cs = T.alloc_shared([R], acc)
             qs = T.alloc_shared([HB, R], dtype)
             ks = T.alloc_shared([R], dtype)

@@ -33,6 +33,11 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/moe_gemm.py
+    from _pdl import pdl_enabled
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_M, BLOCK_K = 64, 64
 
@@ -45,6 +50,7 @@ def build_expert_scan():
     rows); scan[E+1 : E+1+h] = the h experts with rows, ascending; scan[E+1+h : 2E+1] = -1. One CTA, Hillis-Steele
     in shared memory (8 steps for 256 experts)."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     NT = MAX_EXPERTS
     LOG = (NT - 1).bit_length()
     i32 = T.int32
@@ -54,6 +60,9 @@ def build_expert_scan():
     @T.prim_func
     def expert_scan(counts: T.Tensor([E], T.int64), scan: T.Tensor([S], i32)):
         with T.Kernel(1, threads=NT) as _bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             rows = T.alloc_shared([2, NT], i32)
             hits = T.alloc_shared([2, NT], i32)
@@ -87,6 +96,7 @@ def build_expert_scan():
 def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, threads: int = 128):
     """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. n % block_n == 0, k % BLOCK_K == 0."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     assert n % block_n == 0 and k % BLOCK_K == 0, (n, k, block_n)
     N, K, BM, BN, BK = n, k, BLOCK_M, block_n, BLOCK_K
     dtype, acc = T.bfloat16, T.float32
@@ -102,6 +112,9 @@ def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, thre
         Out: T.Tensor([M, N], dtype),
     ):
         with T.Kernel(N // BN, T.min(E, M), threads=threads) as (bn, slot):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             A_s = T.alloc_shared([BM, BK], dtype)
             B_s = T.alloc_shared([BN, BK], dtype)
             C = T.alloc_fragment([BM, BN], acc)

@@ -63,6 +63,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
+    from _pdl import pdl_enabled
+
+try:
     from . import _bench
     from ._kernel_cache import KernelCache
 except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
@@ -157,6 +162,7 @@ def build_gating_topk(
     """PrimFunc (logits [T, E] f32, bias [E] f32, weights [T, k] f32 out, ids [T, k] i32 out); T is dynamic.
     The bias is read only for noaux_tc with ``has_bias``."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     E, K, G, TG = num_experts, top_k, n_group, topk_group
     assert E % 32 == 0 and E <= MAX_EXPERTS and 1 <= K <= min(E, MAX_TOP_K)
     assert scoring_func in SCORINGS and topk_method in METHODS
@@ -180,6 +186,9 @@ def build_gating_topk(
         Ids: T.Tensor([M, K], i32),
     ):
         with T.Kernel(M, threads=32) as bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             lane = T.get_thread_binding()
             x = T.alloc_local([VPT], f32)  # scores
             c = T.alloc_local([VPT], f32)  # selection values (biased / group-masked)
@@ -318,6 +327,7 @@ def build_gating_topk(
 def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128):
     """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     D, K, E = hidden_size, top_k, num_experts
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
     assert D % VEC == 0 and threads % 32 == 0
@@ -338,6 +348,9 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
         Order: T.Tensor([Na], i64),
     ):
         with T.Kernel(Tn, threads=threads) as bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             s_hist = T.alloc_shared([E], i32)
             s_red = T.alloc_shared([NW * K + K], i32)  # per-warp partial ranks, then the k destination rows
@@ -398,6 +411,7 @@ def build_unpermute(
 ):
     """PrimFunc (expert_out [N, D], order [N] i64, weights [T, k] f32, out [T, D] out), N = T * k."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     D, K = hidden_size, top_k
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
     assert D % VEC == 0 and threads % 32 == 0
@@ -416,6 +430,9 @@ def build_unpermute(
         Out: T.Tensor([Tn, D], dtype),
     ):
         with T.Kernel(Tn, threads=threads) as bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             tid = T.get_thread_binding()
             s_pos = T.alloc_shared([K], i32)
             pos = T.alloc_local([K], i32)

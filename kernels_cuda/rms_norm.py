@@ -26,12 +26,18 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/rms_norm.py
+    from _pdl import pdl_enabled
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
 def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 1, threads: int = 256):
     """PrimFunc for rows of width `hidden` (compile-time); the number of rows is dynamic."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     N, BM = hidden, block_m
     dtype, acc = T.bfloat16, T.float32
     M = T.dynamic("num_rows")
@@ -48,6 +54,9 @@ def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 
             R_out: T.Tensor([M, N], dtype),
         ):
             with T.Kernel(T.ceildiv(M, BM), threads=threads) as bx:
+                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                    T.pdl_sync()
+                    T.pdl_trigger()
                 x = T.alloc_fragment([BM, N], dtype)
                 r = T.alloc_fragment([BM, N], dtype)
                 s = T.alloc_fragment([BM, N], dtype)
@@ -79,6 +88,9 @@ def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 
         Y: T.Tensor([M, N], dtype),
     ):
         with T.Kernel(T.ceildiv(M, BM), threads=threads) as bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             x = T.alloc_fragment([BM, N], dtype)
             sq = T.alloc_fragment([BM, N], acc)
             y = T.alloc_fragment([BM, N], dtype)

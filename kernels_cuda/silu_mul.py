@@ -33,6 +33,11 @@ except Exception:  # pragma: no cover
     tilelang = None
     T = None
 
+try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/silu_mul.py
+    from _pdl import pdl_enabled
+
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 TILE = 2048  # values of gate (and of up) per CTA ("tile" variant)
@@ -55,6 +60,7 @@ def tile_for(inter: int, row_variant: bool = False) -> tuple[int, int]:
 def build_silu_mul(inter: int, row_variant: bool = False, threads: int = THREADS):
     """PrimFunc for I = ``inter`` (compile-time); the number of rows is dynamic."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
     I = inter  # noqa: E741
     BM, BN = tile_for(I, row_variant)
     dtype, acc = T.bfloat16, T.float32
@@ -63,6 +69,9 @@ def build_silu_mul(inter: int, row_variant: bool = False, threads: int = THREADS
     @T.prim_func
     def silu_mul(X: T.Tensor([M, 2 * I], dtype), Y: T.Tensor([M, I], dtype)):
         with T.Kernel(T.ceildiv(M, BM), I // BN, threads=threads) as (bm, bn):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
             g = T.alloc_fragment([BM, BN], dtype)
             u = T.alloc_fragment([BM, BN], dtype)
             y = T.alloc_fragment([BM, BN], dtype)

@@ -35,6 +35,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/skinny_gemm.py
+    from _pdl import pdl_enabled
+
+try:
     from . import _bench
     from ._kernel_cache import KernelCache
 except ImportError:  # run as a script: python kernels_cuda/skinny_gemm.py
@@ -88,6 +93,11 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     (A [M, K], W [N, K], Out [M, NO]); grouped: (A, W [E, N, K], Scan [2E + 1] i32, Out). NO = N, or N / 2 gated
     (the host checks N == 2 * NO)."""
     assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
+    # dense: the weights do not depend on earlier kernels, so each lane issues its first U weight vectors before
+    # it waits for the previous kernel (_pdl.py): those loads overlap that kernel's tail. Grouped: the expert comes
+    # from the scan, a previous kernel's output, so it waits at the start.
+    EARLY_WEIGHTS = PDL and not grouped
     VEC = vec_for(w_dtype)
     assert k % VEC == 0 and 1 <= rb <= MAX_ROWS and threads % 32 == 0
     assert not gated or out_dtype == "bfloat16"
@@ -125,6 +135,9 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
                                     else:
                                         w[((u * R + r) * G + g) * VEC + v] = W[
                                             g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
+            if EARLY_WEIGHTS:  # the wait before the first read of A (cheap once it has returned)
+                T.pdl_sync()
+                T.pdl_trigger()
             for u in T.unroll(U, explicit=True):
                 if (o * U + u) * 32 + lane < KV:  # provably true (dropped) when KV % (32 U) == 0
                     for m in T.unroll(RB, explicit=True):
@@ -175,6 +188,9 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
             Out: T.Tensor([M, NO], out_dtype),
         ):
             with T.Kernel(T.ceildiv(NO, RC * C), T.min(E, M), threads=threads) as (bx, slot):
+                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                    T.pdl_sync()
+                    T.pdl_trigger()
                 hit = Scan[E + 1 + slot]
                 e = T.max(hit, 0)  # a slot past the hit experts does no row
                 body(A, W, Out, e, Scan[e], T.if_then_else(hit >= 0, Scan[e + 1] - Scan[e], 0), bx)

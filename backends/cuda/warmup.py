@@ -127,7 +127,7 @@ def _bucket_reachable(bucket: int, max_q: int) -> bool:
 
 
 def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = True) -> list[tuple]:
-    """Decode ``(heads, m_tiles, num_splits)`` and prefill ``(heads, m_tiles, 1, True)`` (causal tile bound)
+    """Decode ``md.decode_config`` tuples and prefill ``(heads, m_tiles, 1, True)`` (causal tile bound)
     configurations, as ``mla_attention`` launches them (module docstring)."""
     if not (plan.dtype == _BF16 and plan.kv_lora_rank == KV_LORA and plan.qk_rope_head_dim == ROPE
             and plan.block_size == PAGE):
@@ -140,14 +140,13 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         """Every bucket of a host max query length 1..max_q_bound, at ``batch`` rows and table ``width``."""
         for bucket in (1, 2, 4, 8, 16):
             if _bucket_reachable(bucket, min(max_q_bound, MAX_Q)):
-                splits = md.default_num_splits(batch, h, bucket, width, num_sms)
-                decode.add((h, md.m_tiles_for(h, bucket), splits))
+                decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms)))
 
     # Decode graphs: S rows, host max_seqlen_q = k + 1 (exactly that bucket), the graphs' own (wider) tables.
     for size in plan.decode_graph_sizes:
         bucket = md.bucket_q(k + 1)
-        decode.add((h, md.m_tiles_for(h, bucket),
-                    md.default_num_splits(size, h, bucket, plan.decode_graph_width, num_sms)))
+        decode.add(md.decode_config(h, bucket, md.default_num_splits(size, h, bucket, plan.decode_graph_width,
+                                                                     num_sms)))
     # Prefill chunks of <= 16 query tokens (and MTP's catch-up over them): B prompts on the scheduler's tables.
     for b in range(1, min(plan.max_num_prompts, mnbt) + 1):
         add(b, min(mnbt, plan.max_model_len), plan.block_table_width)

@@ -6,6 +6,7 @@
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
 #   e2e-nohf  the same without transformers
+#   e2e-nopdl batch 1 without transformers, kernels built without programmatic dependent launch (DEEPINFER_PDL=0)
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
@@ -14,22 +15,28 @@
 #   skinny    kernels_cuda/skinny_gemm.py --check --bench
 #   routing   kernels_cuda/moe_routing.py --check
 #   unverified  kernels_cuda/device_run_unverified.sh (the gated sampling / spec_verify / zos_fixup kernels)
+#   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
+#             setup unpacks it (a fresh machine then skips the compiles it already did)
+# DEADLINE (seconds from start, default unset) caps every phase's limit so the last phases still get to run.
 # Outputs under $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150).
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 LIM=${PHASE_LIMIT:-150}
 export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache DEEPINFER_CACHE_DIR=/tmp/dicache
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv > "$OUT/setup.log" 2>&1
 (mkdir -p /tmp/site && tar -xJf .carry/tilelang-0.1.15-cp312-site.tar.xz -C /tmp/site) &
-python3 setup.py build_ext --inplace -q -j 16 > "$OUT/build.log" 2>&1 || echo "BUILD FAILED" >> "$OUT/build.log" &
+[ -f .carry/tlcache.tar.xz ] && (mkdir -p /tmp/tlcache && tar -xJf .carry/tlcache.tar.xz -C /tmp/tlcache) &
+python3 setup.py build_ext --inplace -q -j 16 > /tmp/build.log 2>&1 || echo "BUILD FAILED" >> /tmp/build.log &
 wait
 for d in backends kernels_cuda kernels_ascend; do [ -e deepinfer_npu/$d ] || ln -s ../$d deepinfer_npu/$d; done
 export PYTHONPATH=$PWD:/tmp/site
-el "setup done"; tail -2 "$OUT/build.log"
+tail -3 /tmp/build.log >> "$OUT/setup.log"; el "setup done"; tail -2 /tmp/build.log
 filt() { grep -v "tilelang.jit.kernel:INFO\|USDT:\|^INFO" ; }
 for phase in "$@"; do
   el "phase $phase"
+  if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
+    [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
     tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
@@ -51,6 +58,9 @@ for l in open('$OUT/profile.jsonl'):
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
              --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > "$OUT/e2e.log"
              grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
+    e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 \
+             --prompt-len 512 --gen 32 --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
+             > "$OUT/e2e_nopdl.log"; grep -v '^{' "$OUT/e2e_nopdl.log" | tail -6 ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
@@ -67,6 +77,7 @@ for l in open('$OUT/profile.jsonl'):
              grep '^{' "$OUT/mla1.log" > "$OUT/h200_mla_decode_batch1.jsonl"; tail -25 "$OUT/mla1.log" ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --out "$OUT/h200_mla_decode.jsonl" 2>&1 | filt \
              > "$OUT/mla.log"; tail -20 "$OUT/mla.log" ;;
+    savecache) tar -cJf "$OUT/tlcache.tar.xz" -C /tmp/tlcache . ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

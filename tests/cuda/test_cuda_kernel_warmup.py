@@ -84,10 +84,10 @@ def expected_mla_decode(plan: KernelWarmupPlan) -> set[tuple]:
     for b in range(1, plan.max_num_prompts + 1):
         for q in range(1, 17):
             bq = md.bucket_q(q)
-            out.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+            out.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
     bq = md.bucket_q(plan.num_speculative_tokens + 1)
     for s in plan.decode_graph_sizes:
-        out.add((h, md.m_tiles_for(h, bq), md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS)))
+        out.add(md.decode_config(h, bq, md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS)))
     return out
 
 
@@ -114,7 +114,7 @@ def _check_common(calls, plan):
             assert got[0][0] == want, name
     (mla_cfgs, mla_kw), = calls["mla_decode"]
     assert mla_kw == {"softmax_scale": pytest.approx(192**-0.5)}
-    decode = [c for c in mla_cfgs if len(c) == 3]
+    decode = [c for c in mla_cfgs if len(c) != 4]
     assert len(decode) == len(set(decode))
     assert set(decode) == expected_mla_decode(plan)
     assert [c for c in mla_cfgs if len(c) == 4] == PREFILL_4096
@@ -127,7 +127,7 @@ def test_v2_lite_without_speculation(recorded):
     _check_common(recorded, plan)
     assert recorded["zos_fixup"] == [([("correct", ())], {})]  # every decode step corrects; no re-split at k=0
     n = sum(len(c[0][0]) for name, c in recorded.items() if name != "moe_gemm") + 3
-    assert summary.startswith(f"{n} configs in ") and "mla_decode: 51 (8 prefill)" in summary
+    assert summary.startswith(f"{n} configs in ") and "mla_decode: 69 (8 prefill)" in summary  # q = 1: the small tile
     assert "failed" not in summary and "skipped" not in summary
 
 
@@ -155,15 +155,15 @@ def test_mtp_eager_steps_and_chains(recorded):
     a short max_model_len keeps the tables under 32 blocks, where the width changes the split count."""
     plan = v2_lite_plan(k=2, varlen=True, method="mtp", max_model_len=512, max_num_seqs=4)
     kernel_set().warmup(plan)
-    got = {c for c in recorded["mla_decode"][0][0] if len(c) == 3}
+    got = {c for c in recorded["mla_decode"][0][0] if len(c) != 4}
     widths = {8, 9}  # the scheduler's 512 / 64, and (512 + 2*2 + 2 + 1) // 64 + 1 for the padded chains
-    assert {(16, 1, md.default_num_splits(1, 16, 1, w, SMS)) for w in widths} <= got
-    assert (16, 1, 9) in got and (16, 1, 8) in got
+    assert {md.decode_config(16, 1, md.default_num_splits(1, 16, 1, w, SMS)) for w in widths} <= got
+    assert md.decode_config(16, 1, 9) in got and md.decode_config(16, 1, 8) in got
     # the chain replayed from graphs: one query a row at each propose graph size, on the chain graphs' width
     from deepinfer_npu.spec.mtp_drafter import chain_graph_width
 
     w = chain_graph_width(512, 2, 64)
-    assert {(16, 1, md.default_num_splits(b, 16, 1, w, SMS)) for b in (1, 2, 4)} <= got
+    assert {md.decode_config(16, 1, md.default_num_splits(b, 16, 1, w, SMS)) for b in (1, 2, 4)} <= got
 
 
 def test_not_bf16_or_off_dims_compile_what_still_applies(recorded):
@@ -182,7 +182,7 @@ def test_unverified_gate_is_respected(recorded, monkeypatch):
     monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"spec_verify", "zos_fixup", "mla_prefill"})
     kernel_set().warmup(v2_lite_plan(k=5, varlen=True, method="dflash"))
     assert "spec_verify" not in recorded and "zos_fixup" not in recorded
-    assert all(len(c) == 3 for c in recorded["mla_decode"][0][0])
+    assert all(len(c) != 4 for c in recorded["mla_decode"][0][0])
 
 
 def test_failing_compile_is_reported_and_falls_back(recorded, monkeypatch):
@@ -246,13 +246,13 @@ def test_eager_decode_after_a_resplit_stays_within_k_plus_1(recorded):
     for b in range(1, plan.max_num_prompts + 1):  # prefill chunks of <= 16 tokens: every bucket
         for q in range(1, 17):
             bq = md.bucket_q(q)
-            want.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+            want.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
     for b in range(1, plan.max_num_seqs + 1):  # eager decode, re-split or not: max q <= k + 1
         for q in range(1, k + 2):
             bq = md.bucket_q(q)
-            want.add((h, md.m_tiles_for(h, bq), md.default_num_splits(b, h, bq, width, SMS)))
+            want.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
     cfgs = recorded["mla_decode"][0][0]
-    assert {c for c in cfgs if len(c) == 3} == want
+    assert {c for c in cfgs if len(c) != 4} == want
     # prefill buckets up to the longest chunk, min(max_num_batched_tokens, max_model_len) = 256
     assert [c for c in cfgs if len(c) == 4] == [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256)]
 
@@ -319,13 +319,15 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     one, cu = torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     args = (torch.zeros(1, 16, 512, dtype=bf), torch.zeros(1, 16, 64, dtype=bf), torch.zeros(2, 64, 576, dtype=bf),
             torch.zeros(1, 2, dtype=torch.int32), one, one, cu, 0.125)
-    md.mla_decode(*args, max_seqlen_q=1, num_splits=2, num_sms=SMS)
+    md.mla_decode(*args, max_seqlen_q=1, num_splits=2, num_sms=SMS)  # 16 rows: the small tile
     md.mla_decode(*args, max_seqlen_q=1, num_splits=2, num_sms=SMS, num_stages=1, threads=128)  # a sweep's call
+    md.mla_decode(*args, max_seqlen_q=2, num_splits=2, num_sms=SMS)  # 32 rows: the 64-row tile
     monkeypatch.undo()
     primed = []
     monkeypatch.setattr(md, "build_mla_decode", lambda *a, **k: object())
     monkeypatch.setattr(md.tilelang, "compile", lambda f, **k: f)
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: primed.append((a, k)))
-    md.precompile([(16, 1, 2)], softmax_scale=0.125)
-    assert calls[0] == primed[0] == ((16, 1, 2, 0.125), {})
+    md.precompile([md.decode_config(16, 1, 2), md.decode_config(16, 2, 2)], softmax_scale=0.125)
+    assert calls[0] == primed[0] == ((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})
     assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 64, "skip_empty_splits": False})
+    assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
