@@ -37,6 +37,13 @@ def main(argv=None):
         default=None,
         help="also time these fixed split counts (default: the heuristic only)",
     )
+    ap.add_argument(
+        "--block-m",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also time these CTA row tiles (16: mma.sync tile of 16 rows at 128 threads; 64: wgmma tile at 256)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -45,9 +52,9 @@ def main(argv=None):
     shapes = [(B, H, S, q) for H in args.heads for B in args.batch for S in args.seqlen_k for q in args.q_len]
     cfgs = []
     for B, H, S, q in shapes:
-        mt = mla.m_tiles_for(H, mla.bucket_q(q))
-        cfgs.append((H, mt, mla.default_num_splits(B, H, mla.bucket_q(q), S // mla.PAGE, num_sms)))
-        cfgs += [(H, mt, s) for s in (args.splits or [])]
+        bq = mla.bucket_q(q)
+        cfgs.append(mla.decode_config(H, bq, mla.default_num_splits(B, H, bq, S // mla.PAGE, num_sms)))
+        cfgs += [mla.decode_config(H, bq, s) for s in (args.splits or [])]
     mla.precompile(cfgs)
     copy_gbps = mla.copy_bandwidth()
     rows = [{"bench": "copy_d2d", "hardware": torch.cuda.get_device_name(), "GBps": round(copy_gbps, 1)}]
@@ -57,15 +64,22 @@ def main(argv=None):
             row = mla.bench_case(B, H, S, q, num_splits=s, copy_gbps=copy_gbps)
             rows.append(row)
             print(json.dumps(row), flush=True)
+        for bm in args.block_m or []:  # tile variants at the engine's split count (compiled at first use)
+            if bm == mla.decode_block_m(H, mla.bucket_q(q)) or bm < mla.SMALL_BLOCK_M or H * q > 8 * bm:
+                continue
+            row = mla.bench_case(B, H, S, q, copy_gbps=copy_gbps, block_m=bm, check=True)
+            rows.append(dict(row, variant=f"block_m={bm}"))
+            print(json.dumps(rows[-1]), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    print(f"{'H':>4} {'B':>4} {'S':>5} {'q':>2} {'spl':>3} {'us':>8} {'GB/s':>7} {'frac':>5} {'TFLOP/s':>7}")
+    print(f"{'H':>4} {'B':>4} {'S':>5} {'q':>2} {'bm':>3} {'spl':>3} {'us':>8} {'GB/s':>7} {'frac':>5} {'TFLOP/s':>7}")
     for r in rows[1:]:
         print(
-            f"{r['heads']:>4} {r['batch']:>4} {r['seqlen_k']:>5} {r['q_len']:>2} {r['num_splits']:>3} "
+            f"{r['heads']:>4} {r['batch']:>4} {r['seqlen_k']:>5} {r['q_len']:>2} {r['block_m']:>3} "
+            f"{r['num_splits']:>3} "
             f"{r['us']:>8.1f} {r['GBps']:>7.0f} {r['frac_of_copy']:>5.2f} {r['TFLOPs']:>7.0f}"
         )
     return 0

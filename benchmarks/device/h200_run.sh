@@ -41,8 +41,8 @@ for phase in "$@"; do
     tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
     profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
-             2>&1 | filt >> "$OUT/profile.log"; grep -v '^{' "$OUT/profile.log" | tail -5
-             grep '^{' "$OUT/profile.log" > "$OUT/profile.jsonl"
+             2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
+             grep '^{' /tmp/profile.log > "$OUT/profile.jsonl"
              python3 -c "
 import json
 for l in open('$OUT/profile.jsonl'):
@@ -52,12 +52,13 @@ for l in open('$OUT/profile.jsonl'):
 " ;;
     zos) timeout $LIM python3 benchmarks/bench_zos.py --backend cuda --batch 1 64 --graphs \
              --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;
-    spec) timeout $LIM python3 benchmarks/bench_spec.py --backend cuda --methods dflash --concurrency 1 32 \
-             --graphs --max-tokens 128 --repeat 3 --out "$OUT/h200_spec.jsonl" 2>&1 | filt > "$OUT/spec.log"; tail -8 "$OUT/spec.log" ;;
+    spec) timeout $LIM python3 benchmarks/bench_spec.py --backend cuda --methods ${SPEC_METHODS:-mtp dflash} \
+             --concurrency 1 32 --graphs --max-tokens 128 --repeat ${SPEC_REPEAT:-3} --out "$OUT/h200_spec.jsonl" 2>&1 \
+             | filt > /tmp/spec.log; grep -v '^{' /tmp/spec.log | tail -14 ;;
     e2e|e2e-nohf) x=""; [ $phase = e2e-nohf ] && x=--no-hf
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
-             --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > "$OUT/e2e.log"
-             grep -v '^{' "$OUT/e2e.log" | tail -12; grep '^{"bench": "decode_e2e"' "$OUT/e2e.log" ;;
+             --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
+             grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
     e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 \
              --prompt-len 512 --gen 32 --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
              > "$OUT/e2e_nopdl.log"; grep -v '^{' "$OUT/e2e_nopdl.log" | tail -6 ;;
@@ -75,8 +76,8 @@ for l in open('$OUT/profile.jsonl'):
              | filt | grep -v '^{' | tail -25; done ;;
     mla1) timeout $LIM python3 kernels_cuda/mla_decode.py --sweep-batch1 2>&1 | filt > "$OUT/mla1.log"
              grep '^{' "$OUT/mla1.log" > "$OUT/h200_mla_decode_batch1.jsonl"; tail -25 "$OUT/mla1.log" ;;
-    mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --out "$OUT/h200_mla_decode.jsonl" 2>&1 | filt \
-             > "$OUT/mla.log"; tail -20 "$OUT/mla.log" ;;
+    mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 --out "$OUT/h200_mla_decode.jsonl" \
+             2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
     savecache) tar -cJf "$OUT/tlcache.tar.xz" -C /tmp/tlcache . ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
   esac
