@@ -6,7 +6,7 @@
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
 #   e2e-nohf  the same without transformers
-#   e2e-nopdl batch 1 without transformers, kernels built without programmatic dependent launch (DEEPINFER_PDL=0)
+#   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, kernels built without programmatic dependent launch (DEEPINFER_PDL=0)
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
@@ -40,7 +40,7 @@ for phase in "$@"; do
   case $phase in
     tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
-    profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
+    profile) DEEPINFER_PDL=${PROFILE_PDL:-1} timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
              2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
              grep '^{' /tmp/profile.log > "$OUT/profile.jsonl"
              python3 -c "
@@ -59,9 +59,9 @@ for l in open('$OUT/profile.jsonl'):
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
              --gen 32 --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
-    e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 \
+    e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${E2E_BATCH:-1} \
              --prompt-len 512 --gen 32 --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
-             > "$OUT/e2e_nopdl.log"; grep -v '^{' "$OUT/e2e_nopdl.log" | tail -6 ;;
+             > /tmp/e2e_nopdl.log; grep -v '^{' /tmp/e2e_nopdl.log | grep -v kernel_cache | tail -6 ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
