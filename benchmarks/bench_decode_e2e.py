@@ -316,7 +316,7 @@ def main(argv=None) -> int:
             "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
         }
         if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
-            row["pdl"] = os.environ.get("DEEPINFER_PDL", "1").strip() == "1"
+            row["pdl"] = os.environ.get("DEEPINFER_PDL", "0").strip() == "1"
         lines.append(row)
         print(json.dumps(row), flush=True)
     if "op_report" in eng:

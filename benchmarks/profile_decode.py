@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
                "kernels_per_step": round(count / args.steps, 1),
                # kernels_cuda/_pdl.py: with PDL a kernel is placed early and waits, so its span includes the wait
-               "pdl": os.environ.get("DEEPINFER_PDL", "1").strip() == "1",
+               "pdl": os.environ.get("DEEPINFER_PDL", "0").strip() == "1",
                "sequence": [[n[:70], round(us, 2)] for _t, n, us in sorted(kernels)[: args.sequence]],
                "top": [[n[:90], round(v[0] / 1e3 / args.steps, 4), round(v[1] / args.steps, 1)] for n, v in top],
                "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]

@@ -6,7 +6,7 @@
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
 #   e2e-nohf  the same without transformers
-#   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, kernels built without programmatic dependent launch (DEEPINFER_PDL=0)
+#   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, DEEPINFER_PDL=0 (the default; e2e and e2e-nohf follow the caller's DEEPINFER_PDL)
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
@@ -40,7 +40,7 @@ for phase in "$@"; do
   case $phase in
     tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
-    profile) DEEPINFER_PDL=${PROFILE_PDL:-1} timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
+    profile) DEEPINFER_PDL=${PROFILE_PDL:-0} timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
              2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
              grep '^{' /tmp/profile.log > "$OUT/profile.jsonl"
              python3 -c "
