@@ -20,7 +20,8 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 - ``silu_and_mul``: ``kernels_cuda.silu_mul``.
 - ``moe_gating_topk`` / ``moe_dispatch`` / ``moe_combine``: ``kernels_cuda.moe_routing`` (warp gating top-k with
   torch's tie and summation order, counting-sort permute, fp32 weighted un-permute); else composed torch.
-- ``grouped_mlp``: ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``, at most
+- ``grouped_mlp``: ``kernels_cuda.moe_gemm_swap`` for a few tokens (rows <= ``MOE_GEMM_SWAP_MAX_ROWS``; unverified,
+  gated), ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``, at most
   ``MAX_EXPERTS`` = 256 experts), ``torch._grouped_mm`` (CUTLASS, device offsets) above; the reference loops over
   experts after ``tokens_per_expert.tolist()`` (a sync).
 - ``sample`` / ``spec_verify`` / ``zos_fixup``: ``kernels_cuda.sampling`` / ``spec_verify`` / ``zos_fixup`` where
@@ -61,6 +62,10 @@ MOE_GEMM_MAX_ROWS = 2048
 # 0: off. Measured on an H200 (skinny_gemm --bench, session 4): at 1 token (6 rows) the grouped skinny w13 + w2
 # took 24.1 + 11.9 us against moe_gemm's 22.0 + 11.9 (+ ~1.5 us of silu_mul), and lost more at 2 and 4 tokens.
 SKINNY_GROUPED_MAX_ROWS = 0
+# Rows (tokens x top-k) up to which grouped_mlp takes kernels_cuda.moe_gemm_swap (the weight tile as wgmma's M side,
+# 8 or 16 token rows as its N side, SwiGLU in the w13 epilogue) instead of moe_gemm + silu_mul. Unverified: until
+# its --check passes on a GPU the gate below keeps moe_gemm.
+MOE_GEMM_SWAP_MAX_ROWS = 64
 # run_parallel overlaps independent branches (shared experts | routed experts) on two streams
 PARALLEL_BRANCHES = True
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
@@ -86,8 +91,9 @@ _STATIC_FALLBACK = {
 #: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
 #: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
-#: (session 4) entered and left it the same session after its check passed on an H200.
-UNVERIFIED_KERNELS: set[str] = set()
+#: (session 4) entered and left it the same session after its check passed on an H200. moe_gemm_swap (session 5)
+#: is in it.
+UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap"}  # session 5: written and compiled after the last device call
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -573,6 +579,16 @@ class CudaKernelSet(KernelSet):
             return None
         return mod
 
+    def _moe_gemm_swap_for(self, w13, w2):
+        """``kernels_cuda.moe_gemm_swap`` where ``_moe_gemm_for`` applies, its dims fit and the gate allows it."""
+        if not unverified_kernel_enabled("moe_gemm_swap"):
+            return None
+        mod = self._kernel("moe_gemm_swap")
+        if mod is None or not (mod.supported(w13.shape[1], w13.shape[2], True)
+                               and mod.supported(w2.shape[1], w2.shape[2], False)):
+            return None
+        return mod
+
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         """Decode-sized batches (rows <= MOE_GEMM_MAX_ROWS): ``kernels_cuda.moe_gemm`` (one CTA per expert and N
         tile streaming the hit experts' weights; 1.2-1.5x torch._grouped_mm on an H200); larger batches:
@@ -588,6 +604,14 @@ class CudaKernelSet(KernelSet):
             out = sk.skinny_gemm(h, w2, scan=starts)
             self._note("grouped_mlp", f"kernels_cuda.skinny_gemm grouped (rows <= {SKINNY_GROUPED_MAX_ROWS}, "
                        f"SwiGLU in the w13 epilogue{unverified_note('skinny_gemm')})", True)
+            return out
+        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= MOE_GEMM_SWAP_MAX_ROWS else None
+        if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
+            starts = mg.expert_starts(tokens_per_expert)
+            h = sw.moe_gemm_swap(sorted_hidden, w13, starts, gated=True)
+            out = sw.moe_gemm_swap(h, w2, starts)
+            self._note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {MOE_GEMM_SWAP_MAX_ROWS}, SwiGLU "
+                       f"in the w13 epilogue{unverified_note('moe_gemm_swap')})", True)
             return out
         if mg is not None:
             starts = mg.expert_starts(tokens_per_expert)  # once for both GEMMs

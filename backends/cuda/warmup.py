@@ -25,7 +25,8 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
   power-of-two query bucket from 32 up to the longest chunk.
 - ``silu_mul``: each SwiGLU width (dense layers, shared experts, routed experts), the row variant (<= 128 rows)
   and the tile variant (more rows) where the step sizes reach them.
-- ``moe_routing`` (gating, permute, unpermute), ``moe_gemm`` (w13 and w2 GEMMs, its expert scan) for MoE models.
+- ``moe_routing`` (gating, permute, unpermute), ``moe_gemm`` (w13 and w2 GEMMs, its expert scan) for MoE models;
+  ``moe_gemm_swap`` (w13 with the SwiGLU, w2) at up to ``MOE_GEMM_SWAP_MAX_ROWS`` rows where its gate allows it.
 - ``spec_verify``: the greedy and the sampled (noise) arg-max over the vocabulary and the accept kernel. The worker
   samples every step through ``spec_verify`` (prefill: one row per finished prompt, ``max_q = 1``), with or
   without speculation, so ``kernels_cuda.sampling`` (the ``sample`` op) is not on the engine's path.
@@ -57,6 +58,7 @@ from .kernels import (
     KV_LORA,
     MAX_Q,
     MOE_GEMM_MAX_ROWS,
+    MOE_GEMM_SWAP_MAX_ROWS,
     NORM_MAX,
     NORM_MIN,
     NORM_MULT,
@@ -251,6 +253,21 @@ def moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return items
 
 
+def moe_gemm_swap_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    """``kernels_cuda.moe_gemm_swap.config_for`` tuples (w13 gated, w2) at the row counts up to
+    ``MOE_GEMM_SWAP_MAX_ROWS`` the steps reach, where grouped_mlp takes moe_gemm (whose scan it shares)."""
+    g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
+    if g is None or not moe_gemm_configs(plan):
+        return []
+    sw = _kc("moe_gemm_swap")
+    if not (sw.supported(2 * inter, d, True) and sw.supported(d, inter, False)):
+        return []
+    lo, hi = _step_token_bounds(plan)
+    rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_SWAP_MAX_ROWS) + 1)
+    cfgs = [c for r in rows for c in (sw.config_for(2 * inter, d, r, True), sw.config_for(d, inter, r, False))]
+    return list(dict.fromkeys(cfgs))
+
+
 def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     """``kernels_cuda.skinny_gemm.config_for`` tuples: ``linear`` on every (in_features, dtype) of the model's
     weights (K <= DENSE_MAX_K) at each row block up to DENSE_MAX_ROWS tokens (fp32 weights: the router, fed fp32
@@ -329,6 +346,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "silu_mul": silu_mul_configs(plan),
         "moe_routing": moe_routing_configs(plan),
         "moe_gemm": moe_gemm_configs(plan),
+        "moe_gemm_swap": moe_gemm_swap_configs(plan) if enabled("moe_gemm_swap") else [],
         "spec_verify": spec_verify_configs(plan) if enabled("spec_verify") else [],
         "zos_fixup": zos_fixup_configs(plan) if enabled("zos_fixup") else [],
     }

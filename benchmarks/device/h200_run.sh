@@ -14,6 +14,8 @@
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
 #   skinny    kernels_cuda/skinny_gemm.py --check --bench
 #   routing   kernels_cuda/moe_routing.py --check
+#   swap      kernels_cuda/moe_gemm_swap.py --check --bench (unverified; the engine takes it with
+#             DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 in the caller's environment, e.g. for tests / e2e-nohf after it)
 #   unverified  kernels_cuda/device_run_unverified.sh (the gated sampling / spec_verify / zos_fixup kernels)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (a fresh machine then skips the compiles it already did)
@@ -70,6 +72,8 @@ for l in open('$OUT/profile.jsonl'):
     unverified) OUT=$OUT bash kernels_cuda/device_run_unverified.sh ;;
     skinny) timeout $LIM python3 kernels_cuda/skinny_gemm.py --check --bench --out "$OUT/h200_skinny_gemm.jsonl" 2>&1 \
              | filt > "$OUT/skinny.log"; grep -v '^{' "$OUT/skinny.log" | tail -20 ;;
+    swap) timeout $LIM python3 kernels_cuda/moe_gemm_swap.py --check --bench --out "$OUT/h200_moe_gemm_swap.jsonl" 2>&1 \
+             | filt | grep -v '^{' | tail -12 ;;
     routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
     kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
              echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \

@@ -29,7 +29,7 @@ from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan  # noqa: E402
 
 SMS = 132  # H200
 PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup",
-               "skinny_gemm")
+               "skinny_gemm", "moe_gemm_swap")
 
 
 def v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
@@ -331,3 +331,21 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     assert calls[0] == primed[0] == ((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})
     assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 64, "skip_empty_splits": False})
     assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
+
+
+def test_moe_gemm_swap_gated_until_verified(recorded, monkeypatch):
+    """moe_gemm_swap is unverified: nothing compiled for it by default; with the gate open, w13 (gated) and w2 at the
+    row tiles of 6 .. 64 rows (1 .. 10 tokens x top-6), and moe_gemm's own configurations still (larger batches)."""
+    from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
+
+    assert "moe_gemm_swap" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert "moe_gemm_swap" not in recorded
+    recorded.clear()
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    (cfgs, _kw), = recorded["moe_gemm_swap"]
+    assert cfgs == [(2816, 2048, 8, True, 64), (2048, 1408, 8, False, 64),
+                    (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64)]
+    assert all(sw.config_for(*c[:2], r, c[3]) in cfgs for c in cfgs for r in (6, 64))
+    assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]

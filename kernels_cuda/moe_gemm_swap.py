@@ -1,0 +1,317 @@
+"""Grouped expert GEMM for a few rows an expert (decode), operands swapped, in TileLang (bf16, Hopper).
+
+Op: the two GEMMs of ``grouped_mlp`` (docs/interfaces.md §2), as in ``moe_gemm``: ``a`` [M, K] bf16 rows sorted by
+expert, ``w`` [E, N, K] bf16, ``expert_starts``' scan; result [M, N] bf16 with fp32 accumulation. ``gated=True``
+fuses the SwiGLU: ``w`` is [gate | up] = [E, 2I, K] and the result [M, I] is ``silu(bf16(a @ gate^T)) *
+bf16(a @ up^T)`` with the CPU reference's roundings (as ``silu_mul``: silu in fp32 rounded to bf16, the product in
+fp32 rounded to bf16; precise expf).
+
+Why: at batch 1 each hit expert holds one row, but ``moe_gemm`` pads the rows to the 64-row wgmma minimum and
+fills that A tile with a synchronous masked loop at every K step (64 x 64 values, one of them real). On an H200
+(session 5 profile, batch 1) its two GEMMs took ~21.7 + ~14 us a V2-Lite layer against ~16 + ~8 us of weight
+bytes at the copy bandwidth, 0.93 ms of a 2.8 ms step. Here the weight tile is the wgmma M side and the rows are
+its N side: ``C^T [BLOCK_N, RT] = W_tile [BLOCK_N, K] @ A_rows [RT, K]^T`` with RT = 8 or 16 (wgmma's N goes down
+to 8), so a K step fills an 8-row A tile and the pipeline carries weights only. Gated, a CTA streams the matching
+gate and up tiles (two wgmmas into two accumulators) and writes the activation: no [M, 2I] intermediate, no
+``silu_mul`` launch. Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
+more than RT rows loops over row tiles (correct for any count, fast for few).
+
+Not verified on a GPU yet (``UNVERIFIED_KERNELS`` in backends/cuda/kernels.py): ``--check`` compares with the fp32
+reference (bf16 within 2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999), ``--bench`` times it
+against ``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
+
+Run alone:  python kernels_cuda/moe_gemm_swap.py --check --bench
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+try:
+    import tilelang
+    import tilelang.language as T
+except Exception:  # pragma: no cover
+    tilelang = None
+    T = None
+
+try:
+    from . import moe_gemm as mg
+    from ._kernel_cache import KernelCache
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/moe_gemm_swap.py
+    import moe_gemm as mg
+    from _kernel_cache import KernelCache
+    from _pdl import pdl_enabled
+
+SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
+BLOCK_K = 64
+MAX_ROWS_TILE = 16  # RT: 8 for up to 8 rows (M <= 8: every expert has at most M rows), else 16
+# What the backend routes here (rows = tokens x top-k, a host int): decode of a few tokens. Above, moe_gemm's
+# 64-row tiles re-read less weight per row. A first bound, to be tuned with --bench on the GPU.
+ENGINE_MAX_ROWS = 64
+
+
+def rows_tile(m: int) -> int:
+    return 8 if m <= 8 else MAX_ROWS_TILE
+
+
+def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: int = 64, num_stages: int = 4,
+                        threads: int = 128):
+    """PrimFunc for weights [E, n, k] (gated: n = 2I, output I columns); rows M and experts E are dynamic.
+    ``rt``: rows a tile (the wgmma N side, 8 or 16); ``block_n``: weight rows a CTA (the wgmma M side, 64 or 128)."""
+    assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
+    NO = n // 2 if gated else n
+    assert NO % block_n == 0 and k % BLOCK_K == 0 and rt in (8, 16), (n, k, block_n, rt)
+    K, BN, BK, RT = k, block_n, BLOCK_K, rt
+    dtype, acc, f32 = T.bfloat16, T.float32, T.float32
+    M = T.dynamic("num_rows")
+    E = T.dynamic("num_experts")
+    S = T.dynamic("scan_len")
+
+    @T.prim_func
+    def moe_gemm_swap(
+        A: T.Tensor([M, K], dtype),
+        W: T.Tensor([E, n, K], dtype),
+        scan: T.Tensor([S], T.int32),  # moe_gemm.expert_starts: row starts [E + 1], then the hit experts
+        Out: T.Tensor([M, NO], dtype),
+    ):
+        with T.Kernel(NO // BN, T.min(E, M), threads=threads) as (bn, slot):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
+            A_s = T.alloc_shared([RT, BK], dtype)
+            G_s = T.alloc_shared([BN, BK], dtype)
+            U_s = T.alloc_shared([BN, BK], dtype)
+            C = T.alloc_fragment([BN, RT], acc)  # C^T: weight rows x token rows
+            CU = T.alloc_fragment([BN, RT], acc)
+            hit = scan[E + 1 + slot]
+            e = T.max(hit, 0)  # a slot past the hit experts reads expert 0's range and does no row
+            row0 = scan[e]
+            cnt = T.if_then_else(hit >= 0, scan[e + 1] - row0, 0)
+            for mb in T.serial(T.ceildiv(cnt, RT)):
+                T.clear(C)
+                if gated:
+                    T.clear(CU)
+                for kk in T.Pipelined(K // BK, num_stages=num_stages):
+                    for i, j in T.Parallel(RT, BK):  # rows past this expert's range read as zero
+                        A_s[i, j] = T.if_then_else(
+                            mb * RT + i < cnt, A[row0 + mb * RT + i, kk * BK + j], T.cast(0, dtype)
+                        )
+                    T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], G_s)
+                    T.gemm(G_s, A_s, C, transpose_B=True)
+                    if gated:
+                        T.copy(W[e, NO + bn * BN : NO + (bn + 1) * BN, kk * BK : (kk + 1) * BK], U_s)
+                        T.gemm(U_s, A_s, CU, transpose_B=True)
+                for j, i in T.Parallel(BN, RT):
+                    if mb * RT + i < cnt:
+                        if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
+                            gv = T.cast(T.cast(C[j, i], dtype), f32)
+                            s = T.cast(gv / (T.float32(1) + T.exp(-gv)), dtype)
+                            Out[row0 + mb * RT + i, bn * BN + j] = T.cast(
+                                T.cast(s, f32) * T.cast(T.cast(CU[j, i], dtype), f32), dtype)
+                        else:
+                            Out[row0 + mb * RT + i, bn * BN + j] = T.cast(C[j, i], dtype)
+
+    return moe_gemm_swap
+
+
+def _compile(func, target=None):
+    return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
+
+
+_CACHE = KernelCache({"swap": build_moe_gemm_swap}, _compile, available=tilelang is not None)
+_KERNELS = _CACHE.kernels
+
+
+def pick_block_n(no: int) -> int:
+    return 64 if no % 64 == 0 else 0
+
+
+def supported(n: int, k: int, gated: bool) -> bool:
+    no = n // 2 if gated else n
+    return (not gated or n % 2 == 0) and no % 64 == 0 and k % BLOCK_K == 0
+
+
+def config_for(n: int, k: int, m: int, gated: bool) -> tuple:
+    """The cache key :func:`moe_gemm_swap` launches for ``m`` rows."""
+    no = n // 2 if gated else n
+    return (int(n), int(k), rows_tile(m), bool(gated), pick_block_n(no))
+
+
+def precompile(configs):
+    _CACHE.precompile(("swap", tuple(c)) for c in configs)
+
+
+def moe_gemm_swap(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, gated: bool = False,
+                  out: torch.Tensor | None = None, block_n: int | None = None,
+                  num_stages: int | None = None) -> torch.Tensor:
+    """[M, K] rows sorted by expert x [E, N, K] -> [M, N] (gated: [M, N / 2]) bf16, with ``starts`` =
+    ``moe_gemm.expert_starts(tokens_per_expert)``. No host read of device values."""
+    m, k = a.shape
+    e, n, k2 = w.shape
+    if k2 != k:
+        raise ValueError(f"moe_gemm_swap: a has K={k} but w is [E={e}, N={n}, K={k2}]")
+    if starts.shape[0] != 2 * e + 1 or starts.dtype != torch.int32:
+        raise ValueError(f"moe_gemm_swap: starts must be expert_starts' int32 [2E+1] = [{2 * e + 1}] scan, got "
+                         f"{starts.dtype} {list(starts.shape)}")
+    if not supported(n, k, gated):
+        raise ValueError(f"moe_gemm_swap: N={n} (gated={gated}), K={k}: needs output columns % 64 == 0, K % 64 == 0")
+    no = n // 2 if gated else n
+    if out is None:
+        out = torch.empty(m, no, dtype=a.dtype, device=a.device)
+    if m == 0:
+        return out
+    cfg = config_for(n, k, m, gated)
+    if block_n is not None or num_stages is not None:  # tuning runs
+        cfg = (cfg[0], cfg[1], cfg[2], cfg[3], block_n or cfg[4], num_stages or 4)
+    _CACHE.get("swap", cfg)(a.contiguous(), w, starts, out)
+    return out
+
+
+def moe_gemm_swap_ref(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
+                      gated: bool = False) -> torch.Tensor:
+    """fp32 reference (gated: the roundings of the kernel's epilogue, i.e. of the CPU reference)."""
+    h = mg.moe_gemm_ref(a, w, tokens_per_expert)
+    if not gated:
+        return h
+    g, u = h.to(torch.bfloat16).chunk(2, dim=-1)
+    s = torch.nn.functional.silu(g.float()).to(torch.bfloat16)
+    return (s.float() * u.float()).to(torch.bfloat16).float()
+
+
+CI_CONFIGS = [
+    ("swap", (2816, 2048, 8, True, 64)),  # V2-Lite w13 at batch 1, SwiGLU fused
+    ("swap", (2048, 1408, 16, False, 64)),  # V2-Lite w2 at a few tokens
+]
+
+
+def ci_compile(configs=None, target=None):
+    """Compile representative configurations (no GPU, nothing cached); see tests/kernels_cuda."""
+    return _CACHE.ci_compile(configs or CI_CONFIGS, target)
+
+
+def check() -> bool:
+    """Against the fp32 reference: bf16 within 2 ulp of |ref| + 1e-2 (gated: 4 ulp, the extra roundings); NaN
+    positions equal; cosine > 0.99999."""
+    ok = True
+    cases = [(1, 6, 64, 2816, 2048, False, True), (1, 6, 64, 2048, 1408, False, False),
+             (2, 6, 64, 2816, 2048, False, True), (7, 6, 64, 2048, 1408, False, False),
+             (10, 6, 64, 2816, 2048, True, True), (5, 8, 256, 4096, 7168, False, True),
+             (40, 2, 16, 256, 512, True, False)]
+    for tokens, top_k, experts, n, k, skew, gated in cases:
+        a, w, counts = mg._problem(tokens, top_k, experts, n, k, skew=skew)
+        ref = moe_gemm_swap_ref(a, w, counts, gated)
+        out = moe_gemm_swap(a, w, mg.expert_starts(counts), gated=gated).float()
+        err = (out - ref).abs()
+        tol = (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
+        bad = int((err > tol).sum())
+        nan_ok = bool(torch.equal(torch.isnan(out), torch.isnan(ref)))
+        cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
+        good = bad == 0 and nan_ok and cos > 0.99999
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} tokens={tokens} k={top_k} E={experts} N={n} K={k} skew={skew} "
+              f"gated={gated}: max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
+    return ok
+
+
+def _timed(fn, iters=50):
+    """Seconds a call, from replays of a CUDA graph holding one call."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bytes/s (read + written), median of do_bench."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def _bench_tokens(tokens: int, copy_bw: float) -> list[dict]:
+    try:
+        from . import silu_mul as sm
+    except ImportError:
+        import silu_mul as sm
+
+    a, w13, counts = mg._problem(tokens, 6, 64, 2816, 2048, seed=1)
+    _, w2, _ = mg._problem(tokens, 6, 64, 2048, 1408, seed=2)
+    hit = int((counts > 0).sum())
+    nbytes = hit * (2816 * 2048 + 2048 * 1408) * 2
+    starts = mg.expert_starts(counts)
+    h = torch.empty(a.shape[0], 1408, dtype=torch.bfloat16, device="cuda")
+    o = torch.empty(a.shape[0], 2048, dtype=torch.bfloat16, device="cuda")
+
+    def old():
+        mid = sm.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
+        mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
+
+    t_old = _timed(old)
+    rows = []
+    for bn in (64, 128):
+        for st in (3, 4, 6):
+            def w13_only(bn=bn, st=st):
+                moe_gemm_swap(a, w13, starts, gated=True, out=h, block_n=bn, num_stages=st)
+
+            def both(bn=bn, st=st):
+                w13_only(bn, st)
+                moe_gemm_swap(h, w2, starts, out=o, block_n=bn, num_stages=st)
+
+            t, t13 = _timed(both), _timed(w13_only)
+            rows.append({"bench": "moe_gemm_swap", "hardware": torch.cuda.get_device_name(), "shape": "v2-lite-mlp",
+                         "tokens": tokens, "experts_hit": hit, "block_n": bn, "stages": st,
+                         "us": round(t * 1e6, 2), "w13_gated_us": round(t13 * 1e6, 2),
+                         "frac_of_copy": round(nbytes / t / copy_bw, 4),
+                         "moe_gemm_silu_mul_us": round(t_old * 1e6, 2), "speedup": round(t_old / t, 3),
+                         "copy_GBps": round(copy_bw / 1e9, 1)})
+    return rows
+
+
+def bench(out=None):
+    """V2-Lite experts at 1 / 2 / 4 / 8 tokens x top-6: this kernel (w13 gated + w2) against moe_gemm + silu_mul,
+    bytes of the experts hit / time vs the copy bandwidth measured here (JSON lines)."""
+    import json
+
+    copy_bw = _copy_bandwidth()
+    rows = []
+    for tokens in (1, 2, 4, 8):
+        for row in _bench_tokens(tokens, copy_bw):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to run", file=sys.stderr)
+        sys.exit(2)
+    status = 0
+    if args.check and not check():
+        status = 1
+    if args.bench:
+        bench(args.out)
+    sys.exit(status)
