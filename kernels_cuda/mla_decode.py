@@ -447,7 +447,7 @@ def mla_decode(
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
         kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm)  # precompile's call form
     else:
-        bm = block_m or BLOCK_M
+        bm = block_m or engine_bm
         mt = -(-bucket_q(max_seqlen_q) * H // bm)
         th = threads or (SMALL_THREADS if bm < BLOCK_M else 256)
         kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages or 2, threads=th,

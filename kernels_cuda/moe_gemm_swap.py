@@ -48,9 +48,6 @@ except ImportError:  # run as a script: python kernels_cuda/moe_gemm_swap.py
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64
 MAX_ROWS_TILE = 16  # RT: 8 for up to 8 rows (M <= 8: every expert has at most M rows), else 16
-# What the backend routes here (rows = tokens x top-k, a host int): decode of a few tokens. Above, moe_gemm's
-# 64-row tiles re-read less weight per row. A first bound, to be tuned with --bench on the GPU.
-ENGINE_MAX_ROWS = 64
 
 
 def rows_tile(m: int) -> int:
@@ -197,14 +194,19 @@ def check() -> bool:
     """Against the fp32 reference: bf16 within 2 ulp of |ref| + 1e-2 (gated: 4 ulp, the extra roundings); NaN
     positions equal; cosine > 0.99999."""
     ok = True
-    cases = [(1, 6, 64, 2816, 2048, False, True), (1, 6, 64, 2048, 1408, False, False),
-             (2, 6, 64, 2816, 2048, False, True), (7, 6, 64, 2048, 1408, False, False),
-             (10, 6, 64, 2816, 2048, True, True), (5, 8, 256, 4096, 7168, False, True),
-             (40, 2, 16, 256, 512, True, False)]
-    for tokens, top_k, experts, n, k, skew, gated in cases:
+    # (tokens, top_k, experts, N, K, skew, gated, (block_n, stages) or None for the engine's choice); skew: one
+    # expert gets every token, so it loops over row tiles (gated and not)
+    cases = [(1, 6, 64, 2816, 2048, False, True, None), (1, 6, 64, 2048, 1408, False, False, None),
+             (2, 6, 64, 2816, 2048, False, True, None), (7, 6, 64, 2048, 1408, False, False, None),
+             (10, 6, 64, 2816, 2048, True, True, None), (5, 8, 256, 4096, 7168, False, True, None),
+             (40, 2, 16, 256, 512, True, False, None), (20, 2, 16, 256, 512, True, True, None)]
+    cases += [(1, 6, 64, 2816, 2048, False, True, (bn, st)) for bn in (64, 128) for st in (3, 6)]
+    cases += [(4, 6, 64, 2048, 1408, False, False, (128, 3))]
+    for tokens, top_k, experts, n, k, skew, gated, tune in cases:
         a, w, counts = mg._problem(tokens, top_k, experts, n, k, skew=skew)
         ref = moe_gemm_swap_ref(a, w, counts, gated)
-        out = moe_gemm_swap(a, w, mg.expert_starts(counts), gated=gated).float()
+        bn, st = tune or (None, None)
+        out = moe_gemm_swap(a, w, mg.expert_starts(counts), gated=gated, block_n=bn, num_stages=st).float()
         err = (out - ref).abs()
         tol = (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
         bad = int((err > tol).sum())
@@ -213,7 +215,7 @@ def check() -> bool:
         good = bad == 0 and nan_ok and cos > 0.99999
         ok &= good
         print(f"{'PASS' if good else 'FAIL'} tokens={tokens} k={top_k} E={experts} N={n} K={k} skew={skew} "
-              f"gated={gated}: max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
+              f"gated={gated} tune={tune}: max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
     return ok
 
 

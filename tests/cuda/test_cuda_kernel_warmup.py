@@ -329,7 +329,7 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: primed.append((a, k)))
     md.precompile([md.decode_config(16, 1, 2), md.decode_config(16, 2, 2)], softmax_scale=0.125)
     assert calls[0] == primed[0] == ((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})
-    assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 64, "skip_empty_splits": False})
+    assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 16, "skip_empty_splits": False})
     assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
 
 
