@@ -407,9 +407,13 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
 
 # ---- 3. unpermute (combine) ----------------------------------------------------------------------------------
 def build_unpermute(
-    hidden_size: int, top_k: int, dtype: str = "bfloat16", sum_order: str = "torch_strided", threads: int = 128
+    hidden_size: int, top_k: int, dtype: str = "bfloat16", sum_order: str = "torch_strided", threads: int = 128,
+    with_addend: bool = False,
 ):
-    """PrimFunc (expert_out [N, D], order [N] i64, weights [T, k] f32, out [T, D] out), N = T * k."""
+    """PrimFunc (expert_out [N, D], order [N] i64, weights [T, k] f32, out [T, D] out), N = T * k; ``with_addend``:
+    (expert_out, order, weights, addend [T, D], out) and out = addend + the combine, added as torch adds two tensors
+    of ``dtype`` (the combine rounded to ``dtype`` first, the sum in fp32, rounded once more): the MoE layer's
+    ``routed + shared`` without its own launch."""
     assert tilelang is not None, "tilelang is not installed"
     PDL = pdl_enabled()
     D, K = hidden_size, top_k
@@ -422,6 +426,55 @@ def build_unpermute(
     Tn = T.dynamic("num_tokens")
     Na = T.dynamic("num_assign")
 
+    @T.macro
+    def body(Y, Order, W, Add, Out, bx):
+        tid = T.get_thread_binding()
+        s_pos = T.alloc_shared([K], i32)
+        pos = T.alloc_local([K], i32)
+        w = T.alloc_local([K], f32)
+        xb = T.alloc_local([K * VEC], dtype)
+        ob = T.alloc_local([VEC], dtype)
+
+        for it in T.serial(T.ceildiv(Na, threads)):  # invert the order for this token's k assignments
+            if it * threads + tid < Na:
+                a = Order[it * threads + tid]
+                if (a >= T.Cast(i64, bx * K)) & (a < T.Cast(i64, bx * K + K)):
+                    s_pos[T.Cast(i32, a - T.Cast(i64, bx * K))] = it * threads + tid
+        T.sync_threads()
+        for j in T.unroll(K, explicit=True):
+            pos[j] = s_pos[j]
+            w[j] = W[bx, j]
+        for it in T.unroll(ITERS, explicit=True):
+            if it * threads + tid < NV:
+                for j in T.unroll(K, explicit=True):
+                    for v in T.vectorized(VEC):
+                        xb[j * VEC + v] = Y[pos[j], (it * threads + tid) * VEC + v]
+                for v in T.unroll(VEC, explicit=True):
+                    ob[v] = T.Cast(dtype, sum_fn([T.Cast(f32, xb[j * VEC + v]) * w[j] for j in range(K)]))
+                if with_addend:
+                    for v in T.unroll(VEC, explicit=True):
+                        ob[v] = T.Cast(dtype, T.Cast(f32, ob[v]) + T.Cast(f32, Add[bx, (it * threads + tid) * VEC + v]))
+                for v in T.vectorized(VEC):
+                    Out[bx, (it * threads + tid) * VEC + v] = ob[v]
+
+    if with_addend:
+
+        @T.prim_func
+        def moe_unpermute_add(
+            Y: T.Tensor([Na, D], dtype),
+            Order: T.Tensor([Na], i64),
+            W: T.Tensor([Tn, K], f32),
+            Add: T.Tensor([Tn, D], dtype),
+            Out: T.Tensor([Tn, D], dtype),
+        ):
+            with T.Kernel(Tn, threads=threads) as bx:
+                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                    T.pdl_sync()
+                    T.pdl_trigger()
+                body(Y, Order, W, Add, Out, bx)
+
+        return moe_unpermute_add
+
     @T.prim_func
     def moe_unpermute(
         Y: T.Tensor([Na, D], dtype),
@@ -433,31 +486,7 @@ def build_unpermute(
             if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
                 T.pdl_sync()
                 T.pdl_trigger()
-            tid = T.get_thread_binding()
-            s_pos = T.alloc_shared([K], i32)
-            pos = T.alloc_local([K], i32)
-            w = T.alloc_local([K], f32)
-            xb = T.alloc_local([K * VEC], dtype)
-            ob = T.alloc_local([VEC], dtype)
-
-            for it in T.serial(T.ceildiv(Na, threads)):  # invert the order for this token's k assignments
-                if it * threads + tid < Na:
-                    a = Order[it * threads + tid]
-                    if (a >= T.Cast(i64, bx * K)) & (a < T.Cast(i64, bx * K + K)):
-                        s_pos[T.Cast(i32, a - T.Cast(i64, bx * K))] = it * threads + tid
-            T.sync_threads()
-            for j in T.unroll(K, explicit=True):
-                pos[j] = s_pos[j]
-                w[j] = W[bx, j]
-            for it in T.unroll(ITERS, explicit=True):
-                if it * threads + tid < NV:
-                    for j in T.unroll(K, explicit=True):
-                        for v in T.vectorized(VEC):
-                            xb[j * VEC + v] = Y[pos[j], (it * threads + tid) * VEC + v]
-                    for v in T.unroll(VEC, explicit=True):
-                        ob[v] = T.Cast(dtype, sum_fn([T.Cast(f32, xb[j * VEC + v]) * w[j] for j in range(K)]))
-                    for v in T.vectorized(VEC):
-                        Out[bx, (it * threads + tid) * VEC + v] = ob[v]
+            body(Y, Order, W, None, Out, bx)
 
     return moe_unpermute
 
@@ -506,7 +535,9 @@ def get_permute_kernel(hidden_size, top_k, num_experts, dtype):
     return _get_kernel("permute", (hidden_size, top_k, num_experts, dtype))
 
 
-def get_unpermute_kernel(hidden_size, top_k, dtype, sum_order="torch_strided"):
+def get_unpermute_kernel(hidden_size, top_k, dtype, sum_order="torch_strided", with_addend=False):
+    if with_addend:  # the 6-item key: (..., threads, with_addend); the plain kernel keeps its 4-item key
+        return _get_kernel("unpermute", (hidden_size, top_k, dtype, sum_order, 128, True))
     return _get_kernel("unpermute", (hidden_size, top_k, dtype, sum_order))
 
 
@@ -601,12 +632,27 @@ def unpermute_reason(expert_out, order, weights, num_tokens, top_k) -> str | Non
     return _rows_reason(expert_out, "expert_out")
 
 
-def unpermute(expert_out, order, weights, num_tokens, top_k, sum_order="torch_strided"):
-    """[T, D] = sum_j weights[t, j] * expert_out[row of t*k+j], like ``backends.cpu.moe.moe_combine``."""
+def addend_reason(expert_out, addend, num_tokens) -> str | None:
+    """None when ``unpermute(..., addend=addend)`` takes ``addend`` (shape [T, D], expert_out's dtype, contiguous)."""
+    want = (int(num_tokens), int(expert_out.shape[1]))
+    if tuple(addend.shape) != want or addend.dtype != expert_out.dtype or addend.device != expert_out.device:
+        return f"addend {addend.dtype} {list(addend.shape)} on {addend.device}, want {expert_out.dtype} {list(want)}"
+    if not addend.is_contiguous():
+        return "addend not contiguous"
+    return None
+
+
+def unpermute(expert_out, order, weights, num_tokens, top_k, sum_order="torch_strided", addend=None):
+    """[T, D] = sum_j weights[t, j] * expert_out[row of t*k+j], like ``backends.cpu.moe.moe_combine``; with
+    ``addend`` [T, D] (``addend_reason``): that sum rounded to the dtype, plus ``addend`` as torch adds them."""
     d = expert_out.shape[1]
     out = torch.empty(num_tokens, d, dtype=expert_out.dtype, device=expert_out.device)
     w = weights.float().contiguous()
-    get_unpermute_kernel(d, int(top_k), DTYPES[expert_out.dtype], sum_order)(expert_out, order.contiguous(), w, out)
+    kern = get_unpermute_kernel(d, int(top_k), DTYPES[expert_out.dtype], sum_order, addend is not None)
+    if addend is None:
+        kern(expert_out, order.contiguous(), w, out)
+    else:
+        kern(expert_out, order.contiguous(), w, addend, out)
     return out
 
 
@@ -616,6 +662,7 @@ CI_CONFIGS = [
     ("gating", (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, "torch_last", True)),  # V3
     ("permute", (2048, 6, 64, "bfloat16")),
     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
+    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),  # + the shared experts' output
 ]
 
 
@@ -777,21 +824,27 @@ def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose
     return ok, dict(order=ok_o, counts=ok_c, rows=ok_h)
 
 
-def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, verbose=True, sum_order="torch_strided"):
-    """Exact (0 ulp) when the summation order matches torch's; must be within 1 ulp of the output dtype."""
+def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, verbose=True, sum_order="torch_strided",
+                    addend=False):
+    """Exact (0 ulp) when the summation order matches torch's; must be within 1 ulp of the output dtype.
+    ``addend``: the fused ``+ shared`` variant against the reference combine followed by torch's add."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.rand(t, e, generator=g, device="cuda").argsort(-1)[:, :k]
     order = torch.argsort(ids.reshape(-1), stable=True)
     expert_out = (torch.randn(t * k, d, generator=g, device="cuda") * 3).to(dtype)
     weights = torch.rand(t, k, generator=g, device="cuda") * 2
-    out = unpermute(expert_out, order, weights, t, k, sum_order=sum_order)
+    add = (torch.randn(t, d, generator=g, device="cuda") * 2).to(dtype) if addend else None
+    out = unpermute(expert_out, order, weights, t, k, sum_order=sum_order, addend=add)
     ref = unpermute_ref(expert_out, order, weights, t, k)
+    if addend:
+        ref = ref + add
     torch.cuda.synchronize()
     ulps = _ulps_bf16(out, ref) if dtype == torch.bfloat16 else _ulps_f32(out, ref)
     exact = torch.equal(out, ref)
     ok = ulps <= 1
     if verbose:
-        print(f"check unpermute T={t:4d} k={k} D={d} {str(dtype)[6:]:8s} order={sum_order}: {'OK' if ok else 'FAIL'} "
+        print(f"check unpermute{'+add' if addend else ''} T={t:4d} k={k} D={d} {str(dtype)[6:]:8s} order={sum_order}: "
+              f"{'OK' if ok else 'FAIL'} "
               f"max {ulps} ulp, bit-exact={exact}", flush=True)
     return ok, dict(ulps=ulps, exact=exact)
 
@@ -845,6 +898,8 @@ UNPERMUTE_CASES = [
     (256, 6, 64, 2048, torch.bfloat16), (1, 8, 256, 7168, torch.bfloat16), (64, 8, 256, 7168, torch.bfloat16),
     (256, 8, 256, 7168, torch.bfloat16), (64, 6, 64, 2048, torch.float32), (9, 3, 16, 72, torch.bfloat16),
 ]
+ADDEND_CASES = [(1, 6, 64, 2048, torch.bfloat16), (64, 6, 64, 2048, torch.bfloat16), (5, 8, 256, 7168, torch.bfloat16),
+                (16, 6, 64, 2048, torch.float32)]  # unpermute + the shared experts' output (the fused add)
 
 
 def check_configs():
@@ -855,6 +910,7 @@ def check_configs():
     items += [("unpermute", (d, k, DTYPES[dt], "torch_strided")) for _t, k, _e, d, dt in UNPERMUTE_CASES]
     items += [("unpermute", (d, k, "bfloat16", "seq")) for d, k in ((7168, 8), (2048, 6))]
     items += [("permute", (1024, 8, 256, "bfloat16")), ("unpermute", (1024, 8, "bfloat16", "torch_strided"))]
+    items += [("unpermute", (d, k, DTYPES[dt], "torch_strided", 128, True)) for _t, k, _e, d, dt in ADDEND_CASES]
     return items
 
 
@@ -876,6 +932,9 @@ def run_checks(verbose=True):
         ok &= o
         summary["unpermute_cases"] += 1
         summary["unpermute_exact"] += int(st["exact"])
+    for i, c in enumerate(ADDEND_CASES):
+        o, st = check_unpermute(*c, seed=300 + i, verbose=verbose, addend=True)
+        ok &= o and st["exact"]  # the fused add must be bit-exact with the combine + torch's add
     ok &= check_graph(verbose)
     # A control, not a pass/fail check: the sequential sum instead of torch's orders must show ulp differences
     # (else the bit-exact results above would not tell the summation orders apart).

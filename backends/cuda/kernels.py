@@ -41,6 +41,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 from typing import Any
 
 import torch
@@ -66,8 +67,9 @@ SKINNY_GROUPED_MAX_ROWS = 0
 # 8 or 16 token rows as its N side, SwiGLU in the w13 epilogue) instead of moe_gemm + silu_mul. Unverified: until
 # its --check passes on a GPU the gate below keeps moe_gemm.
 MOE_GEMM_SWAP_MAX_ROWS = 64
-# run_parallel overlaps independent branches (shared experts | routed experts) on two streams
-PARALLEL_BRANCHES = True
+# run_parallel overlaps independent branches (shared experts | routed experts) on two streams;
+# DEEPINFER_CUDA_PARALLEL_BRANCHES=0 runs them in order (A/B runs, e.g. with DEEPINFER_PDL=1)
+PARALLEL_BRANCHES = os.environ.get("DEEPINFER_CUDA_PARALLEL_BRANCHES", "1").strip() != "0"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
@@ -93,7 +95,9 @@ _STATIC_FALLBACK = {
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
 #: (session 4) entered and left it the same session after its check passed on an H200. moe_gemm_swap (session 5)
 #: is in it.
-UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap"}  # session 5: written and compiled after the last device call
+# session 5, written and compiled after the last device call: moe_gemm_swap, and the un-permute kernel's variant
+# with the shared experts' output fused (moe_combine_add; the plain un-permute stays verified, its code unchanged)
+UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap", "moe_combine_add"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -661,6 +665,22 @@ class CudaKernelSet(KernelSet):
         unsorted.index_copy_(0, state.order, expert_out.float())
         per_token = unsorted.view(state.num_tokens, state.top_k, -1)
         return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
+
+    def moe_combine_add(self, expert_out, state: DispatchState, weights, addend):
+        """``kernels_cuda.moe_routing.unpermute`` with the addend fused (the shared experts' output: one launch
+        instead of the combine and an add; the same roundings) where the plain combine kernel applies and the
+        gate allows it (``moe_combine_add`` in ``UNVERIFIED_KERNELS``); else the combine, then torch's add."""
+        mod = None
+        if unverified_kernel_enabled("moe_combine_add") and expert_out.is_cuda:
+            mod = self._kernel("moe_routing")
+        if mod is not None and (
+            mod.unpermute_reason(expert_out, state.order, weights, state.num_tokens, state.top_k) is None
+            and mod.addend_reason(expert_out, addend, state.num_tokens) is None
+        ):
+            self._note("moe_combine", f"kernels_cuda.moe_routing unpermute + addend ({str(expert_out.dtype)[6:]}, "
+                       f"k={state.top_k}), sync-free{unverified_note('moe_combine_add')}", True)
+            return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k, addend=addend)
+        return super().moe_combine_add(expert_out, state, weights, addend)
 
     # ---- sampling / speculative decoding -------------------------------------------------------------------
     def _gated_kernel(self, module: str, x: torch.Tensor):

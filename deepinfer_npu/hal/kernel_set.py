@@ -193,6 +193,14 @@ class KernelSet:
         (accumulated in fp32, returned in ``expert_out``'s dtype)."""
         return _ref("moe").moe_combine(expert_out, state, weights)
 
+    def moe_combine_add(
+        self, expert_out: torch.Tensor, state: DispatchState, weights: torch.Tensor, addend: torch.Tensor
+    ) -> torch.Tensor:
+        """Composite, not in :attr:`OPS`: ``moe_combine(expert_out, state, weights) + addend`` with ``addend``
+        [T, D] in ``expert_out``'s dtype (the MoE layer's routed output plus its shared experts'), the combine
+        rounded to the dtype before the add. A backend may fuse the add into the combine (CUDA: one kernel)."""
+        return self.moe_combine(expert_out, state, weights) + addend
+
     # ---- sampling ------------------------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, sampling_tensors: SamplingTensors) -> SamplerOutput:
         """``logits`` [B, V] fp32 -> ``SamplerOutput`` (greedy / temperature / top-k / top-p, per-request

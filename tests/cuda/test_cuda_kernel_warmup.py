@@ -349,3 +349,15 @@ def test_moe_gemm_swap_gated_until_verified(recorded, monkeypatch):
                     (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64)]
     assert all(sw.config_for(*c[:2], r, c[3]) in cfgs for c in cfgs for r in (6, 64))
     assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]
+
+
+def test_moe_combine_add_gated_until_verified(recorded, monkeypatch):
+    """The un-permute with the shared experts' output fused is compiled only with the unverified gate open."""
+    fused = ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))
+    assert "moe_combine_add" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert fused not in recorded["moe_routing"][0][0]
+    recorded.clear()
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["moe_routing"][0][0][-1] == fused

@@ -182,6 +182,38 @@ def test_unpermute_matches_reference_gpu(case, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("case", [(1, 6, 64, 2048), (64, 6, 64, 2048), (5, 8, 256, 7168)],
+                         ids=lambda c: f"T{c[0]}-k{c[1]}-D{c[3]}")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_unpermute_with_addend_is_combine_then_torch_add_gpu(case, dtype):
+    """The fused ``+ shared`` variant (moe_combine_add): bit-exact with the reference combine followed by torch's
+    add of two tensors of the dtype."""
+    t, k, e, d = case
+    ok, stats = mr.check_unpermute(t, k, e, d, dtype=dtype, seed=t * k + 1, verbose=False, addend=True)
+    assert ok and stats["exact"], stats
+
+
+def test_moe_combine_add_on_host_tensors_is_combine_plus_add():
+    """Off the device (and while the fused kernel is gated) the composite is the combine, then the add."""
+    from deepinfer_npu.backends.cpu import moe as ref_moe
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    ks = CudaKernelSet()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(4)]).int()
+    w = torch.rand(4, 6, generator=g)
+    sh, _counts, state = ref_moe.moe_dispatch(torch.randn(4, 64, generator=g).to(torch.bfloat16), ids, 64)
+    shared = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    got = ks.moe_combine_add(sh, state, w, shared)
+    assert torch.equal(got, ref_moe.moe_combine(sh, state, w) + shared)
+    with pytest.raises(AssertionError):  # the control: a different rounding must not pass the comparison
+        ref = (ref_moe.moe_combine(sh, state, w).float() + shared.float() * 1.001).to(torch.bfloat16)
+        assert torch.equal(got, ref)
+    wrong = mr.addend_reason(sh, shared[:3], 4)
+    assert wrong is not None and "[3, 64]" in wrong and "[4, 64]" in wrong
+
+
+@gpu
 def test_graph_capture_gpu():
     assert mr.check_graph(verbose=False)
 

@@ -98,15 +98,16 @@ class DeepseekMoE(nn.Module):
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
         k = self.kernels
 
-        def routed() -> torch.Tensor:
+        def routed_experts():
             router_logits = k.router_logits(hidden, self.gate.weight)  # [T, E] fp32, as the reference routers
             weights, ids = k.moe_gating_topk(router_logits, self.gate.e_score_correction_bias, self.gating)
             sorted_hidden, tokens_per_expert, state = k.moe_dispatch(hidden, ids, self.num_experts)
             expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
-            return k.moe_combine(expert_out, state, weights)
+            return expert_out, state, weights
 
         if self.shared_experts is None:
-            return routed()
-        # the two branches are independent: a backend may overlap them (KernelSet.run_parallel)
-        out, shared = k.run_parallel(routed, lambda: self.shared_experts(hidden))
-        return out + shared
+            return k.moe_combine(*routed_experts())
+        # the two branches are independent: a backend may overlap them (KernelSet.run_parallel); the combine
+        # then takes the shared experts' output as its addend (one kernel on CUDA)
+        (expert_out, state, weights), shared = k.run_parallel(routed_experts, lambda: self.shared_experts(hidden))
+        return k.moe_combine_add(expert_out, state, weights, shared)
