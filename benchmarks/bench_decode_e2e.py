@@ -317,6 +317,9 @@ def main(argv=None) -> int:
         }
         if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
             row["pdl"] = os.environ.get("DEEPINFER_PDL", "0").strip() == "1"
+        # the engine switches set in the environment (A/B runs), cache locations left out
+        row["env"] = {k: v for k, v in sorted(os.environ.items())
+                      if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}
         lines.append(row)
         print(json.dumps(row), flush=True)
     if "op_report" in eng:

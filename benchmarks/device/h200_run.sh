@@ -7,6 +7,9 @@
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64
 #   e2e-nohf  the same without transformers
 #   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, DEEPINFER_PDL=0 (the default; e2e and e2e-nohf follow the caller's DEEPINFER_PDL)
+#   ab        e2e without transformers (batch AB_BATCH, default "1 16 64") once per environment in AB_ENVS
+#             (";"-separated, "-" = none; default: none; the gated kernels; PDL; PDL without the second stream;
+#             all three), each row records its DEEPINFER_* switches
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
@@ -66,6 +69,12 @@ for l in open('$OUT/profile.jsonl'):
     e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${E2E_BATCH:-1} \
              --prompt-len 512 --gen 32 --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
              > /tmp/e2e_nopdl.log; grep -v '^{' /tmp/e2e_nopdl.log | grep -v kernel_cache | tail -6 ;;
+    ab) IFS=';' read -ra envs <<< "${AB_ENVS:--;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1;DEEPINFER_PDL=1;DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0}"
+             for e in "${envs[@]}"; do [ "$e" = "-" ] && e=""; echo "== ab: ${e:-baseline}"
+               env $e timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${AB_BATCH:-1 16 64} \
+                 --prompt-len 512 --gen 32 --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
+                 | grep -E "engine batch=|warm-up" | sed 's/, 33 steps.*//'
+             done ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
