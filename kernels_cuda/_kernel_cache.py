@@ -8,10 +8,14 @@ own target and nvcc flags). Builders run on the calling thread: TileLang parses 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
 
 
 class KernelCache:
@@ -35,12 +39,12 @@ class KernelCache:
         if not todo:
             return
         funcs = [self.builders[kind](*cfg) for kind, cfg in todo]
-        with cf.ThreadPoolExecutor(max(1, min(len(funcs), os.cpu_count() or 1))) as ex:
+        with compile_pool(max(1, min(len(funcs), os.cpu_count() or 1))) as ex:
             for it, k in zip(todo, ex.map(self.compile_fn, funcs)):
                 self.kernels[it] = k
 
     def ci_compile(self, configs: Iterable[tuple[str, tuple]], target=None) -> list:
         """Compile ``configs`` for ``target`` (no GPU needed, nothing cached); see tests/kernels_cuda."""
         funcs = [self.builders[kind](*cfg) for kind, cfg in configs]
-        with cf.ThreadPoolExecutor(max(1, len(funcs))) as ex:
+        with compile_pool(max(1, len(funcs))) as ex:
             return list(ex.map(lambda f: self.compile_fn(f, target), funcs))

@@ -45,6 +45,11 @@ except Exception:  # pragma: no cover - exercised where tilelang is absent
     T = None
 
 try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
+
+try:
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_decode.py
     from _pdl import pdl_enabled
@@ -300,7 +305,6 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
     """Compile several configurations ahead of use: decode ``(heads, m_tiles, num_splits)`` (``decode_config``:
     plus ``False, block_m`` for the small-tile variant) or, with a fourth item ``True``, ``mla_prefill``'s causal
     variant ``(heads, m_tiles, num_splits, True)``."""
-    import concurrent.futures as cf
 
     configs = list(dict.fromkeys(_normalize(c) for c in configs))
     if not configs:
@@ -313,7 +317,7 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
-    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+    with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(one, funcs))
     for h, mt, s, ctb, bm in configs:  # the launchers' own calls, so that their functools cache keys match
         _engine_kernel(h, mt, s, float(softmax_scale), ctb, bm)
@@ -330,7 +334,6 @@ def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU and without TileLang's caches (used by
     tests/kernels_cuda/test_compile.py so that a kernel that stops compiling fails CI); plus one prefill variant
     (causal tile bound, 512-token bucket at 16 heads)."""
-    import concurrent.futures as cf
 
     cfgs = configs or CI_CONFIGS
 
@@ -345,7 +348,7 @@ def ci_compile(configs=None):
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+    with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))
 
 
@@ -827,7 +830,6 @@ def main(argv=None):
 def sweep_batch1(heads=16, contexts=(512, 4096)):
     """Batch-1 decode is latency, not bytes (a 512-token context is 590 KB: 13.4 us a layer in the engine's
     profile). Time every (num_splits, num_stages, threads) on graph replays; JSON lines."""
-    import concurrent.futures as cf
     import json
 
     scale = HEAD_DIM**-0.5
@@ -838,7 +840,7 @@ def sweep_batch1(heads=16, contexts=(512, 4096)):
     grid += [(s, 2, 256, bm, True) for s in (9, 32) for bm in (64, 16)]  # empty splits write / read nothing
     funcs = [build_mla_decode(heads, -(-heads // bm), s, scale, st, threads=th, block_m=bm, skip_empty_splits=sk)
              for s, st, th, bm, sk in grid]
-    with cf.ThreadPoolExecutor(16) as ex:  # compile in parallel; get_kernel then hits TileLang's cache
+    with compile_pool(16) as ex:  # compile in parallel; get_kernel then hits TileLang's cache
         list(ex.map(lambda f: tilelang.compile(f, out_idx=None, target=dict(SM90_TARGET),
                                                pass_configs=_pass_configs()), funcs))
     cb = copy_bandwidth()

@@ -42,6 +42,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
+
+try:
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_rope_cache.py
     from _pdl import pdl_enabled
@@ -165,24 +170,22 @@ CI_CONFIGS = [(16, 192, 128, True, 1e-6), (128, 192, 128, False, 1e-6)]
 def ci_compile(configs=None, target=None):
     """Compile representative configurations (sm_90a unless ``target``; no GPU, no cache); see
     tests/kernels_cuda."""
-    import concurrent.futures as cf
 
     cfgs = configs or CI_CONFIGS
     funcs = [build_mla_rope_cache(*c) for c in cfgs]  # AST parsing on this thread (ast.parse is not thread-safe)
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+    with compile_pool(len(funcs)) as ex:
         return list(ex.map(lambda f: _compile(f, target), funcs))
 
 
 def precompile(configs, num_workers=None):
     """Compile several (heads, q_dim, q_off, interleaved, eps) in parallel (nvcc in threads), then fill get_kernel's
     cache from TileLang's (no recompile), so that the first launch finds its kernel."""
-    import concurrent.futures as cf
 
     configs = list(dict.fromkeys(configs))
     if not configs:
         return
     funcs = [build_mla_rope_cache(*c) for c in configs]
-    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+    with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
     for heads, q_dim, q_off, interleaved, eps in configs:  # the launcher's key types
         get_kernel(heads, q_dim, int(q_off), bool(interleaved), float(eps))

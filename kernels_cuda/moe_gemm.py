@@ -34,6 +34,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
+
+try:
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/moe_gemm.py
     from _pdl import pdl_enabled
@@ -227,7 +232,6 @@ CI_CONFIGS = [(2816, 2048, 128), (2048, 1408, 64)]  # V2-Lite w13 / w2
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a (no GPU, no cache); see tests/kernels_cuda."""
-    import concurrent.futures as cf
 
     # parse on this thread (ast is not thread-safe)
     funcs = [build_moe_gemm(*c) for c in (configs or CI_CONFIGS)] + [build_expert_scan()]
@@ -235,7 +239,7 @@ def ci_compile(configs=None):
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
 
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+    with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))
 
 

@@ -27,6 +27,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
+
+try:
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/rms_norm.py
     from _pdl import pdl_enabled
@@ -123,7 +128,6 @@ CI_CONFIGS = [(7168, True, 1e-6), (2048, False, 1e-6)]
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a (no GPU, no cache); see tests/kernels_cuda."""
-    import concurrent.futures as cf
 
     cfgs = configs or CI_CONFIGS
 
@@ -132,14 +136,13 @@ def ci_compile(configs=None):
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
 
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+    with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))
 
 
 def precompile(configs, num_workers=None):
     """Compile several (hidden, with_residual, eps) in parallel (nvcc in threads), then fill get_kernel's cache from
     TileLang's (no recompile), so that the first launch finds its kernel."""
-    import concurrent.futures as cf
 
     configs = [(int(n), bool(r), float(eps)) for n, r, eps in dict.fromkeys(configs)]
     if not configs:
@@ -149,7 +152,7 @@ def precompile(configs, num_workers=None):
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
 
-    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+    with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(one, funcs))
     for c in configs:
         get_kernel(*c)

@@ -34,6 +34,11 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from ._ast_guard import compile_pool
+except ImportError:  # run as a script from kernels_cuda/
+    from _ast_guard import compile_pool
+
+try:
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/silu_mul.py
     from _pdl import pdl_enabled
@@ -102,24 +107,22 @@ CI_CONFIGS = [(1408, True), (2048, False)]  # V2-Lite MoE experts, row variant (
 def ci_compile(configs=None, target=None):
     """Compile representative configurations (sm_90a unless ``target``; no GPU, no cache); see
     tests/kernels_cuda."""
-    import concurrent.futures as cf
 
     cfgs = configs or CI_CONFIGS
     funcs = [build_silu_mul(*c) for c in cfgs]  # AST parsing on this thread (ast.parse is not thread-safe)
-    with cf.ThreadPoolExecutor(len(funcs)) as ex:
+    with compile_pool(len(funcs)) as ex:
         return list(ex.map(lambda f: _compile(f, target), funcs))
 
 
 def precompile(configs, num_workers=None):
     """Compile several (I, row_variant) in parallel (nvcc in threads), then fill get_kernel's cache from TileLang's
     (no recompile), so that the first launch finds its kernel."""
-    import concurrent.futures as cf
 
     configs = list(dict.fromkeys(configs))
     if not configs:
         return
     funcs = [build_silu_mul(*c) for c in configs]
-    with cf.ThreadPoolExecutor(num_workers or min(len(funcs), 16)) as ex:
+    with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
     for inter, row_variant in configs:
         get_kernel(inter, bool(row_variant))
