@@ -16,7 +16,10 @@ import concurrent.futures as cf
 import sys
 import threading
 
-_LOCK = threading.RLock()
+# One lock per process, kept on the ast module itself: this file is imported under several names
+# (kernels_cuda._ast_guard, deepinfer_npu.kernels_cuda._ast_guard, _ast_guard when a kernel file runs as a script),
+# and every wrapper must take the same lock.
+_LOCK = ast.__dict__.setdefault("_deepinfer_ast_lock", threading.RLock())
 
 
 def _locked(fn):

@@ -44,3 +44,18 @@ def test_parse_waits_for_the_lock():
         assert not done.wait(0.2)  # blocked on the lock
     t.join(5)
     assert done.is_set()
+
+
+def test_one_lock_under_every_import_name():
+    """The module is imported as kernels_cuda._ast_guard (tests), deepinfer_npu.kernels_cuda._ast_guard (the
+    engine) and _ast_guard (a kernel file run as a script): every copy must guard with the same lock, or a parse
+    wrapped by one copy and a compile wrapped by another could still run at once."""
+    import importlib.util
+
+    from deepinfer_npu.kernels_cuda import _ast_guard as engine_copy
+
+    spec = importlib.util.spec_from_file_location("_ast_guard", os.path.join(ROOT, "kernels_cuda", "_ast_guard.py"))
+    script_copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script_copy)
+    assert engine_copy is not _ast_guard and script_copy is not _ast_guard
+    assert engine_copy._LOCK is _ast_guard._LOCK is script_copy._LOCK
