@@ -324,13 +324,22 @@ def build_gating_topk(
 
 
 # ---- 2. permute (dispatch) -----------------------------------------------------------------------------------
-def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128):
-    """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k."""
+def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128,
+                  with_scan: bool = False):
+    """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k.
+    ``with_scan``: also scan [2E + 1] i32 out, ``moe_gemm.expert_starts``' layout (the exclusive scan of the counts,
+    then the experts with rows, ascending, -1 padded), written by CTA 0 from the histogram every CTA builds, so
+    the expert GEMMs need no scan launch of their own. One Hillis-Steele scan in shared memory over packed values
+    ``count * 512 + (count > 0)`` gives both the row starts and the hit positions (counts <= MAX_ASSIGN < 2^22)."""
     assert tilelang is not None, "tilelang is not installed"
     PDL = pdl_enabled()
     D, K, E = hidden_size, top_k, num_experts
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
-    assert D % VEC == 0 and threads % 32 == 0
+    NTS = 1 << max(0, (E - 1).bit_length())  # scan width: a power of two >= E, one entry a thread
+    if with_scan:
+        threads = max(threads, NTS)
+    assert D % VEC == 0 and threads % 32 == 0 and (not with_scan or E <= 1024)
+    LOG = (NTS - 1).bit_length()
     NV = D // VEC
     ITERS = (NV + threads - 1) // threads
     NW = threads // 32
@@ -338,6 +347,110 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
     i32, i64 = T.int32, T.int64
     Tn = T.dynamic("num_tokens")
     Na = T.dynamic("num_assign")
+
+    @T.macro
+    def scan_tail(Scan, s_hist, bx, tid):
+        # CTA 0 only (bx is uniform in a CTA, so every thread of it reaches the barriers)
+        if bx == 0:
+            s_scan = T.alloc_shared([2, NTS], i32)
+            own = T.alloc_var(i32)
+            incl = T.alloc_var(i32)
+            own = 0
+            if tid < E:
+                own = s_hist[tid] * 512 + T.if_then_else(s_hist[tid] > 0, 1, 0)
+            if tid < NTS:
+                s_scan[0, tid] = own
+            T.sync_threads()
+            for st in T.unroll(LOG, explicit=True):
+                if tid < NTS:
+                    s_scan[(st + 1) % 2, tid] = s_scan[st % 2, tid] + T.if_then_else(
+                        tid >= (1 << st), s_scan[st % 2, T.max(tid - (1 << st), 0)], 0)
+                T.sync_threads()
+            if tid < NTS:
+                incl = s_scan[LOG % 2, tid]
+            if tid < E:
+                Scan[tid] = (incl - own) // 512
+                Scan[E + 1 + tid] = -1
+            if tid == E - 1:
+                Scan[E] = incl // 512
+            T.sync_threads()  # the -1 fill before the hits (global writes of one CTA, ordered by the barrier)
+            if tid < E:
+                if s_hist[tid] > 0:
+                    Scan[E + 1 + (incl - own) % 512] = tid
+
+    @T.macro
+    def body(X, Ids, Sorted, Counts, Order, Scan, bx):
+        tid = T.get_thread_binding()
+        s_hist = T.alloc_shared([E], i32)
+        s_red = T.alloc_shared([NW * K + K], i32)  # per-warp partial ranks, then the k destination rows
+        eid = T.alloc_local([K], i32)
+        cnt = T.alloc_local([K], i32)
+        row = T.alloc_local([ITERS * VEC], dtype)
+        p = T.alloc_var(i32)
+
+        for it in T.unroll(EI, explicit=True):
+            if it * threads + tid < E:
+                s_hist[it * threads + tid] = 0
+        for j in T.unroll(K, explicit=True):
+            eid[j] = Ids[bx * K + j]
+            cnt[j] = 0
+        for it in T.unroll(ITERS, explicit=True):  # the token's row, loaded once, stored k times
+            if it * threads + tid < NV:
+                for v in T.vectorized(VEC):
+                    row[it * VEC + v] = X[bx, (it * threads + tid) * VEC + v]
+        T.sync_threads()
+        for it in T.serial(T.ceildiv(Na, threads)):
+            b = it * threads + tid
+            if b < Na:
+                e = Ids[b]
+                if (e >= 0) & (e < E):
+                    T.atomic_add(s_hist[e], 1)
+                for j in T.unroll(K, explicit=True):
+                    cnt[j] = cnt[j] + T.if_then_else((e < eid[j]) | ((e == eid[j]) & (b < bx * K + j)), 1, 0)
+        for j in T.unroll(K, explicit=True):
+            cnt[j] = T.warp_reduce_sum(cnt[j])
+            if tid % 32 == 0:
+                s_red[(tid // 32) * K + j] = cnt[j]
+        T.sync_threads()
+        if tid < K:
+            p = 0
+            for w in T.unroll(NW, explicit=True):
+                p = p + s_red[w * K + tid]
+            s_red[NW * K + tid] = p
+            if p < Na:
+                Order[p] = T.Cast(i64, bx * K + tid)
+        for it in T.unroll(EI, explicit=True):  # expert e's count is written by CTA e % T
+            if it * threads + tid < E:
+                if (it * threads + tid) % Tn == bx:
+                    Counts[it * threads + tid] = T.Cast(i64, s_hist[it * threads + tid])
+        T.sync_threads()
+        for j in T.unroll(K, explicit=True):
+            if s_red[NW * K + j] < Na:
+                for it in T.unroll(ITERS, explicit=True):
+                    if it * threads + tid < NV:
+                        for v in T.vectorized(VEC):
+                            Sorted[s_red[NW * K + j], (it * threads + tid) * VEC + v] = row[it * VEC + v]
+        if with_scan:
+            scan_tail(Scan, s_hist, bx, tid)
+
+    if with_scan:
+
+        @T.prim_func
+        def moe_permute_scan(
+            X: T.Tensor([Tn, D], dtype),
+            Ids: T.Tensor([Na], i32),
+            Sorted: T.Tensor([Na, D], dtype),
+            Counts: T.Tensor([E], i64),
+            Order: T.Tensor([Na], i64),
+            Scan: T.Tensor([2 * E + 1], i32),
+        ):
+            with T.Kernel(Tn, threads=threads) as bx:
+                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                    T.pdl_sync()
+                    T.pdl_trigger()
+                body(X, Ids, Sorted, Counts, Order, Scan, bx)
+
+        return moe_permute_scan
 
     @T.prim_func
     def moe_permute(
@@ -351,56 +464,7 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
             if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
                 T.pdl_sync()
                 T.pdl_trigger()
-            tid = T.get_thread_binding()
-            s_hist = T.alloc_shared([E], i32)
-            s_red = T.alloc_shared([NW * K + K], i32)  # per-warp partial ranks, then the k destination rows
-            eid = T.alloc_local([K], i32)
-            cnt = T.alloc_local([K], i32)
-            row = T.alloc_local([ITERS * VEC], dtype)
-            p = T.alloc_var(i32)
-
-            for it in T.unroll(EI, explicit=True):
-                if it * threads + tid < E:
-                    s_hist[it * threads + tid] = 0
-            for j in T.unroll(K, explicit=True):
-                eid[j] = Ids[bx * K + j]
-                cnt[j] = 0
-            for it in T.unroll(ITERS, explicit=True):  # the token's row, loaded once, stored k times
-                if it * threads + tid < NV:
-                    for v in T.vectorized(VEC):
-                        row[it * VEC + v] = X[bx, (it * threads + tid) * VEC + v]
-            T.sync_threads()
-            for it in T.serial(T.ceildiv(Na, threads)):
-                b = it * threads + tid
-                if b < Na:
-                    e = Ids[b]
-                    if (e >= 0) & (e < E):
-                        T.atomic_add(s_hist[e], 1)
-                    for j in T.unroll(K, explicit=True):
-                        cnt[j] = cnt[j] + T.if_then_else((e < eid[j]) | ((e == eid[j]) & (b < bx * K + j)), 1, 0)
-            for j in T.unroll(K, explicit=True):
-                cnt[j] = T.warp_reduce_sum(cnt[j])
-                if tid % 32 == 0:
-                    s_red[(tid // 32) * K + j] = cnt[j]
-            T.sync_threads()
-            if tid < K:
-                p = 0
-                for w in T.unroll(NW, explicit=True):
-                    p = p + s_red[w * K + tid]
-                s_red[NW * K + tid] = p
-                if p < Na:
-                    Order[p] = T.Cast(i64, bx * K + tid)
-            for it in T.unroll(EI, explicit=True):  # expert e's count is written by CTA e % T
-                if it * threads + tid < E:
-                    if (it * threads + tid) % Tn == bx:
-                        Counts[it * threads + tid] = T.Cast(i64, s_hist[it * threads + tid])
-            T.sync_threads()
-            for j in T.unroll(K, explicit=True):
-                if s_red[NW * K + j] < Na:
-                    for it in T.unroll(ITERS, explicit=True):
-                        if it * threads + tid < NV:
-                            for v in T.vectorized(VEC):
-                                Sorted[s_red[NW * K + j], (it * threads + tid) * VEC + v] = row[it * VEC + v]
+            body(X, Ids, Sorted, Counts, Order, None, bx)
 
     return moe_permute
 
@@ -531,7 +595,9 @@ def get_gating_kernel(*cfg):
     return _get_kernel("gating", tuple(cfg))
 
 
-def get_permute_kernel(hidden_size, top_k, num_experts, dtype):
+def get_permute_kernel(hidden_size, top_k, num_experts, dtype, with_scan=False):
+    if with_scan:  # the 6-item key: (..., threads, with_scan); the plain kernel keeps its 4-item key
+        return _get_kernel("permute", (hidden_size, top_k, num_experts, dtype, 128, True))
     return _get_kernel("permute", (hidden_size, top_k, num_experts, dtype))
 
 
@@ -605,16 +671,28 @@ def permute_reason(hidden, ids, num_experts) -> str | None:
     return _rows_reason(hidden, "hidden")
 
 
-def permute(hidden, ids, num_experts):
-    """(sorted_hidden [T*k, D], counts [E] int64, order [T*k] int64) like ``backends.cpu.moe.moe_dispatch``."""
+MAX_SCAN_EXPERTS = 1024  # permute's fused scan: one thread an expert
+
+
+def permute(hidden, ids, num_experts, with_scan=False):
+    """(sorted_hidden [T*k, D], counts [E] int64, order [T*k] int64) like ``backends.cpu.moe.moe_dispatch``;
+    ``with_scan`` (E <= MAX_SCAN_EXPERTS): also ``moe_gemm.expert_starts(counts)`` [2E + 1] int32, from the same
+    launch."""
     t, k = ids.shape
     n, d = t * k, hidden.shape[1]
     flat = ids.reshape(-1).to(torch.int32).contiguous()
     sorted_hidden = torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=hidden.device)
     order = torch.empty(n, dtype=torch.int64, device=hidden.device)
-    get_permute_kernel(d, k, int(num_experts), DTYPES[hidden.dtype])(hidden, flat, sorted_hidden, counts, order)
-    return sorted_hidden, counts, order
+    kern = get_permute_kernel(d, k, int(num_experts), DTYPES[hidden.dtype], with_scan)
+    if not with_scan:
+        kern(hidden, flat, sorted_hidden, counts, order)
+        return sorted_hidden, counts, order
+    if num_experts > MAX_SCAN_EXPERTS:
+        raise ValueError(f"permute: {num_experts} experts; the fused scan handles 1..{MAX_SCAN_EXPERTS}")
+    scan = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=hidden.device)
+    kern(hidden, flat, sorted_hidden, counts, order, scan)
+    return sorted_hidden, counts, order, scan
 
 
 def unpermute_reason(expert_out, order, weights, num_tokens, top_k) -> str | None:
@@ -661,6 +739,7 @@ CI_CONFIGS = [
     ("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),  # V2-Lite
     ("gating", (256, 8, "sigmoid", "noaux_tc", 8, 4, True, 2.5, "torch_last", True)),  # V3
     ("permute", (2048, 6, 64, "bfloat16")),
+    ("permute", (2048, 6, 64, "bfloat16", 128, True)),  # + moe_gemm's expert scan
     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),  # + the shared experts' output
 ]
@@ -805,7 +884,20 @@ def check_gating(name, t, kind, seed=0, verbose=True, norm_order="torch_last"):
     return ok, stats
 
 
-def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose=True):
+def scan_ref(counts):
+    """``moe_gemm.expert_starts``' layout from counts on the host: exclusive scan [E + 1], then the experts with
+    rows ascending, -1 padded (int32 [2E + 1])."""
+    counts = counts.to(torch.int64).cpu()
+    e = counts.shape[0]
+    scan = torch.full((2 * e + 1,), -1, dtype=torch.int32)
+    scan[0] = 0
+    scan[1 : e + 1] = torch.cumsum(counts, 0).to(torch.int32)
+    hit = torch.nonzero(counts > 0).flatten().to(torch.int32)
+    scan[e + 1 : e + 1 + hit.numel()] = hit
+    return scan
+
+
+def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose=True, with_scan=False):
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = torch.randn(t, d, generator=g, device="cuda").to(dtype)
     if kind == "rand":  # distinct experts per token, as top-k gives
@@ -813,15 +905,16 @@ def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose
     else:  # 'hot': most tokens pick the same few experts (long runs of equal ids)
         ids = (torch.arange(k, device="cuda").repeat(t, 1) + (torch.rand(t, 1, generator=g, device="cuda") < 0.2)
                * torch.randint(0, e - k, (t, 1), generator=g, device="cuda")).to(torch.int32)
-    sh, counts, order = permute(hidden, ids, e)
+    sh, counts, order, *scan = permute(hidden, ids, e, with_scan=with_scan)
     rsh, rcounts, rorder = permute_ref(hidden, ids, e)
     torch.cuda.synchronize()
     ok_o, ok_c, ok_h = torch.equal(order, rorder), torch.equal(counts, rcounts), torch.equal(sh, rsh)
-    ok = ok_o and ok_c and ok_h and order.dtype == rorder.dtype and counts.dtype == rcounts.dtype
+    ok_s = not with_scan or torch.equal(scan[0].cpu(), scan_ref(rcounts))
+    ok = ok_o and ok_c and ok_h and ok_s and order.dtype == rorder.dtype and counts.dtype == rcounts.dtype
     if verbose:
-        print(f"check permute T={t:4d} k={k} E={e:3d} D={d} {str(dtype)[6:]:8s} {kind}: {'OK' if ok else 'FAIL'} "
-              f"order={ok_o} counts={ok_c} rows={ok_h}", flush=True)
-    return ok, dict(order=ok_o, counts=ok_c, rows=ok_h)
+        print(f"check permute{'+scan' if with_scan else ''} T={t:4d} k={k} E={e:3d} D={d} {str(dtype)[6:]:8s} {kind}: "
+              f"{'OK' if ok else 'FAIL'} order={ok_o} counts={ok_c} rows={ok_h} scan={ok_s}", flush=True)
+    return ok, dict(order=ok_o, counts=ok_c, rows=ok_h, scan=ok_s)
 
 
 def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, verbose=True, sum_order="torch_strided",
@@ -911,6 +1004,7 @@ def check_configs():
     items += [("unpermute", (d, k, "bfloat16", "seq")) for d, k in ((7168, 8), (2048, 6))]
     items += [("permute", (1024, 8, 256, "bfloat16")), ("unpermute", (1024, 8, "bfloat16", "torch_strided"))]
     items += [("unpermute", (d, k, DTYPES[dt], "torch_strided", 128, True)) for _t, k, _e, d, dt in ADDEND_CASES]
+    items += [("permute", (d, k, e, DTYPES[dt], 128, True)) for _t, k, e, d, dt, _kind in PERMUTE_CASES]
     return items
 
 
@@ -932,6 +1026,8 @@ def run_checks(verbose=True):
         ok &= o
         summary["unpermute_cases"] += 1
         summary["unpermute_exact"] += int(st["exact"])
+    for i, c in enumerate(PERMUTE_CASES):  # the fused expert scan (moe_dispatch_scan): scan equal to the reference's
+        ok &= check_permute(*c, seed=400 + i, verbose=verbose, with_scan=True)[0]
     for i, c in enumerate(ADDEND_CASES):
         o, st = check_unpermute(*c, seed=300 + i, verbose=verbose, addend=True)
         ok &= o and st["exact"]  # the fused add must be bit-exact with the combine + torch's add

@@ -95,9 +95,10 @@ _STATIC_FALLBACK = {
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
 #: (session 4) entered and left it the same session after its check passed on an H200. moe_gemm_swap (session 5)
 #: is in it.
-# session 5, written and compiled after the last device call: moe_gemm_swap, and the un-permute kernel's variant
-# with the shared experts' output fused (moe_combine_add; the plain un-permute stays verified, its code unchanged)
-UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap", "moe_combine_add"}
+# session 5, written and compiled after the last device call: moe_gemm_swap; the un-permute kernel's variant with
+# the shared experts' output fused (moe_combine_add) and the permute kernel's variant that also writes the expert
+# GEMMs' scan (moe_dispatch_scan). The plain un-permute and permute stay verified (their generated code unchanged).
+UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -139,6 +140,8 @@ class CudaKernelSet(KernelSet):
         self._kernel_error: dict[str, str] = {}
         self._grouped_mm_error: str | None = None
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # run_parallel's second stream per device
+        # (counts, scan) of the last moe_dispatch that wrote the expert GEMMs' scan (moe_dispatch_scan)
+        self._dispatch_scan: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def _note(self, op: str, path: str, native: bool, syncs: bool = False) -> None:
@@ -544,7 +547,13 @@ class CudaKernelSet(KernelSet):
                 f"E={num_experts}), sync-free",
                 True,
             )
-            sorted_hidden, counts, order = mod.permute(hidden, ids, num_experts)
+            if unverified_kernel_enabled("moe_dispatch_scan") and num_experts <= mod.MAX_SCAN_EXPERTS:
+                # the expert GEMMs' scan from the same launch (no expert_scan kernel): kept for grouped_mlp,
+                # which receives these counts next (identity-checked there)
+                sorted_hidden, counts, order, scan = mod.permute(hidden, ids, num_experts, with_scan=True)
+                self._dispatch_scan = (counts, scan)
+            else:
+                sorted_hidden, counts, order = mod.permute(hidden, ids, num_experts)
             return sorted_hidden, counts, DispatchState(order=order, num_tokens=ids.shape[0], top_k=ids.shape[1])
         self._note("moe_dispatch", f"composed torch (stable argsort + scatter_add counts), sync-free ({why})", True)
         num_tokens, top_k = ids.shape
@@ -583,6 +592,14 @@ class CudaKernelSet(KernelSet):
             return None
         return mod
 
+    def _expert_starts(self, mg, tokens_per_expert):
+        """``moe_gemm.expert_starts(tokens_per_expert)``, or the scan ``moe_dispatch`` wrote with these very counts
+        (``moe_dispatch_scan``: one launch a layer fewer)."""
+        stash = self._dispatch_scan
+        if stash is not None and stash[0] is tokens_per_expert:
+            return stash[1]
+        return mg.expert_starts(tokens_per_expert)
+
     def _moe_gemm_swap_for(self, w13, w2):
         """``kernels_cuda.moe_gemm_swap`` where ``_moe_gemm_for`` applies, its dims fit and the gate allows it."""
         if not unverified_kernel_enabled("moe_gemm_swap"):
@@ -603,7 +620,7 @@ class CudaKernelSet(KernelSet):
         if mg is not None and rows <= SKINNY_GROUPED_MAX_ROWS:  # off (0) until it beats moe_gemm
             sk, _why = self._skinny(sorted_hidden, w13, gated=True, grouped=True)
         if sk is not None:  # a row or two an expert: CUDA-core streams, SwiGLU fused into w13 (2 launches + scan)
-            starts = mg.expert_starts(tokens_per_expert)
+            starts = self._expert_starts(mg, tokens_per_expert)
             h = sk.skinny_gemm(sorted_hidden, w13, gated=True, scan=starts)
             out = sk.skinny_gemm(h, w2, scan=starts)
             self._note("grouped_mlp", f"kernels_cuda.skinny_gemm grouped (rows <= {SKINNY_GROUPED_MAX_ROWS}, "
@@ -611,14 +628,14 @@ class CudaKernelSet(KernelSet):
             return out
         sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= MOE_GEMM_SWAP_MAX_ROWS else None
         if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
-            starts = mg.expert_starts(tokens_per_expert)
+            starts = self._expert_starts(mg, tokens_per_expert)
             h = sw.moe_gemm_swap(sorted_hidden, w13, starts, gated=True)
             out = sw.moe_gemm_swap(h, w2, starts)
             self._note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {MOE_GEMM_SWAP_MAX_ROWS}, SwiGLU "
                        f"in the w13 epilogue{unverified_note('moe_gemm_swap')})", True)
             return out
         if mg is not None:
-            starts = mg.expert_starts(tokens_per_expert)  # once for both GEMMs
+            starts = self._expert_starts(mg, tokens_per_expert)  # once for both GEMMs
             h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts)
             h = self.silu_and_mul(h)
             out = mg.moe_gemm(h, w2, tokens_per_expert, starts=starts)

@@ -212,9 +212,10 @@ def silu_mul_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return list(dict.fromkeys(cfgs))
 
 
-def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False) -> list[tuple]:
+def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_scan: bool = False) -> list[tuple]:
     """``(kind, cfg)`` of gating, permute and unpermute, each where its ``*_reason`` accepts a one-token step;
-    ``fused_add``: also the un-permute with the shared experts' output fused (``moe_combine_add``)."""
+    ``fused_add``: also the un-permute with the shared experts' output fused (``moe_combine_add``); ``fused_scan``:
+    the permute that writes the expert GEMMs' scan too (``moe_dispatch_scan``)."""
     g = plan.moe_gating
     if g is None:
         return []
@@ -228,6 +229,8 @@ def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False) -> list
     if dt is not None and mr.permute_reason(_meta(1, d, dtype=plan.dtype), _meta(1, k, dtype=torch.int32),
                                             g.num_experts) is None:
         items.append(("permute", (d, k, g.num_experts, dt)))
+        if fused_scan and g.num_experts <= mr.MAX_SCAN_EXPERTS:
+            items.append(("permute", (d, k, g.num_experts, dt, 128, True)))
     if dt is not None and mr.unpermute_reason(_meta(k, d, dtype=plan.dtype), _meta(k), _meta(1, k,
                                               dtype=torch.float32), 1, k) is None:
         items.append(("unpermute", (d, k, dt, "torch_strided")))
@@ -347,7 +350,8 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill")),
         "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),
-        "moe_routing": moe_routing_configs(plan, fused_add=enabled("moe_combine_add")),
+        "moe_routing": moe_routing_configs(plan, fused_add=enabled("moe_combine_add"),
+                                           fused_scan=enabled("moe_dispatch_scan")),
         "moe_gemm": moe_gemm_configs(plan),
         "moe_gemm_swap": moe_gemm_swap_configs(plan) if enabled("moe_gemm_swap") else [],
         "spec_verify": spec_verify_configs(plan) if enabled("spec_verify") else [],

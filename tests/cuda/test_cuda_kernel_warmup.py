@@ -361,3 +361,15 @@ def test_moe_combine_add_gated_until_verified(recorded, monkeypatch):
     monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
     kernel_set().warmup(v2_lite_plan(k=0))
     assert recorded["moe_routing"][0][0][-1] == fused
+
+
+def test_moe_dispatch_scan_gated_until_verified(recorded, monkeypatch):
+    """The permute that also writes the expert GEMMs' scan is compiled only with the unverified gate open."""
+    fused = ("permute", (2048, 6, 64, "bfloat16", 128, True))
+    assert "moe_dispatch_scan" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert fused not in recorded["moe_routing"][0][0]
+    recorded.clear()
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert fused in recorded["moe_routing"][0][0]

@@ -214,6 +214,29 @@ def test_moe_combine_add_on_host_tensors_is_combine_plus_add():
 
 
 @gpu
+@pytest.mark.parametrize(
+    "case", [(1, 6, 64, 2048, "rand"), (64, 6, 64, 2048, "hot"), (7, 8, 256, 7168, "hot"), (33, 6, 160, 5120, "rand"),
+             (1, 2, 3, 64, "rand")],
+    ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}-{c[4]}",
+)
+def test_permute_with_scan_gpu(case):
+    """The permute variant that also writes moe_gemm's expert scan (moe_dispatch_scan): order / counts / rows as
+    the plain kernel, and the scan equal to the host reference (scan_ref)."""
+    t, k, e, d, kind = case
+    ok, stats = mr.check_permute(t, k, e, d, kind=kind, seed=t + e, verbose=False, with_scan=True)
+    assert ok, stats
+
+
+def test_scan_ref_layout():
+    """scan_ref: exclusive scan [E + 1], then the experts with rows ascending, -1 padded; the same as moe_gemm's."""
+    from kernels_cuda import moe_gemm
+
+    counts = torch.tensor([0, 2, 0, 0, 3, 1])
+    assert mr.scan_ref(counts).tolist() == [0, 0, 2, 2, 2, 5, 6, 1, 4, 5, -1, -1, -1]
+    assert torch.equal(mr.scan_ref(counts), moe_gemm.expert_starts_ref(counts))
+
+
+@gpu
 def test_graph_capture_gpu():
     assert mr.check_graph(verbose=False)
 
