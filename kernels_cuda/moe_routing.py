@@ -80,6 +80,7 @@ COMPILE_FLAGS = ["--fmad=false"]
 
 MAX_EXPERTS = 256  # gating: one warp per token, E / 32 slots a lane
 MAX_TOP_K = 16
+MAX_SCAN_EXPERTS = 256  # permute's fused scan: one thread an expert, hit count in 9 bits (moe_gemm.MAX_EXPERTS)
 MAX_ASSIGN = 8192  # permute / unpermute: every CTA scans all T*k assignments (decode and small prefill chunks)
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORINGS = ("softmax", "sigmoid")
@@ -338,7 +339,8 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
     NTS = 1 << max(0, (E - 1).bit_length())  # scan width: a power of two >= E, one entry a thread
     if with_scan:
         threads = max(threads, NTS)
-    assert D % VEC == 0 and threads % 32 == 0 and (not with_scan or E <= 1024)
+    # the packed scan keeps the running hit count in 9 bits: at most 256 experts (moe_gemm's MAX_EXPERTS too)
+    assert D % VEC == 0 and threads % 32 == 0 and (not with_scan or E <= MAX_SCAN_EXPERTS)
     LOG = (NTS - 1).bit_length()
     NV = D // VEC
     ITERS = (NV + threads - 1) // threads
@@ -431,6 +433,7 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
                         for v in T.vectorized(VEC):
                             Sorted[s_red[NW * K + j], (it * threads + tid) * VEC + v] = row[it * VEC + v]
         if with_scan:
+            T.sync_threads()  # s_red's last reads above before the scan's shared buffer (TileLang may overlap them)
             scan_tail(Scan, s_hist, bx, tid)
 
     if with_scan:
@@ -671,7 +674,6 @@ def permute_reason(hidden, ids, num_experts) -> str | None:
     return _rows_reason(hidden, "hidden")
 
 
-MAX_SCAN_EXPERTS = 1024  # permute's fused scan: one thread an expert
 
 
 def permute(hidden, ids, num_experts, with_scan=False):
@@ -684,12 +686,12 @@ def permute(hidden, ids, num_experts, with_scan=False):
     sorted_hidden = torch.empty(n, d, dtype=hidden.dtype, device=hidden.device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=hidden.device)
     order = torch.empty(n, dtype=torch.int64, device=hidden.device)
+    if with_scan and num_experts > MAX_SCAN_EXPERTS:
+        raise ValueError(f"permute: {num_experts} experts; the fused scan handles 1..{MAX_SCAN_EXPERTS}")
     kern = get_permute_kernel(d, k, int(num_experts), DTYPES[hidden.dtype], with_scan)
     if not with_scan:
         kern(hidden, flat, sorted_hidden, counts, order)
         return sorted_hidden, counts, order
-    if num_experts > MAX_SCAN_EXPERTS:
-        raise ValueError(f"permute: {num_experts} experts; the fused scan handles 1..{MAX_SCAN_EXPERTS}")
     scan = torch.empty(2 * num_experts + 1, dtype=torch.int32, device=hidden.device)
     kern(hidden, flat, sorted_hidden, counts, order, scan)
     return sorted_hidden, counts, order, scan

@@ -595,7 +595,7 @@ class CudaKernelSet(KernelSet):
     def _expert_starts(self, mg, tokens_per_expert):
         """``moe_gemm.expert_starts(tokens_per_expert)``, or the scan ``moe_dispatch`` wrote with these very counts
         (``moe_dispatch_scan``: one launch a layer fewer)."""
-        stash = self._dispatch_scan
+        stash, self._dispatch_scan = self._dispatch_scan, None  # used once: nothing kept alive past the layer
         if stash is not None and stash[0] is tokens_per_expert:
             return stash[1]
         return mg.expert_starts(tokens_per_expert)

@@ -234,6 +234,8 @@ def test_scan_ref_layout():
     counts = torch.tensor([0, 2, 0, 0, 3, 1])
     assert mr.scan_ref(counts).tolist() == [0, 0, 2, 2, 2, 5, 6, 1, 4, 5, -1, -1, -1]
     assert torch.equal(mr.scan_ref(counts), moe_gemm.expert_starts_ref(counts))
+    with pytest.raises(ValueError, match="300 experts; the fused scan handles 1..256"):
+        mr.permute(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.int32), 300, with_scan=True)
 
 
 @gpu
