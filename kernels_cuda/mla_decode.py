@@ -50,8 +50,10 @@ except ImportError:  # run as a script from kernels_cuda/
     from _ast_guard import compile_pool
 
 try:
+    from . import _bench
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_decode.py
+    import _bench
     from _pdl import pdl_enabled
 
 KV_LORA = 512
@@ -693,14 +695,7 @@ def run_checks(seed=0):
     return ok
 
 
-def copy_bandwidth(nbytes=2 << 30):
-    """Device-to-device copy GB/s counting bytes read + written (median over CUDA-event timings)."""
-    from triton.testing import do_bench
-
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b_ = torch.empty_like(a)
-    t = do_bench(lambda: b_.copy_(a), warmup=50, rep=300, return_mode="median")
-    return 2 * nbytes / (t * 1e-3) / 1e9
+copy_bandwidth = _bench.copy_gbps  # device-to-device copy GB/s, bytes read + written
 
 
 def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=None,
@@ -800,11 +795,7 @@ def main(argv=None):
     ap.add_argument("--sweep-batch1", action="store_true",
                     help="batch-1 latency sweep (16 heads, contexts 512, 4096): splits x stages x threads (GPU)")
     args = ap.parse_args(argv)
-    gpu_flags = ["--" + f.replace("_", "-") for f in ("check", "bench", "check_prefill", "sweep_batch1")
-                 if getattr(args, f, False)]
-    if gpu_flags and not torch.cuda.is_available():  # a clear message, not a CUDA error from deep inside
-        sys.exit(f"{' '.join(gpu_flags)}: no CUDA device here (torch.cuda.is_available() is False); "
-                 "tests/kernels_cuda/test_compile.py compiles the kernels without one")
+    _bench.exit_without_cuda(args)
     if args.compile_only or args.check or args.bench:
         cfgs = []
         if args.compile_only or args.check:

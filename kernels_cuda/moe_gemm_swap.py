@@ -25,7 +25,6 @@ Run alone:  python kernels_cuda/moe_gemm_swap.py --check --bench
 
 import argparse
 import sys
-import time
 
 import torch
 
@@ -37,16 +36,19 @@ except Exception:  # pragma: no cover
     T = None
 
 try:
+    from . import _bench
     from . import moe_gemm as mg
     from ._kernel_cache import KernelCache
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/moe_gemm_swap.py
+    import _bench
     import moe_gemm as mg
     from _kernel_cache import KernelCache
     from _pdl import pdl_enabled
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64
+BLOCK_N = 64  # weight rows a CTA in the engine's launches (supported() asks output columns % 64 == 0)
 MAX_ROWS_TILE = 16  # RT: 8 for up to 8 rows (M <= 8: every expert has at most M rows), else 16
 
 
@@ -54,7 +56,7 @@ def rows_tile(m: int) -> int:
     return 8 if m <= 8 else MAX_ROWS_TILE
 
 
-def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: int = 64, num_stages: int = 4,
+def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: int = BLOCK_N, num_stages: int = 4,
                         threads: int = 128):
     """PrimFunc for weights [E, n, k] (gated: n = 2I, output I columns); rows M and experts E are dynamic.
     ``rt``: rows a tile (the wgmma N side, 8 or 16); ``block_n``: weight rows a CTA (the wgmma M side, 64 or 128)."""
@@ -123,19 +125,14 @@ _CACHE = KernelCache({"swap": build_moe_gemm_swap}, _compile, available=tilelang
 _KERNELS = _CACHE.kernels
 
 
-def pick_block_n(no: int) -> int:
-    return 64 if no % 64 == 0 else 0
-
-
 def supported(n: int, k: int, gated: bool) -> bool:
     no = n // 2 if gated else n
-    return (not gated or n % 2 == 0) and no % 64 == 0 and k % BLOCK_K == 0
+    return (not gated or n % 2 == 0) and no % BLOCK_N == 0 and k % BLOCK_K == 0
 
 
 def config_for(n: int, k: int, m: int, gated: bool) -> tuple:
     """The cache key :func:`moe_gemm_swap` launches for ``m`` rows."""
-    no = n // 2 if gated else n
-    return (int(n), int(k), rows_tile(m), bool(gated), pick_block_n(no))
+    return (int(n), int(k), rows_tile(m), bool(gated), BLOCK_N)
 
 
 def precompile(configs):
@@ -219,33 +216,7 @@ def check() -> bool:
     return ok
 
 
-def _timed(fn, iters=50):
-    """Seconds a call, from replays of a CUDA graph holding one call."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def _copy_bandwidth() -> float:
-    """Device-to-device copy bytes/s (read + written), median of do_bench."""
-    from triton.testing import do_bench
-
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    return 2 * src.numel() * 2 / (ms * 1e-3)
-
-
-def _bench_tokens(tokens: int, copy_bw: float) -> list[dict]:
+def _bench_tokens(tokens: int, copy_gbps: float) -> list[dict]:
     try:
         from . import silu_mul as sm
     except ImportError:
@@ -263,7 +234,7 @@ def _bench_tokens(tokens: int, copy_bw: float) -> list[dict]:
         mid = sm.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
         mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
 
-    t_old = _timed(old)
+    t_old = _bench.time_us(old)[0]
     rows = []
     for bn in (64, 128):
         for st in (3, 4, 6):
@@ -274,13 +245,13 @@ def _bench_tokens(tokens: int, copy_bw: float) -> list[dict]:
                 w13_only(bn, st)
                 moe_gemm_swap(h, w2, starts, out=o, block_n=bn, num_stages=st)
 
-            t, t13 = _timed(both), _timed(w13_only)
+            t, t13 = _bench.time_us(both)[0], _bench.time_us(w13_only)[0]  # microseconds
             rows.append({"bench": "moe_gemm_swap", "hardware": torch.cuda.get_device_name(), "shape": "v2-lite-mlp",
                          "tokens": tokens, "experts_hit": hit, "block_n": bn, "stages": st,
-                         "us": round(t * 1e6, 2), "w13_gated_us": round(t13 * 1e6, 2),
-                         "frac_of_copy": round(nbytes / t / copy_bw, 4),
-                         "moe_gemm_silu_mul_us": round(t_old * 1e6, 2), "speedup": round(t_old / t, 3),
-                         "copy_GBps": round(copy_bw / 1e9, 1)})
+                         "us": round(t, 2), "w13_gated_us": round(t13, 2),
+                         "frac_of_copy": round(nbytes / (t * 1e3) / copy_gbps, 4),
+                         "moe_gemm_silu_mul_us": round(t_old, 2), "speedup": round(t_old / t, 3),
+                         "copy_GBps": round(copy_gbps, 1)})
     return rows
 
 
@@ -289,10 +260,10 @@ def bench(out=None):
     bytes of the experts hit / time vs the copy bandwidth measured here (JSON lines)."""
     import json
 
-    copy_bw = _copy_bandwidth()
+    copy_gbps = _bench.copy_gbps()
     rows = []
     for tokens in (1, 2, 4, 8):
-        for row in _bench_tokens(tokens, copy_bw):
+        for row in _bench_tokens(tokens, copy_gbps):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if out:
@@ -308,9 +279,7 @@ if __name__ == "__main__":
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to run", file=sys.stderr)
-        sys.exit(2)
+    _bench.exit_without_cuda(args)
     status = 0
     if args.check and not check():
         status = 1

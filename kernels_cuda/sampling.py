@@ -253,11 +253,7 @@ def main(argv=None):
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args(argv)
-    gpu_flags = ["--" + f.replace("_", "-") for f in ("check", "bench", "check_prefill", "sweep_batch1")
-                 if getattr(args, f, False)]
-    if gpu_flags and not torch.cuda.is_available():  # a clear message, not a CUDA error from deep inside
-        sys.exit(f"{' '.join(gpu_flags)}: no CUDA device here (torch.cuda.is_available() is False); "
-                 "tests/kernels_cuda/test_compile.py compiles the kernels without one")
+    _bench.exit_without_cuda(args)
     if args.compile_only:
         t = time.time()
         ci_compile()
