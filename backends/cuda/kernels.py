@@ -93,12 +93,11 @@ _STATIC_FALLBACK = {
 #: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
 #: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
-#: (session 4) entered and left it the same session after its check passed on an H200. moe_gemm_swap (session 5)
-#: is in it.
-# session 5, written and compiled after the last device call: moe_gemm_swap; the un-permute kernel's variant with
-# the shared experts' output fused (moe_combine_add) and the permute kernel's variant that also writes the expert
-# GEMMs' scan (moe_dispatch_scan). The plain un-permute and permute stay verified (their generated code unchanged).
-UNVERIFIED_KERNELS: set[str] = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}
+#: (session 4) entered and left it the same session after its check passed on an H200.
+# moe_gemm_swap, moe_combine_add (the un-permute with the shared experts' output fused) and moe_dispatch_scan (the
+# permute that also writes the expert GEMMs' scan), written in session 5 after its last device call, left it in
+# session 6 once their checks passed on an H200 (moe_gemm_swap.py --check, moe_routing.py --check).
+UNVERIFIED_KERNELS: set[str] = set()
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -108,12 +107,16 @@ def unverified_note(module: str) -> str:
 
 
 def unverified_kernel_enabled(module: str) -> bool:
-    """Whether ``kernels_cuda.<module>`` may run: verified, or enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``."""
+    """Whether ``kernels_cuda.<module>`` may run: verified, or enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS``:
+    ``1`` (or true / yes / on) enables every gated module, a comma-separated list of names only those (A/B runs)."""
     import os
 
     if module not in UNVERIFIED_KERNELS:
         return True
-    return os.environ.get(UNVERIFIED_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    value = os.environ.get(UNVERIFIED_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return module in {name.strip() for name in value.split(",")}
 
 
 def _ref(module: str):

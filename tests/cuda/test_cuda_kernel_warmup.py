@@ -97,7 +97,9 @@ COMMON = {
     "mla_rope_cache": [(16, 192, 128, True, 1e-6)],
     "silu_mul": [(2816, True), (2816, False), (10944, True), (10944, False), (1408, True), (1408, False)],
     "moe_routing": [("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),
-                    ("permute", (2048, 6, 64, "bfloat16")), ("unpermute", (2048, 6, "bfloat16", "torch_strided"))],
+                    ("permute", (2048, 6, 64, "bfloat16")), ("permute", (2048, 6, 64, "bfloat16", 128, True)),
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))],
     "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
     # the worker samples every step through spec_verify (prefill rows too), speculation or not
     "spec_verify": [("argmax", (102400, False)), ("accept", ()), ("argmax", (102400, True))],
@@ -111,7 +113,7 @@ def _check_common(calls, plan):
             assert got == want
         else:
             assert len(got) == 1, f"{name}: one precompile call"
-            assert got[0][0] == want, name
+            assert got[0][0] == want, (name, got[0][0])
     (mla_cfgs, mla_kw), = calls["mla_decode"]
     assert mla_kw == {"softmax_scale": pytest.approx(192**-0.5)}
     decode = [c for c in mla_cfgs if len(c) != 4]
@@ -333,43 +335,60 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
 
 
-def test_moe_gemm_swap_gated_until_verified(recorded, monkeypatch):
-    """moe_gemm_swap is unverified: nothing compiled for it by default; with the gate open, w13 (gated) and w2 at the
-    row tiles of 6 .. 64 rows (1 .. 10 tokens x top-6), and moe_gemm's own configurations still (larger batches)."""
+GATED_MOE = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}  # session 5's, verified in session 6
+
+
+def test_moe_gemm_swap_warmup_and_gate(recorded, monkeypatch):
+    """moe_gemm_swap (verified): w13 (gated) and w2 at the row tiles of 6 .. 64 rows (1 .. 10 tokens x top-6), and
+    moe_gemm's own configurations still (larger batches); nothing of it while it is gated and the gate is shut."""
     from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
 
-    assert "moe_gemm_swap" in cuda_kernels.UNVERIFIED_KERNELS
-    kernel_set().warmup(v2_lite_plan(k=0))
-    assert "moe_gemm_swap" not in recorded
-    recorded.clear()
-    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    assert "moe_gemm_swap" not in cuda_kernels.UNVERIFIED_KERNELS
     kernel_set().warmup(v2_lite_plan(k=0))
     (cfgs, _kw), = recorded["moe_gemm_swap"]
     assert cfgs == [(2816, 2048, 8, True, 64), (2048, 1408, 8, False, 64),
                     (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64)]
     assert all(sw.config_for(*c[:2], r, c[3]) in cfgs for c in cfgs for r in (6, 64))
     assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]
-
-
-def test_moe_combine_add_gated_until_verified(recorded, monkeypatch):
-    """The un-permute with the shared experts' output fused is compiled only with the unverified gate open."""
-    fused = ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))
-    assert "moe_combine_add" in cuda_kernels.UNVERIFIED_KERNELS
-    kernel_set().warmup(v2_lite_plan(k=0))
-    assert fused not in recorded["moe_routing"][0][0]
     recorded.clear()
-    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", set(GATED_MOE))
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert "moe_gemm_swap" not in recorded
+
+
+def test_moe_combine_add_warmup_and_gate(recorded, monkeypatch):
+    """The un-permute with the shared experts' output fused: compiled by default (verified); not while gated."""
+    fused = ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
     kernel_set().warmup(v2_lite_plan(k=0))
     assert recorded["moe_routing"][0][0][-1] == fused
-
-
-def test_moe_dispatch_scan_gated_until_verified(recorded, monkeypatch):
-    """The permute that also writes the expert GEMMs' scan is compiled only with the unverified gate open."""
-    fused = ("permute", (2048, 6, 64, "bfloat16", 128, True))
-    assert "moe_dispatch_scan" in cuda_kernels.UNVERIFIED_KERNELS
+    recorded.clear()
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", set(GATED_MOE))
     kernel_set().warmup(v2_lite_plan(k=0))
     assert fused not in recorded["moe_routing"][0][0]
-    recorded.clear()
-    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "1")
+
+
+def test_moe_dispatch_scan_warmup_and_gate(recorded, monkeypatch):
+    """The permute that also writes the expert GEMMs' scan: compiled by default (verified); not while gated."""
+    fused = ("permute", (2048, 6, 64, "bfloat16", 128, True))
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
     kernel_set().warmup(v2_lite_plan(k=0))
     assert fused in recorded["moe_routing"][0][0]
+    recorded.clear()
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", set(GATED_MOE))
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert fused not in recorded["moe_routing"][0][0]
+
+
+def test_unverified_gate_takes_a_list_of_modules(monkeypatch):
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"})
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "moe_gemm_swap, moe_dispatch_scan")
+    assert cuda_kernels.unverified_kernel_enabled("moe_gemm_swap")
+    assert cuda_kernels.unverified_kernel_enabled("moe_dispatch_scan")
+    assert not cuda_kernels.unverified_kernel_enabled("moe_combine_add")
+    assert cuda_kernels.unverified_kernel_enabled("rms_norm")  # not gated
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "on")
+    assert cuda_kernels.unverified_kernel_enabled("moe_combine_add")
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "0")
+    assert not cuda_kernels.unverified_kernel_enabled("moe_gemm_swap")
