@@ -13,12 +13,12 @@ the wait, so at most one kernel waits ahead of the one running. Kernels not buil
 launched as usual and wait for the full completion of what precedes them; a PDL kernel after one of them waits
 for its completion too (a kernel without a trigger triggers when it exits).
 
-Off by default (``DEEPINFER_PDL=1`` turns it on; the kernels' code is otherwise the same). Measured on one H200
-(session 5, ``bench_decode_e2e.py --graphs --no-hf``, V2-Lite shape, two runs each way in one call): batch 16
-1934.8 / 1935.2 tok/s with PDL against 1908.2 / 1908.9 without, batch 64 6203.4 / 6231.5 against 6156.9 / 6142.7,
-but batch 1 292.8 / 308.1 against 347.4 / 348.3 (and 333.6 / 375.3 in two other calls): at batch 1 the waiting
-CTAs of the next kernel seem to take the SM slots the second stream's branch (``run_parallel``) needs; that is a
-guess, not measured.
+On by default since session 6 (``DEEPINFER_PDL=0`` turns it off; the kernels' code is otherwise the same).
+Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5`` (V2-Lite shape, median of five
+windows, one call, session 6): PDL off 380.9 / 1894.8 / 6030.7 tok/s at batch 1 / 16 / 64; PDL on 375.6 /
+1922.0 / 6172.4; PDL on with the branches of ``run_parallel`` in order 399.2 / 1837.2 / 6045.4. So the engine
+runs PDL with the branches in order at one token row and on two streams above (``CudaKernelSet.run_parallel``).
+Session 5 (single windows): batch 1 292.8 / 308.1 with PDL against 347.4 / 348.3 without, batch 16 +1.4 %, 64 +0.9 %.
 """
 
 import os
@@ -27,8 +27,8 @@ ENV = "DEEPINFER_PDL"
 
 
 def pdl_enabled() -> bool:
-    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default off)."""
-    v = os.environ.get(ENV, "0").strip()
+    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default on)."""
+    v = os.environ.get(ENV, "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{ENV}={v!r}: expected 0 or 1")
     return v == "1"

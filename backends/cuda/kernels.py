@@ -68,8 +68,13 @@ SKINNY_GROUPED_MAX_ROWS = 0
 # its --check passes on a GPU the gate below keeps moe_gemm.
 MOE_GEMM_SWAP_MAX_ROWS = 64
 # run_parallel overlaps independent branches (shared experts | routed experts) on two streams;
-# DEEPINFER_CUDA_PARALLEL_BRANCHES=0 runs them in order (A/B runs, e.g. with DEEPINFER_PDL=1)
+# DEEPINFER_CUDA_PARALLEL_BRANCHES=0 runs them in order (A/B runs)
 PARALLEL_BRANCHES = os.environ.get("DEEPINFER_CUDA_PARALLEL_BRANCHES", "1").strip() != "0"
+# with PDL on, run_parallel keeps the branches in order up to this many token rows (parallel_branches)
+SERIAL_BRANCHES_MAX_ROWS = 1
+# mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny); DEEPINFER_CUDA_SKINNY_W_UV=1
+# turns it on for A/B runs (not yet measured end to end)
+SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "0").strip() == "1"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
@@ -143,6 +148,7 @@ class CudaKernelSet(KernelSet):
         self._kernel_error: dict[str, str] = {}
         self._grouped_mm_error: str | None = None
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # run_parallel's second stream per device
+        self._head_scans: dict[tuple, torch.Tensor] = {}  # _head_scan: (heads, device) -> constant scan
         # (counts, scan) of the last moe_dispatch that wrote the expert GEMMs' scan (moe_dispatch_scan)
         self._dispatch_scan: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -200,18 +206,31 @@ class CudaKernelSet(KernelSet):
         return warm_up(self, plan)
 
     # ---- concurrency ---------------------------------------------------------------------------------------
-    def run_parallel(self, main, *side):
+    def parallel_branches(self, rows: int | None) -> bool:
+        """Whether ``run_parallel`` forks a second stream for ``rows`` token rows: not with PDL on at
+        ``rows <= SERIAL_BRANCHES_MAX_ROWS`` (a stream fork / join is a full dependency, which breaks the
+        programmatic launch chain; measured on an H200, session 6: batch 1 399.2 tok/s in order against 375.6 on
+        two streams, both with PDL, while batch 16 drops from 1922.0 to 1837.2 in order); not without a device or
+        with ``DEEPINFER_CUDA_PARALLEL_BRANCHES=0``."""
+        from deepinfer_npu.kernels_cuda._pdl import pdl_enabled
+
+        if not (PARALLEL_BRANCHES and torch.cuda.is_available()):
+            return False
+        return rows is None or rows > SERIAL_BRANCHES_MAX_ROWS or not pdl_enabled()
+
+    def run_parallel(self, main, *side, rows: int | None = None):
         """With a CUDA device: the ``side`` branches on a second stream, forked from the current stream (event)
         and joined back before returning; inside graph capture this makes parallel branches of the graph. At
-        batch 1 the routed experts' chain of one-CTA kernels (gating, permute, scan) then runs next to the shared
-        experts' GEMMs. Else (no device, ``PARALLEL_BRANCHES`` off) in order."""
-        if not (PARALLEL_BRANCHES and side and torch.cuda.is_available()):
-            return super().run_parallel(main, *side)
+        batch 16 the routed experts' chain of one-CTA kernels (gating, permute) then runs next to the shared
+        experts' GEMMs. In order where ``parallel_branches(rows)`` says so (batch 1 with PDL, no device,
+        ``PARALLEL_BRANCHES`` off)."""
+        if not (side and self.parallel_branches(rows)):
+            return super().run_parallel(main, *side, rows=rows)
         cur = torch.cuda.current_stream()
         alt = self._side_streams.get(cur.device)
         if alt is None:
             if torch.cuda.is_current_stream_capturing():  # no stream creation inside a capture: in order this time
-                return super().run_parallel(main, *side)
+                return super().run_parallel(main, *side, rows=rows)
             alt = self._side_streams[cur.device] = torch.cuda.Stream(device=cur.device)
         alt.wait_stream(cur)
         side_out: list = []
@@ -369,7 +388,8 @@ class CudaKernelSet(KernelSet):
             return q, absorb_heads(q[..., :nope], w.w_uk)
 
         # the latent projection does not wait for the query's two GEMMs (a second stream at decode sizes)
-        (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias))
+        (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias),
+                                              rows=num_tokens)
         q_pe = q[..., nope:]
         bf16, mod = torch.bfloat16, None
         if not kv.is_cuda:
@@ -502,11 +522,38 @@ class CudaKernelSet(KernelSet):
         )
         return out
 
+    def _head_scan(self, num_heads: int, device) -> torch.Tensor | None:
+        """``moe_gemm.expert_starts``' layout for one row a head ([0 .. H], then heads 0 .. H-1), made once per
+        (H, device) outside graph capture (the capture's eager warm-up run makes it); None inside a capture."""
+        key = (num_heads, str(device))
+        scan = self._head_scans.get(key)
+        if scan is None and not torch.cuda.is_current_stream_capturing():
+            idx = torch.arange(num_heads + 1, dtype=torch.int32)
+            scan = self._head_scans[key] = torch.cat([idx, idx[:-1]]).to(device)
+        return scan
+
+    def _w_uv_skinny(self, out_latent: torch.Tensor, w: MLAWeights):
+        """W_UV for one token through ``skinny_gemm``'s grouped mode, the heads as its experts (one row each):
+        a TileLang kernel, so the programmatic launch chain goes on (cuBLAS' batched GEMM breaks it). None where
+        it does not apply (more tokens, other dtypes, ``SKINNY_W_UV`` off)."""
+        if not (SKINNY_W_UV and out_latent.is_cuda and out_latent.shape[0] == 1):
+            return None
+        a = out_latent.reshape(out_latent.shape[1], out_latent.shape[2])  # [H, L]: one row a head, head-major
+        sk, _why = self._skinny(a, w.w_uv, grouped=True)
+        scan = self._head_scan(a.shape[0], a.device) if sk is not None and a.dtype == torch.bfloat16 else None
+        if scan is None:
+            return None
+        self._note("mla_epilogue", "W_UV: kernels_cuda.skinny_gemm grouped (the heads as experts, 1 token) + "
+                   "linear (o_proj)", True)
+        return sk.skinny_gemm(a, w.w_uv, scan=scan).view(1, -1)
+
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-        """The reference's arithmetic (W_UV per head on cuBLAS: ``absorb_heads``), with o_proj through this set's
-        ``linear``."""
-        self._note("mla_epilogue", "reference arithmetic: W_UV per head (cuBLAS) + linear (o_proj)", False)
-        values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
+        """One token (batch-1 decode, bf16): W_UV through ``kernels_cuda.skinny_gemm`` (``_w_uv_skinny``); else the
+        reference's arithmetic (W_UV per head on cuBLAS: ``absorb_heads``). o_proj through this set's ``linear``."""
+        values = self._w_uv_skinny(out_latent, w)
+        if values is None:
+            self._note("mla_epilogue", "reference arithmetic: W_UV per head (cuBLAS) + linear (o_proj)", False)
+            values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
         return self.linear(values.reshape(values.shape[0], -1), w.o_proj, w.o_bias)
 
     # ---- MoE -----------------------------------------------------------------------------------------------

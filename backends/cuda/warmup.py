@@ -54,6 +54,7 @@ import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
+from . import kernels as _cuda_kernels
 from .kernels import (
     KV_LORA,
     MAX_Q,
@@ -293,6 +294,8 @@ def skinny_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
     if plan.dtype == _BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
             and plan.hidden_size <= sk.DENSE_MAX_K:
         cfgs += [sk.config_for(plan.hidden_size, rb, True, False, _BF16, _BF16, _BF16) for rb in blocks]
+    if _cuda_kernels.SKINNY_W_UV and plan.dtype == _BF16 and lo <= 1 and plan.kv_lora_rank % 8 == 0:  # W_UV, 1 token
+        cfgs.append(sk.config_for(plan.kv_lora_rank, sk.rows_block(1), False, True, _BF16, _BF16, _BF16))
     g, inter = plan.moe_gating, plan.moe_intermediate_size
     if g is not None and plan.dtype == _BF16 and inter and SKINNY_GROUPED_MAX_ROWS and moe_gemm_configs(plan):
         rows = range(lo * g.top_k, min(hi * g.top_k, SKINNY_GROUPED_MAX_ROWS) + 1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
-#   tests     GPU tests (tests/cuda, kernels_cuda tests)
+#   tests     GPU tests (TESTS, default tests/cuda)
 #   profile   benchmarks/profile_decode.py, graphs and eager, batch 1 and 64
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
@@ -46,7 +46,7 @@ for phase in "$@"; do
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
-    tests) timeout $LIM python3 -m pytest tests/cuda -q -rs -p no:cacheprovider 2>&1 | filt \
+    tests) timeout $LIM python3 -m pytest ${TESTS:-tests/cuda} -q -rs -p no:cacheprovider 2>&1 | filt \
              > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
     profile) DEEPINFER_PDL=${PROFILE_PDL:-0} timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs --sequence 200 \
              2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5

@@ -87,11 +87,14 @@ class KernelSet:
         conversion to fp32 is exact) instead of launching the cast."""
         return self.linear(hidden.float(), weight)
 
-    def run_parallel(self, main: Callable[[], Any], *side: Callable[[], Any]) -> list[Any]:
+    def run_parallel(
+        self, main: Callable[[], Any], *side: Callable[[], Any], rows: int | None = None
+    ) -> list[Any]:
         """Independent branches of a forward (e.g. the shared experts next to the routed ones) ->
         ``[main(), *(f() for f in side)]``. No branch may read another's outputs. A backend may overlap them
         (CUDA: the side branches on a second stream forked from the current one and joined back, inside CUDA
         graph capture too), which hides the small kernels of one branch behind the other at decode sizes.
+        ``rows``: the token rows the branches work on (host int), for a backend whose choice depends on the size.
         Default: in order on the current stream."""
         return [main(), *(f() for f in side)]
 

@@ -392,3 +392,17 @@ def test_unverified_gate_takes_a_list_of_modules(monkeypatch):
     assert cuda_kernels.unverified_kernel_enabled("moe_combine_add")
     monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "0")
     assert not cuda_kernels.unverified_kernel_enabled("moe_gemm_swap")
+
+
+def test_w_uv_skinny_configuration_only_when_on(recorded, monkeypatch):
+    """mla_epilogue's W_UV at one token (SKINNY_W_UV): skinny_gemm's grouped configuration at K = kv_lora_rank."""
+    from deepinfer_npu.kernels_cuda import skinny_gemm as sk
+
+    want = sk.config_for(512, sk.rows_block(1), False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    monkeypatch.setattr(cuda_kernels, "SKINNY_W_UV", False)
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert want not in recorded["skinny_gemm"][0][0]
+    recorded.clear()
+    monkeypatch.setattr(cuda_kernels, "SKINNY_W_UV", True)
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert want in recorded["skinny_gemm"][0][0]

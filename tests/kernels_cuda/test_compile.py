@@ -72,7 +72,14 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
     for k in kernels:
         src = k.get_kernel_source()
         assert "__global__" in src
+        if name in PDL_MODULES and os.environ.get("DEEPINFER_PDL", "1") == "1":  # kernels_cuda/_pdl.py, default on
+            assert "cudaGridDependencySynchronize" in src, f"{name}: PDL is on but a kernel does not wait"
     print(f"{name}: {len(kernels)} configurations compiled for sm_90a in {time.time() - t:.1f}s")
+
+
+#: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
+PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_routing", "moe_gemm", "silu_mul",
+               "moe_gemm_swap"}
 
 
 SM100_TARGET = {"kind": "cuda", "arch": "sm_100a"}

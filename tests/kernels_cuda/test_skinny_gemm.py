@@ -58,6 +58,26 @@ def test_cuda_kernel_set_keeps_the_reference_linear_off_cuda():
     assert torch.equal(ks.router_logits(h, wr), torch.nn.functional.linear(h.float(), wr))
     out = ks.run_parallel(lambda: 1, lambda: 2, lambda: 3)
     assert out == [1, 2, 3]
+    assert ks.run_parallel(lambda: 1, lambda: 2, rows=1) == [1, 2]
+
+
+def test_parallel_branches_in_order_at_one_row_with_pdl(monkeypatch):
+    """run_parallel's stream choice (measured on an H200, session 6): with PDL (the default) one token row keeps the
+    branches in order, more rows fork a second stream; without PDL every size forks; never without a device or
+    with DEEPINFER_CUDA_PARALLEL_BRANCHES=0."""
+    from deepinfer_npu.backends.cuda import kernels as ck
+
+    ks = ck.CudaKernelSet()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+    assert [ks.parallel_branches(r) for r in (1, 2, 16, None)] == [False, True, True, True]
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
+    assert [ks.parallel_branches(r) for r in (1, 2, None)] == [True, True, True]
+    monkeypatch.setattr(ck, "PARALLEL_BRANCHES", False)
+    assert not ks.parallel_branches(16)
+    monkeypatch.setattr(ck, "PARALLEL_BRANCHES", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not ks.parallel_branches(16)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
@@ -101,3 +121,52 @@ def test_kernel_set_one_row_paths_match_reference_gpu():
     want = F.linear(x.float(), router)
     assert torch.allclose(ks.router_logits(x, router), want, rtol=1e-5, atol=1e-5)
     assert ks.op_report()["linear"].startswith("native (kernels_cuda.skinny_gemm"), ks.op_report()["linear"]
+
+
+def _mla_weights(h=16, v=128, lat=512, d=2048, device="cpu"):
+    from deepinfer_npu.hal.types import MLAWeights
+
+    g = torch.Generator().manual_seed(7)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.05).bfloat16().to(device)
+
+    return MLAWeights(num_heads=h, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=v, kv_lora_rank=lat,
+                      kv_a_proj=rnd(lat + 64, d), kv_a_layernorm=rnd(lat), w_uk=rnd(h, 128, lat),
+                      w_uv=rnd(h, v, lat), o_proj=rnd(d, h * v), q_proj=rnd(h * 192, d))
+
+
+def test_w_uv_skinny_only_for_one_cuda_token(monkeypatch):
+    """mla_epilogue's W_UV through skinny_gemm applies to one token on a CUDA device with SKINNY_W_UV on; on host
+    tensors the reference arithmetic runs (and the warm-up compiles the W_UV configuration only when it is on)."""
+    from deepinfer_npu.backends.cuda import kernels as ck
+
+    monkeypatch.setattr(ck, "SKINNY_W_UV", True)
+    ks = ck.CudaKernelSet()
+    w = _mla_weights()
+    lat = torch.randn(1, 16, 512).bfloat16()
+    assert ks._w_uv_skinny(lat, w) is None  # host tensor
+    out = ks.mla_epilogue(lat, w)
+    want = torch.nn.functional.linear(torch.einsum("thl,hvl->thv", lat, w.w_uv).reshape(1, -1), w.o_proj)
+    assert torch.equal(out, want)
+    assert "reference arithmetic" in ks.op_report()["mla_epilogue"]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_w_uv_skinny_matches_reference_gpu(monkeypatch):
+    """W_UV of one token on skinny_gemm (the heads as experts) against the fp32 reference: bf16 within 2 ulp of
+    |ref| + 1e-3, the same rows; more tokens keep cuBLAS."""
+    pytest.importorskip("tilelang", reason="tilelang is not installed")
+    from deepinfer_npu.backends.cuda import kernels as ck
+
+    monkeypatch.setattr(ck, "SKINNY_W_UV", True)
+    ks = ck.CudaKernelSet()
+    w = _mla_weights(device="cuda")
+    lat = (torch.randn(1, 16, 512, device="cuda") * 0.5).bfloat16()
+    got = ks._w_uv_skinny(lat, w)
+    assert got is not None and got.shape == (1, 16 * 128)
+    ref = torch.einsum("thl,hvl->thv", lat.float(), w.w_uv.float()).reshape(1, -1)
+    tol = 2 * 2.0**-8 * ref.abs() + 1e-3
+    assert bool(((got.float() - ref).abs() <= tol).all()), float((got.float() - ref).abs().max())
+    assert ks._w_uv_skinny(lat.expand(2, 16, 512).contiguous(), w) is None
+    assert "skinny_gemm grouped" in ks.op_report()["mla_epilogue"]

@@ -109,5 +109,7 @@ class DeepseekMoE(nn.Module):
             return k.moe_combine(*routed_experts())
         # the two branches are independent: a backend may overlap them (KernelSet.run_parallel); the combine
         # then takes the shared experts' output as its addend (one kernel on CUDA)
-        (expert_out, state, weights), shared = k.run_parallel(routed_experts, lambda: self.shared_experts(hidden))
+        (expert_out, state, weights), shared = k.run_parallel(
+            routed_experts, lambda: self.shared_experts(hidden), rows=hidden.shape[0]
+        )
         return k.moe_combine_add(expert_out, state, weights, shared)
