@@ -254,6 +254,13 @@ def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
     return out
 
 
+def _pdl_enabled() -> bool:
+    """kernels_cuda/_pdl.py's switch (its default included), for the result rows."""
+    from deepinfer_npu.kernels_cuda._pdl import pdl_enabled
+
+    return pdl_enabled()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cuda")
@@ -327,7 +334,7 @@ def main(argv=None) -> int:
             "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
         }
         if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
-            row["pdl"] = os.environ.get("DEEPINFER_PDL", "0").strip() == "1"
+            row["pdl"] = _pdl_enabled()
         # the engine switches set in the environment (A/B runs), cache locations left out
         row["env"] = {k: v for k, v in sorted(os.environ.items())
                       if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}

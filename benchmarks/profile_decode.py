@@ -24,6 +24,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode_e2e import TINY, V2_LITE, hardware, precompile_engine_kernels, prompts_for, sync  # noqa: E402
 
 
+def _pdl_enabled() -> bool:
+    """kernels_cuda/_pdl.py's switch (its default included), for the result rows."""
+    from deepinfer_npu.kernels_cuda._pdl import pdl_enabled
+
+    return pdl_enabled()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cuda")
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
                "kernels_per_step": round(count / args.steps, 1),
                # kernels_cuda/_pdl.py: with PDL a kernel is placed early and waits, so its span includes the wait
-               "pdl": os.environ.get("DEEPINFER_PDL", "0").strip() == "1",
+               "pdl": _pdl_enabled(),
                "sequence": [[n[:70], round(us, 2)] for _t, n, us in sorted(kernels)[: args.sequence]],
                "top": [[n[:90], round(v[0] / 1e3 / args.steps, 4), round(v[1] / args.steps, 1)] for n, v in top],
                "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]

@@ -13,12 +13,18 @@ the wait, so at most one kernel waits ahead of the one running. Kernels not buil
 launched as usual and wait for the full completion of what precedes them; a PDL kernel after one of them waits
 for its completion too (a kernel without a trigger triggers when it exits).
 
-On by default since session 6 (``DEEPINFER_PDL=0`` turns it off; the kernels' code is otherwise the same).
-Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5`` (V2-Lite shape, median of five
-windows, one call, session 6): PDL off 380.9 / 1894.8 / 6030.7 tok/s at batch 1 / 16 / 64; PDL on 375.6 /
-1922.0 / 6172.4; PDL on with the branches of ``run_parallel`` in order 399.2 / 1837.2 / 6045.4. So the engine
-runs PDL with the branches in order at one token row and on two streams above (``CudaKernelSet.run_parallel``).
-Session 5 (single windows): batch 1 292.8 / 308.1 with PDL against 347.4 / 348.3 without, batch 16 +1.4 %, 64 +0.9 %.
+Off by default (``DEEPINFER_PDL=1`` turns it on; the kernels' code is otherwise the same), because at batch 1 it
+is bimodal. Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5|9`` (V2-Lite shape, each
+window 32 decode steps, session 6), tok/s:
+
+- PDL off (call 3): batch 1 380.4-381.6 (10 windows in two runs, one at 373.4), batch 16 1894.8, batch 64 6030.7.
+- PDL on: batch 16 1922.0-1926.5 and batch 64 6145.9-6173.5 in five runs over three calls (+1.5 % / +2.4 %).
+  At batch 1 (with ``run_parallel``'s branches in order, ``CudaKernelSet.parallel_branches``) a window runs either
+  at ~388-399 or at ~285-337: 17 of 47 windows were in the slow mode, with whole runs in one mode (9 of 9 fast;
+  5 of 5 slow) and runs that switch. Why is not known (not profiled: the profiler's spans include the waits).
+  With both streams (``DEEPINFER_CUDA_PARALLEL_BRANCHES`` and PDL) batch 1 read 375.6 and batch 16 1922.0.
+- Session 5 (single windows): batch 1 292.8 / 308.1 with PDL against 347.4 / 348.3 without, batch 16 +1.4 %,
+  batch 64 +0.9 %.
 """
 
 import os
@@ -27,8 +33,8 @@ ENV = "DEEPINFER_PDL"
 
 
 def pdl_enabled() -> bool:
-    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default on)."""
-    v = os.environ.get(ENV, "1").strip()
+    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default off)."""
+    v = os.environ.get(ENV, "0").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{ENV}={v!r}: expected 0 or 1")
     return v == "1"

@@ -72,10 +72,11 @@ MOE_GEMM_SWAP_MAX_ROWS = 64
 PARALLEL_BRANCHES = os.environ.get("DEEPINFER_CUDA_PARALLEL_BRANCHES", "1").strip() != "0"
 # with PDL on, run_parallel keeps the branches in order up to this many token rows (parallel_branches)
 SERIAL_BRANCHES_MAX_ROWS = 1
-# mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny); DEEPINFER_CUDA_SKINNY_W_UV=0
-# keeps cuBLAS' batched GEMM (A/B runs). H200, session 6, batch 1, medians of 5 windows in one call: 394.7 tok/s
-# with it against 331.4 without; the windows without it were bimodal in that call (~390 or ~300-335)
-SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "1").strip() != "0"
+# mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny; checked against the fp32
+# reference on an H200, tests/kernels_cuda/test_skinny_gemm.py). Off unless DEEPINFER_CUDA_SKINNY_W_UV=1: measured
+# only with PDL on (H200, session 6, batch 1): its fast-mode windows 380-397 tok/s against 390.6-391.9 with cuBLAS,
+# no gain beyond the spread; not measured with PDL off (the default)
+SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "0").strip() == "1"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
