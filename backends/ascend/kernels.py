@@ -48,6 +48,11 @@ GRAPHS_NOTE = (
 
 
 class AscendKernelSet(KernelSet):
+    FALLBACK_REASONS = {
+        **KernelSet.FALLBACK_REASONS,
+        "decode_inputs": "the reference's aten ops on the NPU (backends/cpu/step_inputs.py; sync-free); no fused "
+        "NPU kernel yet",
+    }
     #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
     #: previous in-flight step's draft count, <= num_speculative_tokens). None: each request's queries are
     #: padded to the 16-row FIA window, which covers it whenever drafts_prev + drafts_now <= 15 (always for

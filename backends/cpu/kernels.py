@@ -15,6 +15,7 @@ from . import moe as _moe
 from . import norm as _norm
 from . import rope as _rope
 from . import spec_verify as _spec_verify
+from . import step_inputs as _step_inputs
 from . import zos as _zos
 
 
@@ -36,6 +37,7 @@ class CpuKernelSet(KernelSet):
     moe_combine = staticmethod(_moe.moe_combine)
     spec_verify = staticmethod(_spec_verify.spec_verify)
     zos_fixup = staticmethod(_zos.zos_fixup)
+    decode_inputs = staticmethod(_step_inputs.decode_inputs)
     copy_kv_blocks = staticmethod(_cache_ops.copy_kv_blocks)
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:

@@ -104,7 +104,8 @@ _STATIC_FALLBACK = {
 # moe_gemm_swap, moe_combine_add (the un-permute with the shared experts' output fused) and moe_dispatch_scan (the
 # permute that also writes the expert GEMMs' scan), written in session 5 after its last device call, left it in
 # session 6 once their checks passed on an H200 (moe_gemm_swap.py --check, moe_routing.py --check).
-UNVERIFIED_KERNELS: set[str] = set()
+# decode_inputs (session 6) was written and compiled after the session's last device call.
+UNVERIFIED_KERNELS: set[str] = {"decode_inputs"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -817,8 +818,24 @@ class CudaKernelSet(KernelSet):
         self._note("zos_fixup", f"kernels_cuda.zos_fixup ({kind}{unverified_note('zos_fixup')})", True)
         return mod.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
+    def decode_inputs(self, seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts,
+                      block_size: int, num_tokens: int):
+        """``kernels_cuda.decode_inputs`` (one launch for the ~45 small torch ops of the reference; unverified
+        until its check passes on a GPU); else the reference (``backends/cpu/step_inputs.py``), sync-free."""
+        args = (seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts)
+        mod, path = self._gated_kernel("decode_inputs", seqlens_q)
+        if mod is not None and (why := mod.reason(*args, block_size, num_tokens)) is not None:
+            mod, path = None, f"reference ({why})"
+        if mod is None:
+            self._note("decode_inputs", path, False)
+            return _ref("step_inputs").decode_inputs(*args, block_size, num_tokens)
+        self._note("decode_inputs", f"kernels_cuda.decode_inputs (one launch{unverified_note('decode_inputs')})", True)
+        return mod.decode_inputs(*args, block_size, num_tokens)
+
     # ---- reporting -----------------------------------------------------------------------------------------
     PLANNED = {
+        "decode_inputs": "kernels_cuda.decode_inputs (one launch) where its gate allows it (unverified); else the "
+        "reference's torch ops (sync-free)",
         "linear": "kernels_cuda.skinny_gemm for 1-row steps (K <= 8192, no bias); else F.linear on cuBLAS",
         "rms_norm": "kernels_cuda.rms_norm for bf16, width 512..7168 (x256); else the reference",
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",

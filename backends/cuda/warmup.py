@@ -34,6 +34,7 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
   fp32 router on bf16 rows, the dense MLPs' gated gate/up GEMM.
 - ``zos_fixup``: the correction (every decode step) and, with varlen re-splitting, the re-split for ``k`` at every
   launch shape ``resplit_launch(rows)`` of 1 .. max_num_seqs rows.
+- ``decode_inputs``: one build for the page size (every size dynamic), while its gate allows it.
 
 Each module's eligibility (dtype, dims, page size, its ``reason(...)`` where it has one, evaluated on meta
 tensors of the step's shapes) is respected, and so is the unverified-kernel gate. A module whose compile fails
@@ -342,6 +343,12 @@ def zos_fixup_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return list(dict.fromkeys(items))
 
 
+def decode_inputs_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    """``(block_size, threads)``: one build serves every decode step (the sizes are dynamic)."""
+    di = _kc("decode_inputs")
+    return [(plan.block_size, di.THREADS)]
+
+
 def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
                       enabled: Callable[[str], bool] = unverified_kernel_enabled) -> dict[str, list[tuple]]:
     """``{kernels_cuda module: [config, ...]}`` in the form each module's ``precompile`` takes (module docstring), in
@@ -359,6 +366,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "moe_gemm_swap": moe_gemm_swap_configs(plan) if enabled("moe_gemm_swap") else [],
         "spec_verify": spec_verify_configs(plan) if enabled("spec_verify") else [],
         "zos_fixup": zos_fixup_configs(plan) if enabled("zos_fixup") else [],
+        "decode_inputs": decode_inputs_configs(plan) if enabled("decode_inputs") else [],
     }
     return {name: cfgs for name, cfgs in out.items() if cfgs}
 

@@ -50,6 +50,7 @@ class KernelSet:
         "sample",
         "spec_verify",
         "zos_fixup",
+        "decode_inputs",
         "copy_kv_blocks",
     )
     #: Optional per-op reasons shown in ``op_report`` for ops a subclass deliberately leaves on the reference.
@@ -224,6 +225,15 @@ class KernelSet:
         """Correct an optimistically scheduled step on the device (``seqlens_k`` by accepted counts, ``seqlens_q``
         re-split by confidences) -> ``(seqlens_q, seqlens_k)``. Contract in ``backends/cpu/zos.py``."""
         return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+
+    def decode_inputs(self, seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts,
+                      block_size: int, num_tokens: int):
+        """A decode step's per-token inputs on the device (positions, cache slots,
+        ``cu_seqlens_q``, row / offset of each token, input ids from the slot state, the next draft of each token)
+        from the lengths ``zos_fixup`` corrected, with no host read -> ``DecodeInputs``. Contract and reference in
+        ``backends/cpu/step_inputs.py``."""
+        return _ref("step_inputs").decode_inputs(seqlens_q, seqlens_k, block_tables, state_slots, first_ids,
+                                                 last_token, drafts, block_size, num_tokens)
 
     # ---- KV cache blocks -----------------------------------------------------------------------------------
     def copy_kv_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:

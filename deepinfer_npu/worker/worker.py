@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from deepinfer_npu.hal.graph_runner import GraphRunner
-from deepinfer_npu.model_executor.attention_metadata import HostLengths
+from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
@@ -199,16 +199,14 @@ class Worker:
             elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds, short by
                 # at most the in-flight step's drafts (correction = planned drafts - accepted <= k)
                 host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k, max_kv_shortfall=self.k)
-            attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
-                                                 max_q, max_k, False, host)
-            slot_tok = slots.index_select(0, row)
-            first = self._dev(first_host).index_select(0, row)
-            first = torch.where(first >= 0, first, self.slots.last_token.index_select(0, slot_tok))
-            col = (j - 1).clamp(min=0, max=max(self.k - 1, 0))
-            ids = torch.where(j == 0, first, self.slots.drafts[slot_tok, col])
-            has_next = (j + 1) < sq.to(torch.int64).index_select(0, row)
-            nxt = self.slots.drafts[slot_tok, j.clamp(max=max(self.k - 1, 0))]
-            draft_next = torch.where(has_next, nxt, torch.full_like(nxt, -1))
+            # one op (a kernel on CUDA): positions, cache slots, the tokens' rows and input ids from the slot state
+            d = self.kernels.decode_inputs(sq, sk, tables, slots, self._dev(first_host), self.slots.last_token,
+                                           self.slots.drafts, self.runner.block_size, plan.num_tokens)
+            attn = AttentionMetadata(seqlens_q=sq.to(torch.int32), seqlens_k=sk.to(torch.int32),
+                                     cu_seqlens_q=d.cu_seqlens_q, block_tables=tables, slot_mapping=d.slot_mapping,
+                                     positions=d.positions, max_seqlen_q=max_q, max_seqlen_k=max_k, is_prefill=False,
+                                     host=host)
+            row, j, ids, draft_next = d.row_of_token, d.j_of_token, d.input_ids, d.draft_next
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
         t_model = time.perf_counter()
         # Varlen's online estimators need the device time of the forward and of the sampling phase; on a device

@@ -29,7 +29,7 @@ from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan  # noqa: E402
 
 SMS = 132  # H200
 PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup",
-               "skinny_gemm", "moe_gemm_swap")
+               "skinny_gemm", "moe_gemm_swap", "decode_inputs")
 
 
 def v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
@@ -229,7 +229,7 @@ def test_real_compile_of_a_tiny_plan(monkeypatch):
     correction kernel only (a few seconds of nvcc, or TileLang's cache)."""
     from deepinfer_npu.kernels_cuda import zos_fixup
 
-    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"spec_verify"})
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"spec_verify", "decode_inputs"})
     monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
     summary = kernel_set().warmup(v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0))
     assert summary.startswith("1 configs in ") and "zos_fixup: 1" in summary, summary
@@ -406,3 +406,15 @@ def test_w_uv_skinny_configuration_only_when_on(recorded, monkeypatch):
     monkeypatch.setattr(cuda_kernels, "SKINNY_W_UV", True)
     kernel_set().warmup(v2_lite_plan(k=0))
     assert want in recorded["skinny_gemm"][0][0]
+
+
+def test_decode_inputs_compiled_only_with_its_gate_open(recorded, monkeypatch):
+    """decode_inputs (unverified): nothing compiled while gated; with the gate open one build for the page size."""
+    from deepinfer_npu.kernels_cuda import decode_inputs as di
+
+    assert "decode_inputs" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert "decode_inputs" not in recorded
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "decode_inputs")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["decode_inputs"] == [([(64, di.THREADS)], {})]
