@@ -175,6 +175,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
                 prefill_steps += 1
             sync(dev)
             engine.stats["generation_tokens"] = 0
+            wait0 = engine.stats["host_wait_ms"]
             steps = 0
             t0 = time.perf_counter()
             while engine.has_unfinished_requests():
@@ -184,18 +185,22 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
             elapsed = time.perf_counter() - t0
             tokens = engine.stats["generation_tokens"]
             clean = tokens == batch * args.gen and steps <= args.gen + 1
-            windows.append((tokens / elapsed, elapsed, tokens, steps, prefill_steps, clean))
+            # share of the window the host spent blocked on the device: ~1 - host work / step when the device
+            # bounds the loop, ~0 when the host does (tells a slow window's cause apart)
+            wait_frac = (engine.stats["host_wait_ms"] - wait0) / (1e3 * elapsed)
+            windows.append((tokens / elapsed, elapsed, tokens, steps, prefill_steps, clean, wait_frac))
         # the median window (a host hiccup in one short window at batch 1 moves a single reading by 10-20 %)
-        tok_s, elapsed, tokens, steps, prefill_steps, clean = sorted(windows)[len(windows) // 2]
+        tok_s, elapsed, tokens, steps, prefill_steps, clean, _wait = sorted(windows)[len(windows) // 2]
         out[batch] = {"engine_tok_s": tok_s, "engine_step_ms": 1e3 * elapsed / max(steps, 1),
                       "engine_tokens": tokens, "engine_steps": steps, "prefill_steps": prefill_steps,
                       "pure_decode_window": all(w[5] for w in windows),
-                      "engine_tok_s_windows": [round(w[0], 1) for w in windows]}
+                      "engine_tok_s_windows": [round(w[0], 1) for w in windows],
+                      "host_wait_frac_windows": [round(w[6], 3) for w in windows]}
         stats = engine.get_stats()
         out[batch].update(graphs=args.graphs, engine_graph_steps=stats["graph_steps"],
                           graphs_disabled=stats.get("graphs_disabled"))
         log(f"engine batch={batch}: {tokens} tokens in {elapsed:.3f}s ({tok_s:.1f} tok/s, median of "
-            f"{[round(w[0], 1) for w in windows]}, "
+            f"{[round(w[0], 1) for w in windows]}, host blocked {[round(w[6], 2) for w in windows]}, "
             f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean}; "
             f"graphs={args.graphs}: {stats['graph_steps']} graph steps so far, "
             f"captured {stats.get('graphs_captured')}, disabled: {stats.get('graphs_disabled')})")
@@ -323,6 +328,7 @@ def main(argv=None) -> int:
             "engine_step_ms": round(eng[batch]["engine_step_ms"], 3) if batch in eng else None,
             "engine_steps": eng.get(batch, {}).get("engine_steps"),
             "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
+            "host_wait_frac_windows": eng.get(batch, {}).get("host_wait_frac_windows"),
             "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
             "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
             "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),

@@ -379,6 +379,7 @@ def main(argv=None):
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out", default=None, help="append the --bench JSON lines here")
     args = ap.parse_args(argv)
     _bench.exit_without_cuda(args)
     if args.compile_only:
@@ -392,7 +393,11 @@ def main(argv=None):
     if args.bench:
         precompile([(64, THREADS)])
         for c in BENCH_SHAPES:
-            print(json.dumps(bench_case(*c)), flush=True)
+            row = json.dumps(bench_case(*c))
+            print(row, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(row + "\n")
     return 0 if ok else 1
 
 

@@ -78,7 +78,7 @@ class LLMEngine:
         self.stats = {
             "num_steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
             "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
-            "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0,
+            "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0, "host_wait_ms": 0.0,
             "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
             "spec_emitted_tokens": 0, "varlen_resplit_rows": 0,
         }
@@ -271,6 +271,7 @@ class LLMEngine:
             self.stats["forward_ms"] += res.forward_ms
             self.stats["sample_ms"] += res.sample_ms
             self.stats["model_ms"] += res.model_ms
+            self.stats["host_wait_ms"] += res.host_wait_ms
             if res.num_drafts is not None and self.config.nextn:
                 self._record_spec(res)
             if self.varlen is not None:

@@ -107,6 +107,9 @@ class StepResult:
     forward_ms: float = 0.0
     sample_ms: float = 0.0
     model_ms: float = 0.0
+    # host time blocked on this step's end event: the host waits on the device (~ the step minus the host's own
+    # work) when the device bounds the loop, ~0 when the host does
+    host_wait_ms: float = 0.0
 
 
 @dataclass

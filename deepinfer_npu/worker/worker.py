@@ -374,7 +374,9 @@ class Worker:
             step.host["draft_probs"] = h(step.draft_probs)
 
     def _post_process(self, step: DeviceStepState) -> StepResult:
+        t_wait = time.perf_counter()
         step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
+        host_wait_ms = (time.perf_counter() - t_wait) * 1e3
         plan, host = step.plan, step.host
         if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting
             step.model_ms = step.fwd_events[0].elapsed_time(step.fwd_events[1])
@@ -393,7 +395,8 @@ class Worker:
             ]
         result = StepResult(step_id=plan.step_id, is_prefill=plan.is_prefill, seq_ids=plan.seq_ids,
                             token_ids=token_ids, logprobs=logprobs, num_tokens=plan.num_tokens,
-                            forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms)
+                            forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms,
+                            host_wait_ms=host_wait_ms)
         if not plan.is_prefill:
             result.num_drafts = host["seqlens_q"].numpy().astype(np.int64) - 1
             result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
