@@ -20,14 +20,18 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 - ``silu_and_mul``: ``kernels_cuda.silu_mul``.
 - ``moe_gating_topk`` / ``moe_dispatch`` / ``moe_combine``: ``kernels_cuda.moe_routing`` (warp gating top-k with
   torch's tie and summation order, counting-sort permute, fp32 weighted un-permute); else composed torch.
-- ``grouped_mlp``: ``kernels_cuda.moe_gemm_swap`` for a few tokens (rows <= ``MOE_GEMM_SWAP_MAX_ROWS``; unverified,
-  gated), ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``, at most
+- ``grouped_mlp``: ``kernels_cuda.moe_gemm_swap`` for a few tokens (rows <= ``MOE_GEMM_SWAP_MAX_ROWS``; the
+  SwiGLU fused into w13), ``kernels_cuda.moe_gemm`` for decode-sized batches (rows <= ``MOE_GEMM_MAX_ROWS``, at most
   ``MAX_EXPERTS`` = 256 experts), ``torch._grouped_mm`` (CUTLASS, device offsets) above; the reference loops over
   experts after ``tokens_per_expert.tolist()`` (a sync).
 - ``sample`` / ``spec_verify`` / ``zos_fixup``: ``kernels_cuda.sampling`` / ``spec_verify`` / ``zos_fixup`` where
   their ``reason`` accepts the step; else the reference op on CUDA tensors (sync-free).
-- Still on reference ops running on CUDA tensors (sync-free): ``linear`` (cuBLAS), ``rope`` outside the prolog,
-  ``mla_epilogue``, ``copy_kv_blocks``.
+- ``decode_inputs``: ``kernels_cuda.decode_inputs`` (one launch) while its gate allows it (unverified); else the
+  reference's torch ops (sync-free).
+- ``linear``: ``kernels_cuda.skinny_gemm`` for one row (K <= 8192, no bias), else cuBLAS (the reference op).
+- Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, ``mla_epilogue`` (W_UV
+  on cuBLAS' batched GEMM; ``skinny_gemm``'s grouped mode for one token with ``DEEPINFER_CUDA_SKINNY_W_UV=1``),
+  ``copy_kv_blocks``.
 
 The host max query length for the MLA kernel: the HAL's ``max_seqlen_q`` keyword (the model layer passes
 ``attn.max_seqlen_q``: k + 1 after a device re-split), else ``host.max_seqlen_q``, else the shape bound
