@@ -17,9 +17,10 @@ Off by default (``DEEPINFER_PDL=1`` turns it on; the kernels' code is otherwise 
 is bimodal. Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5|9`` (V2-Lite shape, each
 window 32 decode steps, session 6), tok/s:
 
-- PDL off (call 3, two runs): batch 1 379.5-382.0 in 9 of 10 windows (the tenth 373.4), batch 16 1894.8-1895.6,
-  batch 64 6030.7-6048.5.
-- PDL on: batch 16 1922.0-1926.5 and batch 64 6145.9-6173.5 in five runs over three calls (+1.4-1.7 % / +1.6-2.4 %).
+- PDL off (call 3, two runs): batch 1 windows 379.5-382.0 in 9 of 10 (the tenth 373.4); run medians batch 16
+  1894.8 / 1895.6, batch 64 6030.7 / 6048.5.
+- PDL on: run medians batch 16 1922.0-1926.5 and batch 64 6145.9-6173.5 in five runs over three calls
+  (+1.4-1.7 % / +1.6-2.4 %).
   At batch 1 (with ``run_parallel``'s branches in order, ``CudaKernelSet.parallel_branches``) a window runs either
   at 380.0-399.6 (31 of 47 windows) or at 284.7-337.1 (14; two in between), with whole runs in one mode (9 of 9 fast;
   5 of 5 slow) and runs that switch. Why is not known (not profiled: the profiler's spans include the waits).

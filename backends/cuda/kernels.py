@@ -78,7 +78,7 @@ PARALLEL_BRANCHES = os.environ.get("DEEPINFER_CUDA_PARALLEL_BRANCHES", "1").stri
 SERIAL_BRANCHES_MAX_ROWS = 1
 # mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny; checked against the fp32
 # reference on an H200, tests/kernels_cuda/test_skinny_gemm.py). Off unless DEEPINFER_CUDA_SKINNY_W_UV=1: measured
-# only with PDL on (H200, session 6, batch 1): its fast-mode windows 380-397 tok/s against 390.6-391.9 with cuBLAS,
+# only with PDL on (H200, session 6, batch 1): its fast-mode windows 380.0-397.7 tok/s against 390.6-391.9 with cuBLAS,
 # no gain beyond the spread; not measured with PDL off (the default)
 SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "0").strip() == "1"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
@@ -534,9 +534,9 @@ class CudaKernelSet(KernelSet):
         (H, device) outside graph capture (the capture's eager warm-up run makes it); None inside a capture."""
         key = (num_heads, str(device))
         scan = self._head_scans.get(key)
-        if scan is None and not torch.cuda.is_current_stream_capturing():
-            idx = torch.arange(num_heads + 1, dtype=torch.int32)
-            scan = self._head_scans[key] = torch.cat([idx, idx[:-1]]).to(device)
+        if scan is None and not torch.cuda.is_current_stream_capturing():  # built on the device: no host copy (sync)
+            idx = torch.arange(num_heads + 1, dtype=torch.int32, device=device)
+            scan = self._head_scans[key] = torch.cat([idx, idx[:-1]])
         return scan
 
     def _w_uv_skinny(self, out_latent: torch.Tensor, w: MLAWeights):

@@ -138,7 +138,8 @@ def _mla_weights(h=16, v=128, lat=512, d=2048, device="cpu"):
 
 def test_w_uv_skinny_only_for_one_cuda_token(monkeypatch):
     """mla_epilogue's W_UV through skinny_gemm applies to one token on a CUDA device with SKINNY_W_UV on; on host
-    tensors the reference arithmetic runs (and the warm-up compiles the W_UV configuration only when it is on)."""
+    tensors the reference arithmetic runs. The per-head scan is not made inside a graph capture (None: cuBLAS then).
+    (The warm-up's W_UV configuration: tests/cuda/test_cuda_kernel_warmup.py.)"""
     from deepinfer_npu.backends.cuda import kernels as ck
 
     monkeypatch.setattr(ck, "SKINNY_W_UV", True)
@@ -150,6 +151,11 @@ def test_w_uv_skinny_only_for_one_cuda_token(monkeypatch):
     want = torch.nn.functional.linear(torch.einsum("thl,hvl->thv", lat, w.w_uv).reshape(1, -1), w.o_proj)
     assert torch.equal(out, want)
     assert "reference arithmetic" in ks.op_report()["mla_epilogue"]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ks._head_scan(16, "cpu") is None and not ks._head_scans
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert ks._head_scan(4, "cpu").tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert ks._head_scan(4, "cpu") is ks._head_scans[(4, "cpu")]  # made once
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

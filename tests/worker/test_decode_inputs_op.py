@@ -4,9 +4,9 @@ function, so the two must not drift), its input ids and next drafts follow the s
 set reports it, and the engine counts the host's time blocked on the device (``host_wait_ms``)."""
 
 import torch
-
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.backends.cpu.step_inputs import decode_inputs
+
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 
@@ -70,10 +70,22 @@ def test_every_kernel_set_reports_decode_inputs():
     assert ks.op_report()["decode_inputs"].startswith("fallback (reference (kernels_cuda.decode_inputs not yet")
 
 
-def test_engine_counts_host_wait():
+def test_engine_counts_host_wait(monkeypatch):
+    """host_wait_ms is the time the host spends in the step's end-event wait: a wait made to take 3 ms a call
+    (the CPU backend's events are otherwise instant) shows up once per step."""
+    import time
+
+    from deepinfer_npu.backends.cpu import stream
+
     from deepinfer_npu import LLM, SamplingParams
 
     llm = LLM()
+    llm.generate(["warm"], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    before = llm.get_stats()
+    assert 0.0 <= before["host_wait_ms"] <= before["step_ms"]
+    sync = stream.HostEvent.synchronize
+    monkeypatch.setattr(stream.HostEvent, "synchronize", lambda self: (time.sleep(0.003), sync(self))[1])
     llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-    stats = llm.get_stats()
-    assert "host_wait_ms" in stats and 0.0 <= stats["host_wait_ms"] <= stats["step_ms"]
+    after = llm.get_stats()
+    steps = after["num_steps"] - before["num_steps"]
+    assert steps >= 4 and after["host_wait_ms"] - before["host_wait_ms"] >= 3.0 * steps
