@@ -65,6 +65,35 @@ def hardware(device_type: str) -> str:
     return f"{cpu} ({os.cpu_count()} cores)"
 
 
+_GPU_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+
+def gpu_state(device_type: str) -> dict | None:
+    """The GPU's SM / memory clocks (MHz), power (W), temperature and clock-event reasons (bitmask) now, from
+    nvidia-smi (~tens of ms; called between timed windows): a window that ran slow at a lower clock tells itself
+    apart from one that lost time elsewhere. None without a CUDA device or nvidia-smi."""
+    if device_type != "cuda":
+        return None
+    import subprocess
+
+    import torch
+
+    idx = torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if visible[0].strip():  # nvidia-smi numbers the physical devices
+        idx = visible[idx].strip() if idx < len(visible) else idx
+    for fields in (_GPU_FIELDS, _GPU_FIELDS[:-1]):  # older drivers lack clocks_event_reasons
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                                  "-i", str(idx)], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0 and out.stdout.strip():
+            values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+            return dict(zip(fields, values))
+    return None
+
+
 def sync(device_type: str) -> None:
     import torch
 
@@ -188,22 +217,26 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
             # share of the window the host spent blocked on the device: ~1 - host work / step when the device
             # bounds the loop, ~0 when the host does (tells a slow window's cause apart)
             wait_frac = (engine.stats["host_wait_ms"] - wait0) / (1e3 * elapsed)
-            windows.append((tokens / elapsed, elapsed, tokens, steps, prefill_steps, clean, wait_frac))
+            windows.append((tokens / elapsed, elapsed, tokens, steps, prefill_steps, clean, wait_frac,
+                            gpu_state(dev) if args.gpu_state else None))
         # the median window (a host hiccup in one short window at batch 1 moves a single reading by 10-20 %); with an
         # even --repeat the upper of the two middle windows
-        tok_s, elapsed, tokens, steps, prefill_steps, clean, _wait = sorted(windows)[len(windows) // 2]
+        tok_s, elapsed, tokens, steps, prefill_steps, clean, _wait, _gpu = sorted(windows, key=lambda w: w[0])[
+            len(windows) // 2]
         clean = all(w[5] for w in windows)
         out[batch] = {"engine_tok_s": tok_s, "engine_step_ms": 1e3 * elapsed / max(steps, 1),
                       "engine_tokens": tokens, "engine_steps": steps, "prefill_steps": prefill_steps,
                       "pure_decode_window": clean,
                       "engine_tok_s_windows": [round(w[0], 1) for w in windows],
-                      "host_wait_frac_windows": [round(w[6], 3) for w in windows]}
+                      "host_wait_frac_windows": [round(w[6], 3) for w in windows],
+                      "gpu_state_windows": [w[7] for w in windows] if args.gpu_state else None}
         stats = engine.get_stats()
         out[batch].update(graphs=args.graphs, engine_graph_steps=stats["graph_steps"],
                           graphs_disabled=stats.get("graphs_disabled"))
         log(f"engine batch={batch}: {tokens} tokens in {elapsed:.3f}s ({tok_s:.1f} tok/s, median of "
             f"{[round(w[0], 1) for w in windows]}, host blocked {[round(w[6], 2) for w in windows]}, "
-            f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean}; "
+            + (f"SM MHz after {[(w[7] or {}).get('clocks.sm') for w in windows]}, " if args.gpu_state else "")
+            + f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean}; "
             f"graphs={args.graphs}: {stats['graph_steps']} graph steps so far, "
             f"captured {stats.get('graphs_captured')}, disabled: {stats.get('graphs_disabled')})")
     out["op_report"] = engine.backend.op_report()
@@ -278,6 +311,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="timed decode windows per batch (fresh requests each); the row reports the median window "
                    "(odd counts: the middle one)")
+    p.add_argument("--gpu-state", action="store_true",
+                   help="after each timed window, record the GPU's clocks / power / clock-event reasons (nvidia-smi)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-engine", action="store_true", help="skip the engine")
@@ -332,6 +367,7 @@ def main(argv=None) -> int:
             "engine_steps": eng.get(batch, {}).get("engine_steps"),
             "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
             "host_wait_frac_windows": eng.get(batch, {}).get("host_wait_frac_windows"),
+            "gpu_state_windows": eng.get(batch, {}).get("gpu_state_windows"),
             "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
             "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
             "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),

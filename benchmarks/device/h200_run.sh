@@ -66,15 +66,15 @@ for l in open('$OUT/profile.jsonl'):
              | filt > /tmp/spec.log; grep -v '^{' /tmp/spec.log | tail -14 ;;
     e2e|e2e-nohf) x=""; [ $phase = e2e-nohf ] && x=--no-hf
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
-             --gen 32 --repeat ${E2E_REPEAT:-5} --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
+             --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
     e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${E2E_BATCH:-1} \
-             --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
+             --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
              > /tmp/e2e_nopdl.log; grep -v '^{' /tmp/e2e_nopdl.log | grep -v kernel_cache | tail -6 ;;
     ab) IFS=';' read -ra envs <<< "${AB_ENVS:--;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1;DEEPINFER_PDL=1;DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0}"
              for e in "${envs[@]}"; do [ "$e" = "-" ] && e=""; echo "== ab: ${e:-baseline}"
                env $e timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${AB_BATCH:-1 16 64} \
-                 --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
+                 --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
                  | grep -E "engine batch=|warm-up" | sed 's/, [0-9]* steps after.*//'
              done ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \

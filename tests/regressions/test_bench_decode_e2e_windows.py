@@ -1,0 +1,53 @@
+"""benchmarks/bench_decode_e2e.py's per-window diagnostics: the median of --repeat windows, the host's share of
+each window blocked on the device, and (``--gpu-state``) the GPU's clocks after each window from nvidia-smi, read
+defensively (no device, no nvidia-smi, an older driver without ``clocks_event_reasons``)."""
+
+import os
+import subprocess
+import sys
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_decode_e2e as bench  # noqa: E402
+
+
+def test_gpu_state_parses_and_falls_back(monkeypatch):
+    import torch
+
+    assert bench.gpu_state("cpu") is None
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        if "clocks_event_reasons.active" in cmd[1]:
+            return types.SimpleNamespace(returncode=2, stdout="")  # an older driver
+        return types.SimpleNamespace(returncode=0, stdout="1980, 3201, 412.5, 51\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    got = bench.gpu_state("cuda")
+    assert got == {"clocks.sm": "1980", "clocks.mem": "3201", "power.draw": "412.5", "temperature.gpu": "51"}
+    assert len(calls) == 2 and calls[0][-1] == "0"
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert bench.gpu_state("cuda") is None
+
+
+def test_repeat_windows_and_host_wait_in_the_row(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    rc = bench.main(["--backend", "cpu", "--tiny", "--batch", "1", "--prompt-len", "16", "--gen", "4", "--repeat",
+                     "3", "--no-hf", "--gpu-state", "--out", str(out)])
+    assert rc == 0
+    import json
+
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(row["engine_tok_s_windows"]) == 3
+    assert abs(row["engine_tok_s"] - sorted(row["engine_tok_s_windows"])[1]) <= 0.06  # the median window
+    assert len(row["host_wait_frac_windows"]) == 3 and all(0 <= f <= 1 for f in row["host_wait_frac_windows"])
+    assert row["gpu_state_windows"] == [None, None, None]  # the CPU backend has no GPU to read
