@@ -257,11 +257,11 @@ def reason(seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_toke
 
 
 def decode_inputs(seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts, block_size: int,
-                  num_tokens: int) -> DecodeInputs:
+                  num_tokens: int, check: bool = True) -> DecodeInputs:
     """:class:`DecodeInputs` like backends/cpu/step_inputs.py, in one launch; ValueError where :func:`reason`
-    refuses the operands."""
+    refuses the operands (``check=False``: the caller has just asked :func:`reason`, as the CUDA kernel set does)."""
     why = reason(seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts, block_size,
-                 num_tokens)
+                 num_tokens) if check else None
     if why is not None:
         raise ValueError(f"decode_inputs: {why}")
     b, dev, t = seqlens_q.shape[0], seqlens_q.device, int(num_tokens)
