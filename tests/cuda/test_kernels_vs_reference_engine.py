@@ -1,7 +1,7 @@
-"""Engine-level check of the TileLang kernels for sampling, verification, ZOS fixups and prefill attention
-(kernels_cuda.spec_verify, zos_fixup, sampling, and mla_decode.mla_prefill): the reference model's tokens with the
-kernels equal those of the reference path (the modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate)
-and the op report names the kernels. Passed on an H200 in session 3 (then with the kernels gated and enabled by
+"""Engine-level check of the TileLang kernels for sampling, verification, ZOS fixups, decode inputs and prefill
+attention (kernels_cuda.spec_verify, zos_fixup, sampling, decode_inputs (session 6, not yet run on a GPU) and
+mla_decode.mla_prefill): the reference model's tokens with the kernels equal those of the reference path (the
+modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed on an H200 in session 3 (then with the kernels gated and enabled by
 ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after which the gate was emptied.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
@@ -39,11 +39,13 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
            "# Copyright 2001 Python Software Foundation\n"]
 
 
-GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill"}
+# decode_inputs (session 6) joined these: its run with the kernel must give the reference path's tokens too
+GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs"}
 
 
 def _use_kernels(monkeypatch, enabled: bool) -> None:
-    """enabled: the default kernel set; else the four modules gated (and not enabled), i.e. the reference path."""
+    """enabled: every kernel (the gate emptied); else the GATED modules gated (and not enabled), i.e. the reference
+    path."""
     from deepinfer_npu.backends.cuda import kernels as ck
 
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
@@ -84,6 +86,8 @@ def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
     assert "not yet verified on a GPU" in ref_report["zos_fixup"], ref_report["zos_fixup"]
     assert report["spec_verify"].startswith("native (kernels_cuda.spec_verify (greedy)"), report["spec_verify"]
     assert report["zos_fixup"].startswith("native (kernels_cuda.zos_fixup"), report["zos_fixup"]
+    assert report["decode_inputs"].startswith("native (kernels_cuda.decode_inputs"), report["decode_inputs"]
+    assert "not yet verified on a GPU" in ref_report["decode_inputs"], ref_report["decode_inputs"]
     stats, ref_stats = llm.get_stats(), ref_llm.get_stats()
     if not varlen:
         assert got == ref, (got, ref)
