@@ -281,8 +281,10 @@ if __name__ == "__main__":
     args = ap.parse_args()
     _bench.exit_without_cuda(args)
     status = 0
-    if args.check and not check():
-        status = 1
+    if args.check:
+        ok = check()
+        print("CHECK", "PASS" if ok else "FAIL", flush=True)
+        status = 0 if ok else 1
     if args.bench:
         bench(args.out)
     sys.exit(status)

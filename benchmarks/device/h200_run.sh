@@ -32,7 +32,7 @@ OUT=${OUT:-device_out}; mkdir -p "$OUT"
 LIM=${PHASE_LIMIT:-150}
 export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=/tmp/tlcache DEEPINFER_CACHE_DIR=/tmp/dicache
 T0=$(date +%s); el() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-rm -f /tmp/profile.log /tmp/e2e.log /tmp/e2e_nopdl.log /tmp/spec.log /tmp/mla.log  # a warm machine keeps /tmp
+rm -f /tmp/swap.log /tmp/profile.log /tmp/e2e.log /tmp/e2e_nopdl.log /tmp/spec.log /tmp/mla.log  # a warm machine keeps /tmp
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv > "$OUT/setup.log" 2>&1
 (mkdir -p /tmp/site && tar -xJf .carry/tilelang-0.1.15-cp312-site.tar.xz -C /tmp/site) &
 [ -f .carry/tlcache.tar.xz ] && (mkdir -p /tmp/tlcache && tar -xJf .carry/tlcache.tar.xz -C /tmp/tlcache) &
@@ -86,7 +86,7 @@ for l in open('$OUT/profile.jsonl'):
     skinny) timeout $LIM python3 kernels_cuda/skinny_gemm.py --check --bench --out "$OUT/h200_skinny_gemm.jsonl" 2>&1 \
              | filt > "$OUT/skinny.log"; grep -v '^{' "$OUT/skinny.log" | tail -20 ;;
     swap) timeout $LIM python3 kernels_cuda/moe_gemm_swap.py --check --bench --out "$OUT/h200_moe_gemm_swap.jsonl" 2>&1 \
-             | filt | grep -v '^{' | tail -12 ;;
+             | filt > /tmp/swap.log; echo "swap rc=${PIPESTATUS[0]}"; grep -E "PASS|FAIL|Error" /tmp/swap.log ;;
     routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
     decodein) timeout $LIM python3 kernels_cuda/decode_inputs.py --check --bench --out "$OUT/h200_decode_inputs.jsonl" \
              2>&1 | filt | grep -v '^{' | tail -20 ;;
