@@ -15,7 +15,7 @@ for its completion too (a kernel without a trigger triggers when it exits).
 
 Off by default (``DEEPINFER_PDL=1`` turns it on; the kernels' code is otherwise the same), because at batch 1 it
 is bimodal. Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5|9`` (V2-Lite shape, each
-window 32 decode steps, session 6), tok/s:
+window 32 decode tokens a request, session 6), tok/s:
 
 - PDL off (call 3, two runs): batch 1 windows 379.5-382.0 in 9 of 10 (the tenth 373.4); run medians batch 16
   1894.8 / 1895.6, batch 64 6030.7 / 6048.5.
