@@ -1,8 +1,9 @@
 """Engine-level check of the TileLang kernels for sampling, verification, ZOS fixups, decode inputs and prefill
 attention (kernels_cuda.spec_verify, zos_fixup, sampling, decode_inputs (session 6, not yet run on a GPU) and
 mla_decode.mla_prefill): the reference model's tokens with the kernels equal those of the reference path (the
-modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed on an H200 in session 3 (then with the kernels gated and enabled by
-``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after which the gate was emptied.
+modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed
+on an H200 in session 3 (then with the kernels gated and enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after
+which the gate was emptied; session 6 added decode_inputs, not yet run there.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
   (prefill sampling is greedy too); with fixed draft counts the tokens must be equal, with varlen verification (the
