@@ -25,6 +25,11 @@ reference (backends/cpu/moe.py) as it runs on CUDA tensors, where it replaces ~2
    float(expert_out[pos_j])`` with products rounded to fp32 (``--fmad=false``: no FMA contraction) and summed in
    torch's reduction order for ``(x * w).sum(dim=1)`` over [T, k, D] (four interleaved accumulators,
    ``sum_order="torch_strided"``), then one cast: bit-exact with the reference on CUDA.
+4. ``route`` (decode batches, T <= MAX_ROUTE_TOKENS): ``gating_topk`` + ``permute(with_scan=True)`` in one launch,
+   every output bit-identical to the two kernels'. One CTA a token, as permute; warp w of every CTA first gates
+   tokens w, w + NW, ... with the standalone kernel's own code (``_gating_macro``, the gating kernel's generated
+   source unchanged by it, byte for byte) into shared memory, then the permute body reads the ids from there.
+   GPU check / timing: ``check_route`` and ``bench_route`` (``--check`` / ``--bench``); not yet run on the H200.
 
 Measured on one H200 (torch 2.11 + cu130, TileLang 0.1.15; 2026-11-29), against the reference ops on the same CUDA
 tensors: ``--check`` PASS: gating ids identical (order included) in 24/24 cases (V2-Lite, V2, V3, T = 1..1000, tie-
@@ -81,6 +86,7 @@ COMPILE_FLAGS = ["--fmad=false"]
 MAX_EXPERTS = 256  # gating: one warp per token, E / 32 slots a lane
 MAX_TOP_K = 16
 MAX_SCAN_EXPERTS = 256  # permute's fused scan: one thread an expert, hit count in 9 bits (moe_gemm.MAX_EXPERTS)
+MAX_ROUTE_TOKENS = 16  # route (gating + permute in one launch): every CTA gates all T tokens (decode batches)
 MAX_ASSIGN = 8192  # permute / unpermute: every CTA scans all T*k assignments (decode and small prefill chunks)
 METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORINGS = ("softmax", "sigmoid")
@@ -148,6 +154,162 @@ def _radix_key(v):
     return T.if_then_else(T.isnan(v), T.uint32(0xFFFFFFFF), flipped)
 
 
+def _gating_macro(
+    num_experts: int,
+    top_k: int,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    norm_order: str = "torch_last",
+    has_bias: bool = True,
+):
+    """The gating of one token by one warp, as a ``@T.macro``: ``gating_token(L, Bias, row, lane, sb, gb, s_c, s_w,
+    s_g, s_sel, wo, io)`` reads logits row ``row`` (lane ``lane`` of the warp holds experts ``lane + 32 i``) and
+    leaves the k weights / ids, in torch.topk(sorted=False)'s order, in the local arrays ``wo`` [k] f32 / ``io`` [k]
+    i32 of every lane. Shared scratch: ``s_c`` / ``s_w`` [sb, sb + E) f32, ``s_g`` u32 / ``s_sel`` i32 [gb, gb + 32).
+    It calls ``T.sync_threads()`` (3 times grouped, once greedy): every thread of the CTA must run it."""
+    E, K, G, TG = num_experts, top_k, n_group, topk_group
+    assert E % 32 == 0 and E <= MAX_EXPERTS and 1 <= K <= min(E, MAX_TOP_K)
+    assert scoring_func in SCORINGS and topk_method in METHODS
+    grouped = topk_method != "greedy"
+    if grouped:
+        assert E % G == 0 and 1 <= TG <= G <= 32
+    VPT, PG = E // 32, E // max(G, 1)
+    if topk_method == "noaux_tc":
+        assert PG >= 2, "noaux_tc ranks groups by their top-2 sum"
+    rsf = float(routed_scaling_factor)
+    sum_fn = SUM_ORDERS[norm_order]
+    f32, u32, u64, i32 = T.float32, T.uint32, T.uint64, T.int32
+    softmax, noaux = scoring_func == "softmax", topk_method == "noaux_tc"
+
+    @T.macro
+    def gating_token(L, Bias, row, lane, sb, gb, s_c, s_w, s_g, s_sel, wo, io):
+        x = T.alloc_local([VPT], f32)  # scores
+        c = T.alloc_local([VPT], f32)  # selection values (biased / group-masked)
+        key = T.alloc_local([VPT], u64)
+        pk = T.alloc_local([K], u32)  # picks: radix key, expert index, output slot
+        pi = T.alloc_local([K], i32)
+        pos = T.alloc_local([K], i32)
+        mx = T.alloc_var(f32)
+        sm = T.alloc_var(f32)
+        best = T.alloc_var(u64)
+        m1 = T.alloc_var(f32)
+        m2 = T.alloc_var(f32)
+        rank = T.alloc_var(i32)
+        tot = T.alloc_var(f32)
+
+        for i in T.unroll(VPT, explicit=True):
+            x[i] = L[row, i * 32 + lane]
+        if softmax:  # torch softmax_warp_forward, bit for bit
+            mx = x[0]
+            for i in T.unroll(1, VPT, explicit=True):
+                mx = T.if_then_else(mx > x[i], mx, x[i])
+            for o in T.unroll(5, explicit=True):
+                other = T.shfl_xor(mx, 16 >> o)
+                mx = T.if_then_else(mx > other, mx, other)
+            sm = T.float32(0)
+            for i in T.unroll(VPT, explicit=True):
+                x[i] = T.exp(x[i] - mx)
+                sm = sm + x[i]
+            for o in T.unroll(5, explicit=True):
+                sm = sm + T.shfl_xor(sm, 16 >> o)
+            for i in T.unroll(VPT, explicit=True):
+                x[i] = x[i] / sm
+        else:
+            for i in T.unroll(VPT, explicit=True):
+                x[i] = T.float32(1) / (T.float32(1) + T.exp(-x[i]))
+        for i in T.unroll(VPT, explicit=True):
+            if noaux and has_bias:
+                c[i] = x[i] + Bias[i * 32 + lane]
+            else:
+                c[i] = x[i]
+
+        if grouped:
+            for i in T.unroll(VPT, explicit=True):
+                s_c[sb + i * 32 + lane] = c[i]
+            T.sync_threads()
+            if lane < G:  # group score: max (V2) or sum of the top-2 (V3)
+                m1 = -T.infinity(f32)
+                m2 = -T.infinity(f32)
+                for e in T.serial(PG):
+                    v = s_c[sb + lane * PG + e]
+                    if v > m1:
+                        m2 = m1
+                        m1 = v
+                    elif v > m2:
+                        m2 = v
+                if noaux:
+                    s_g[gb + lane] = _radix_key(m1 + m2)
+                else:
+                    s_g[gb + lane] = _radix_key(m1)
+            T.sync_threads()
+            if lane < G:  # keep the topk_group best groups, ties to the lower group index
+                rank = 0
+                for h in T.serial(G):
+                    rank = rank + T.if_then_else(
+                        (s_g[gb + h] > s_g[gb + lane]) | ((s_g[gb + h] == s_g[gb + lane]) & (h < lane)), 1, 0
+                    )
+                s_sel[gb + lane] = T.if_then_else(rank < TG, 1, 0)
+            T.sync_threads()
+            for i in T.unroll(VPT, explicit=True):
+                if s_sel[gb + (i * 32 + lane) // PG] == 0:
+                    if noaux:
+                        c[i] = -T.infinity(f32)
+                    else:
+                        c[i] = T.float32(0)
+
+        for i in T.unroll(VPT, explicit=True):
+            if noaux:  # the bias only steers the choice; the weights are the raw scores
+                s_w[sb + i * 32 + lane] = x[i]
+            else:
+                s_w[sb + i * 32 + lane] = c[i]
+            key[i] = (T.Cast(u64, _radix_key(c[i])) << T.uint64(32)) | T.Cast(
+                u64, T.int32(0x7FFFFFFF) - (i * 32 + lane)
+            )
+        # k rounds of warp arg-max: value descending, ties to the lowest expert index
+        for p in T.unroll(K, explicit=True):
+            best = key[0]
+            for i in T.unroll(1, VPT, explicit=True):
+                best = T.max(best, key[i])
+            for o in T.unroll(5, explicit=True):
+                best = T.max(best, T.shfl_xor(best, 16 >> o))
+            pk[p] = T.Cast(u32, best >> T.uint64(32))
+            pi[p] = T.int32(0x7FFFFFFF) - T.Cast(i32, best & T.uint64(0xFFFFFFFF))
+            for i in T.unroll(VPT, explicit=True):
+                if i * 32 + lane == pi[p]:
+                    key[i] = T.uint64(0)
+        T.sync_threads()
+        # torch.topk(sorted=False) on CUDA: picks > k-th value by index, then picks == k-th value by index
+        for p in T.unroll(K, explicit=True):
+            pos[p] = 0
+            for q in T.unroll(K, explicit=True):
+                if q != p:
+                    pos[p] = pos[p] + T.if_then_else(
+                        ((pk[q] != pk[K - 1]) & (pk[p] == pk[K - 1]))
+                        | (((pk[q] == pk[K - 1]) == (pk[p] == pk[K - 1])) & (pi[q] < pi[p])),
+                        1,
+                        0,
+                    )
+        for j in T.unroll(K, explicit=True):
+            io[j] = 0
+            for p in T.unroll(K, explicit=True):
+                if pos[p] == j:
+                    io[j] = pi[p]
+            wo[j] = s_w[sb + io[j]]
+        if norm_topk_prob:
+            tot = sum_fn([wo[j] for j in range(K)]) + T.float32(1e-20)
+            for j in T.unroll(K, explicit=True):
+                wo[j] = wo[j] / tot
+        if rsf != 1.0:
+            for j in T.unroll(K, explicit=True):
+                wo[j] = wo[j] * T.float32(rsf)
+
+    return gating_token
+
+
 def build_gating_topk(
     num_experts: int,
     top_k: int,
@@ -161,23 +323,14 @@ def build_gating_topk(
     has_bias: bool = True,
 ):
     """PrimFunc (logits [T, E] f32, bias [E] f32, weights [T, k] f32 out, ids [T, k] i32 out); T is dynamic.
-    The bias is read only for noaux_tc with ``has_bias``."""
+    The bias is read only for noaux_tc with ``has_bias``. One warp (one CTA) a token: ``_gating_macro``."""
     assert tilelang is not None, "tilelang is not installed"
     PDL = pdl_enabled()
-    E, K, G, TG = num_experts, top_k, n_group, topk_group
-    assert E % 32 == 0 and E <= MAX_EXPERTS and 1 <= K <= min(E, MAX_TOP_K)
-    assert scoring_func in SCORINGS and topk_method in METHODS
-    grouped = topk_method != "greedy"
-    if grouped:
-        assert E % G == 0 and 1 <= TG <= G <= 32
-    VPT, PG = E // 32, E // max(G, 1)
-    if topk_method == "noaux_tc":
-        assert PG >= 2, "noaux_tc ranks groups by their top-2 sum"
-    rsf = float(routed_scaling_factor)
-    sum_fn = SUM_ORDERS[norm_order]
-    f32, u32, u64, i32 = T.float32, T.uint32, T.uint64, T.int32
+    E, K = num_experts, top_k
+    gating_token = _gating_macro(num_experts, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
+                                 routed_scaling_factor, norm_order, has_bias)
+    f32, u32, i32 = T.float32, T.uint32, T.int32
     M = T.dynamic("num_tokens")
-    softmax, noaux = scoring_func == "softmax", topk_method == "noaux_tc"
 
     @T.prim_func
     def gating_topk(
@@ -191,131 +344,13 @@ def build_gating_topk(
                 T.pdl_sync()
                 T.pdl_trigger()
             lane = T.get_thread_binding()
-            x = T.alloc_local([VPT], f32)  # scores
-            c = T.alloc_local([VPT], f32)  # selection values (biased / group-masked)
-            key = T.alloc_local([VPT], u64)
-            pk = T.alloc_local([K], u32)  # picks: radix key, expert index, output slot
-            pi = T.alloc_local([K], i32)
-            pos = T.alloc_local([K], i32)
             wo = T.alloc_local([K], f32)  # outputs in torch's order
             io = T.alloc_local([K], i32)
             s_c = T.alloc_shared([E], f32)
             s_w = T.alloc_shared([E], f32)
             s_g = T.alloc_shared([32], u32)
             s_sel = T.alloc_shared([32], i32)
-            mx = T.alloc_var(f32)
-            sm = T.alloc_var(f32)
-            best = T.alloc_var(u64)
-            m1 = T.alloc_var(f32)
-            m2 = T.alloc_var(f32)
-            rank = T.alloc_var(i32)
-            tot = T.alloc_var(f32)
-
-            for i in T.unroll(VPT, explicit=True):
-                x[i] = L[bx, i * 32 + lane]
-            if softmax:  # torch softmax_warp_forward, bit for bit
-                mx = x[0]
-                for i in T.unroll(1, VPT, explicit=True):
-                    mx = T.if_then_else(mx > x[i], mx, x[i])
-                for o in T.unroll(5, explicit=True):
-                    other = T.shfl_xor(mx, 16 >> o)
-                    mx = T.if_then_else(mx > other, mx, other)
-                sm = T.float32(0)
-                for i in T.unroll(VPT, explicit=True):
-                    x[i] = T.exp(x[i] - mx)
-                    sm = sm + x[i]
-                for o in T.unroll(5, explicit=True):
-                    sm = sm + T.shfl_xor(sm, 16 >> o)
-                for i in T.unroll(VPT, explicit=True):
-                    x[i] = x[i] / sm
-            else:
-                for i in T.unroll(VPT, explicit=True):
-                    x[i] = T.float32(1) / (T.float32(1) + T.exp(-x[i]))
-            for i in T.unroll(VPT, explicit=True):
-                if noaux and has_bias:
-                    c[i] = x[i] + Bias[i * 32 + lane]
-                else:
-                    c[i] = x[i]
-
-            if grouped:
-                for i in T.unroll(VPT, explicit=True):
-                    s_c[i * 32 + lane] = c[i]
-                T.sync_threads()
-                if lane < G:  # group score: max (V2) or sum of the top-2 (V3)
-                    m1 = -T.infinity(f32)
-                    m2 = -T.infinity(f32)
-                    for e in T.serial(PG):
-                        v = s_c[lane * PG + e]
-                        if v > m1:
-                            m2 = m1
-                            m1 = v
-                        elif v > m2:
-                            m2 = v
-                    if noaux:
-                        s_g[lane] = _radix_key(m1 + m2)
-                    else:
-                        s_g[lane] = _radix_key(m1)
-                T.sync_threads()
-                if lane < G:  # keep the topk_group best groups, ties to the lower group index
-                    rank = 0
-                    for h in T.serial(G):
-                        rank = rank + T.if_then_else(
-                            (s_g[h] > s_g[lane]) | ((s_g[h] == s_g[lane]) & (h < lane)), 1, 0
-                        )
-                    s_sel[lane] = T.if_then_else(rank < TG, 1, 0)
-                T.sync_threads()
-                for i in T.unroll(VPT, explicit=True):
-                    if s_sel[(i * 32 + lane) // PG] == 0:
-                        if noaux:
-                            c[i] = -T.infinity(f32)
-                        else:
-                            c[i] = T.float32(0)
-
-            for i in T.unroll(VPT, explicit=True):
-                if noaux:  # the bias only steers the choice; the weights are the raw scores
-                    s_w[i * 32 + lane] = x[i]
-                else:
-                    s_w[i * 32 + lane] = c[i]
-                key[i] = (T.Cast(u64, _radix_key(c[i])) << T.uint64(32)) | T.Cast(
-                    u64, T.int32(0x7FFFFFFF) - (i * 32 + lane)
-                )
-            # k rounds of warp arg-max: value descending, ties to the lowest expert index
-            for p in T.unroll(K, explicit=True):
-                best = key[0]
-                for i in T.unroll(1, VPT, explicit=True):
-                    best = T.max(best, key[i])
-                for o in T.unroll(5, explicit=True):
-                    best = T.max(best, T.shfl_xor(best, 16 >> o))
-                pk[p] = T.Cast(u32, best >> T.uint64(32))
-                pi[p] = T.int32(0x7FFFFFFF) - T.Cast(i32, best & T.uint64(0xFFFFFFFF))
-                for i in T.unroll(VPT, explicit=True):
-                    if i * 32 + lane == pi[p]:
-                        key[i] = T.uint64(0)
-            T.sync_threads()
-            # torch.topk(sorted=False) on CUDA: picks > k-th value by index, then picks == k-th value by index
-            for p in T.unroll(K, explicit=True):
-                pos[p] = 0
-                for q in T.unroll(K, explicit=True):
-                    if q != p:
-                        pos[p] = pos[p] + T.if_then_else(
-                            ((pk[q] != pk[K - 1]) & (pk[p] == pk[K - 1]))
-                            | (((pk[q] == pk[K - 1]) == (pk[p] == pk[K - 1])) & (pi[q] < pi[p])),
-                            1,
-                            0,
-                        )
-            for j in T.unroll(K, explicit=True):
-                io[j] = 0
-                for p in T.unroll(K, explicit=True):
-                    if pos[p] == j:
-                        io[j] = pi[p]
-                wo[j] = s_w[io[j]]
-            if norm_topk_prob:
-                tot = sum_fn([wo[j] for j in range(K)]) + T.float32(1e-20)
-                for j in T.unroll(K, explicit=True):
-                    wo[j] = wo[j] / tot
-            if rsf != 1.0:
-                for j in T.unroll(K, explicit=True):
-                    wo[j] = wo[j] * T.float32(rsf)
+            gating_token(L, Bias, bx, lane, 0, 0, s_c, s_w, s_g, s_sel, wo, io)
             if lane == 0:
                 for j in T.unroll(K, explicit=True):
                     W[bx, j] = wo[j]
@@ -325,30 +360,25 @@ def build_gating_topk(
 
 
 # ---- 2. permute (dispatch) -----------------------------------------------------------------------------------
-def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128,
-                  with_scan: bool = False):
-    """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k.
-    ``with_scan``: also scan [2E + 1] i32 out, ``moe_gemm.expert_starts``' layout (the exclusive scan of the counts,
-    then the experts with rows, ascending, -1 padded), written by CTA 0 from the histogram every CTA builds, so
-    the expert GEMMs need no scan launch of their own. One Hillis-Steele scan in shared memory over packed values
-    ``count * 512 + (count > 0)`` gives both the row starts and the hit positions (counts <= MAX_ASSIGN < 2^22)."""
-    assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
+def _scan_width(num_experts: int) -> int:
+    return 1 << max(0, (num_experts - 1).bit_length())  # a power of two >= E, one scan entry a thread
+
+
+def _permute_macro(hidden_size, top_k, num_experts, dtype, threads, with_scan, Tn, Na):
+    """permute's CTA body as a ``@T.macro`` ``body(X, Ids, Sorted, Counts, Order, Scan, bx)`` over ``Tn`` tokens and
+    ``Na`` = Tn * k assignments; ``Ids`` [Na] i32 is a global buffer (permute) or a shared one the caller has filled
+    before a barrier (build_route)."""
     D, K, E = hidden_size, top_k, num_experts
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
-    NTS = 1 << max(0, (E - 1).bit_length())  # scan width: a power of two >= E, one entry a thread
-    if with_scan:
-        threads = max(threads, NTS)
+    NTS = _scan_width(E)  # scan width: a power of two >= E, one entry a thread
     # the packed scan keeps the running hit count in 9 bits: at most 256 experts (moe_gemm's MAX_EXPERTS too)
-    assert D % VEC == 0 and threads % 32 == 0 and (not with_scan or E <= MAX_SCAN_EXPERTS)
+    assert D % VEC == 0 and threads % 32 == 0 and (not with_scan or (E <= MAX_SCAN_EXPERTS and threads >= NTS))
     LOG = (NTS - 1).bit_length()
     NV = D // VEC
     ITERS = (NV + threads - 1) // threads
     NW = threads // 32
     EI = (E + threads - 1) // threads
     i32, i64 = T.int32, T.int64
-    Tn = T.dynamic("num_tokens")
-    Na = T.dynamic("num_assign")
 
     @T.macro
     def scan_tail(Scan, s_hist, bx, tid):
@@ -436,6 +466,25 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
             T.sync_threads()  # s_red's last reads above before the scan's shared buffer (TileLang may overlap them)
             scan_tail(Scan, s_hist, bx, tid)
 
+    return body
+
+
+def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128,
+                  with_scan: bool = False):
+    """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k.
+    ``with_scan``: also scan [2E + 1] i32 out, ``moe_gemm.expert_starts``' layout (the exclusive scan of the counts,
+    then the experts with rows, ascending, -1 padded), written by CTA 0 from the histogram every CTA builds, so
+    the expert GEMMs need no scan launch of their own. One Hillis-Steele scan in shared memory over packed values
+    ``count * 512 + (count > 0)`` gives both the row starts and the hit positions (counts <= MAX_ASSIGN < 2^22)."""
+    assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
+    D, K, E = hidden_size, top_k, num_experts
+    if with_scan:
+        threads = max(threads, _scan_width(E))
+    i32, i64 = T.int32, T.int64
+    Tn = T.dynamic("num_tokens")
+    Na = T.dynamic("num_assign")
+    body = _permute_macro(D, K, E, dtype, threads, with_scan, Tn, Na)
     if with_scan:
 
         @T.prim_func
@@ -470,6 +519,84 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
             body(X, Ids, Sorted, Counts, Order, None, bx)
 
     return moe_permute
+
+
+# ---- 2b. route: gating + permute(with_scan) in one launch (decode batches) --------------------------------------
+def build_route(
+    hidden_size: int,
+    top_k: int,
+    num_experts: int,
+    scoring_func: str = "softmax",
+    topk_method: str = "greedy",
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+    norm_order: str = "torch_last",
+    has_bias: bool = True,
+    dtype: str = "bfloat16",
+    threads: int = 128,
+):
+    """PrimFunc (logits [T, E] f32, bias [E] f32, x [T, D], weights [T, k] f32 out, ids [T, k] i32 out,
+    sorted [N, D] out, counts [E] i64 out, order [N] i64 out, scan [2E + 1] i32 out), N = T * k, T <=
+    MAX_ROUTE_TOKENS: ``gating_topk`` then ``permute(with_scan=True)`` in one launch. One CTA a token (the permute
+    body's grid); warp w of every CTA first runs the gating of tokens w, w + NW, ... (``_gating_macro``, the
+    standalone kernel's code, its own slice of the shared scratch; a uniform trip count ceil(T / NW), idle warps
+    redo token T - 1 and write nothing, so every thread reaches every barrier) into a shared ids buffer (CTA 0
+    also writes weights / ids to global memory), then a barrier and the permute body reads the ids from shared
+    memory. Each CTA recomputes all T gatings (T <= 16: at most ceil(16 / NW) warp-gatings a warp)."""
+    assert tilelang is not None, "tilelang is not installed"
+    PDL = pdl_enabled()
+    D, K, E = hidden_size, top_k, num_experts
+    threads = max(threads, _scan_width(E))
+    NW = threads // 32
+    gating_token = _gating_macro(E, K, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
+                                 routed_scaling_factor, norm_order, has_bias)
+    f32, u32, i32, i64 = T.float32, T.uint32, T.int32, T.int64
+    Tn = T.dynamic("num_tokens")
+    Na = T.dynamic("num_assign")
+    body = _permute_macro(D, K, E, dtype, threads, True, Tn, Na)
+
+    @T.prim_func
+    def moe_route(
+        L: T.Tensor([Tn, E], f32),
+        Bias: T.Tensor([E], f32),
+        X: T.Tensor([Tn, D], dtype),
+        W: T.Tensor([Tn, K], f32),
+        Ids: T.Tensor([Tn, K], i32),
+        Sorted: T.Tensor([Na, D], dtype),
+        Counts: T.Tensor([E], i64),
+        Order: T.Tensor([Na], i64),
+        Scan: T.Tensor([2 * E + 1], i32),
+    ):
+        with T.Kernel(Tn, threads=threads) as bx:
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
+            tid = T.get_thread_binding()
+            lane = tid % 32
+            wid = tid // 32
+            wo = T.alloc_local([K], f32)
+            io = T.alloc_local([K], i32)
+            s_ids = T.alloc_shared([MAX_ROUTE_TOKENS * K], i32)
+            s_c = T.alloc_shared([NW * E], f32)  # one E-slice a warp
+            s_w = T.alloc_shared([NW * E], f32)
+            s_g = T.alloc_shared([NW * 32], u32)
+            s_sel = T.alloc_shared([NW * 32], i32)
+            for r in T.serial(T.ceildiv(Tn, NW)):  # the same trip count in every warp: the macro's barriers match
+                tok = r * NW + wid
+                gating_token(L, Bias, T.min(tok, Tn - 1), lane, wid * E, wid * 32, s_c, s_w, s_g, s_sel, wo, io)
+                if (lane == 0) & (tok < Tn):
+                    for j in T.unroll(K, explicit=True):
+                        s_ids[tok * K + j] = io[j]
+                    if bx == 0:
+                        for j in T.unroll(K, explicit=True):
+                            W[tok, j] = wo[j]
+                            Ids[tok, j] = io[j]
+                T.sync_threads()  # s_w's reads of this round before the next round's writes (other lanes)
+            body(X, s_ids, Sorted, Counts, Order, Scan, bx)
+
+    return moe_route
 
 
 # ---- 3. unpermute (combine) ----------------------------------------------------------------------------------
@@ -565,8 +692,8 @@ def _compile(func, target=None):
     )
 
 
-_CACHE = KernelCache({"gating": build_gating_topk, "permute": build_permute, "unpermute": build_unpermute},
-                     _compile, available=tilelang is not None)
+_CACHE = KernelCache({"gating": build_gating_topk, "permute": build_permute, "unpermute": build_unpermute,
+                      "route": build_route}, _compile, available=tilelang is not None)
 _KERNELS = _CACHE.kernels  # (kind, cfg) -> compiled kernel
 
 
@@ -602,6 +729,18 @@ def get_permute_kernel(hidden_size, top_k, num_experts, dtype, with_scan=False):
     if with_scan:  # the 6-item key: (..., threads, with_scan); the plain kernel keeps its 4-item key
         return _get_kernel("permute", (hidden_size, top_k, num_experts, dtype, 128, True))
     return _get_kernel("permute", (hidden_size, top_k, num_experts, dtype))
+
+
+def _route_cfg(params, hidden_size, dtype, has_bias=True):
+    """The ("route", cfg) key: (D, k, E, the gating cfg's scoring ... has_bias, dtype), torch_last normalisation."""
+    g = _gating_cfg(params, "torch_last", has_bias)
+    return (int(hidden_size), g[1], g[0], *g[2:], dtype)
+
+
+def get_route_kernel(hidden_size, top_k, num_experts, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
+                     routed_scaling_factor, norm_order, has_bias, dtype):
+    return _get_kernel("route", (hidden_size, top_k, num_experts, scoring_func, topk_method, n_group, topk_group,
+                                 norm_topk_prob, routed_scaling_factor, norm_order, has_bias, dtype))
 
 
 def get_unpermute_kernel(hidden_size, top_k, dtype, sum_order="torch_strided", with_addend=False):
@@ -697,6 +836,50 @@ def permute(hidden, ids, num_experts, with_scan=False):
     return sorted_hidden, counts, order, scan
 
 
+def route_reason(router_logits, bias, params, hidden, num_experts) -> str | None:
+    """None when ``route`` (gating + permute(with_scan=True) in one launch) handles these arguments (host facts
+    only), else why not: the gating's and the permute's own limits, T <= MAX_ROUTE_TOKENS, E <= MAX_SCAN_EXPERTS."""
+    if router_logits.dim() != 2:
+        return f"logits shape {tuple(router_logits.shape)} is not [T, E]"
+    t = int(router_logits.shape[0])
+    if t > MAX_ROUTE_TOKENS:
+        return f"{t} tokens > MAX_ROUTE_TOKENS {MAX_ROUTE_TOKENS} (route gates every token in every CTA: decode only)"
+    if int(num_experts) > MAX_SCAN_EXPERTS:
+        return f"{num_experts} experts > MAX_SCAN_EXPERTS {MAX_SCAN_EXPERTS} (the fused expert scan)"
+    if int(num_experts) != int(params.num_experts):
+        return f"num_experts {num_experts} != the gating's {params.num_experts}"
+    if not router_logits.is_floating_point():
+        return f"logits {router_logits.dtype}: not a floating-point tensor"
+    if hidden.dtype not in DTYPES:
+        return f"hidden {hidden.dtype}: kernel handles bf16 / fp32"
+    if not (router_logits.is_cuda and hidden.is_cuda) or router_logits.device != hidden.device:
+        return "tensor not on a CUDA device (logits and hidden on one CUDA device)"
+    why = gating_reason(router_logits, bias, params)
+    if why is not None:
+        return why
+    ids = torch.empty((t, int(params.top_k)), dtype=torch.int32, device="meta")  # the shape gating_topk gives
+    return permute_reason(hidden, ids, int(num_experts))
+
+
+def route(router_logits, bias, params, hidden, num_experts):
+    """(weights [T, k] fp32, ids [T, k] int32, sorted_hidden [T*k, D], counts [E] int64, order [T*k] int64,
+    scan [2E + 1] int32) in one launch, bit-identical to ``gating_topk(router_logits, bias, params)`` followed by
+    ``permute(hidden, ids, num_experts, with_scan=True)``; ``route_reason`` says when it applies (T <= 16)."""
+    logits = router_logits.float().contiguous()
+    t, k, e, d = logits.shape[0], int(params.top_k), int(num_experts), hidden.shape[1]
+    b = logits[0] if bias is None else bias.float().reshape(-1).contiguous()  # as gating_topk: no allocation
+    dev = logits.device
+    weights = torch.empty(t, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(t, k, dtype=torch.int32, device=dev)
+    sorted_hidden = torch.empty(t * k, d, dtype=hidden.dtype, device=dev)
+    counts = torch.empty(e, dtype=torch.int64, device=dev)
+    order = torch.empty(t * k, dtype=torch.int64, device=dev)
+    scan = torch.empty(2 * e + 1, dtype=torch.int32, device=dev)
+    kern = get_route_kernel(*_route_cfg(params, d, DTYPES[hidden.dtype], bias is not None))
+    kern(logits, b, hidden, weights, ids, sorted_hidden, counts, order, scan)
+    return weights, ids, sorted_hidden, counts, order, scan
+
+
 def unpermute_reason(expert_out, order, weights, num_tokens, top_k) -> str | None:
     n = order.numel()
     if n == 0 or num_tokens == 0:
@@ -744,6 +927,8 @@ CI_CONFIGS = [
     ("permute", (2048, 6, 64, "bfloat16", 128, True)),  # + moe_gemm's expert scan
     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),  # + the shared experts' output
+    ("route", (2048, 6, 64, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False, "bfloat16")),  # V2-Lite
+    ("route", (7168, 8, 256, "sigmoid", "noaux_tc", 8, 4, True, 2.5, "torch_last", True, "bfloat16")),  # V3
 ]
 
 
@@ -915,6 +1100,54 @@ def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose
     return ok, dict(order=ok_o, counts=ok_c, rows=ok_h, scan=ok_s)
 
 
+def check_route(name, t, kind="randn", seed=0, verbose=True, dtype=torch.bfloat16, graph=False):
+    """The fused route against gating_topk + permute(with_scan=True) (every output bit-identical: weights, ids,
+    rows, counts, order, scan) and against the torch references (ids / order / counts / rows / scan identical,
+    weights within 2 fp32 ulp, bit-exact expected). ``graph``: the fused launch captured in a CUDA graph and
+    replayed on new logits. Returns (ok, stats)."""
+    params = GATINGS[name]
+    e, d = params.num_experts, HIDDEN[name.split("-")[0]]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    logits = make_logits(t, e, kind, g)
+    bias = None
+    if params.topk_method == "noaux_tc" and name != "v3-nobias":
+        bias = torch.randn(e, generator=g, device="cuda") * 0.1
+        if kind != "randn":  # bias ties too
+            bias = torch.round(bias * 10) / 10
+    hidden = torch.randn(t, d, generator=g, device="cuda").to(dtype)
+    assert route_reason(logits, bias, params, hidden, e) is None, route_reason(logits, bias, params, hidden, e)
+    if graph:
+        route(logits, bias, params, hidden, e)  # compile outside the capture
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            got = route(logits, bias, params, hidden, e)
+        logits.copy_(make_logits(t, e, kind, g))
+        gr.replay()
+    else:
+        got = route(logits, bias, params, hidden, e)
+    w, ids = gating_topk(logits, bias, params)
+    sep = (w, ids, *permute(hidden, ids, e, with_scan=True))
+    rw, rids = gating_topk_ref(logits, bias, params)
+    rsh, rcounts, rorder = permute_ref(hidden, rids, e)
+    torch.cuda.synchronize()
+    names = ("weights", "ids", "rows", "counts", "order", "scan")
+    st = {f"{n}_vs_kernels": bool(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+          for n, a, b in zip(names, got, sep)}
+    ref = dict(ids=rids, rows=rsh, counts=rcounts, order=rorder)
+    for n, a in zip(names, got):
+        if n in ref:
+            st[f"{n}_vs_ref"] = bool(a.dtype == ref[n].dtype and torch.equal(a, ref[n]))
+    st["scan_vs_ref"] = torch.equal(got[5].cpu(), scan_ref(rcounts))
+    st["w_max_ulp_vs_ref"] = _ulps_f32(got[0], rw) if st["ids_vs_ref"] else float("inf")
+    ok = all(v for key, v in st.items() if key != "w_max_ulp_vs_ref") and st["w_max_ulp_vs_ref"] <= 2
+    if verbose:
+        bad = [key for key, v in st.items() if v is False]
+        print(f"check route{'+graph' if graph else ''} {name:9s} T={t:2d} {kind:6s}: {'OK' if ok else 'FAIL'} "
+              f"w ulp vs ref {st['w_max_ulp_vs_ref']}{' mismatches ' + str(bad) if bad else ''}", flush=True)
+    return ok, st
+
+
 def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, verbose=True, sum_order="torch_strided",
                     addend=False):
     """Exact (0 ulp) when the summation order matches torch's; must be within 1 ulp of the output dtype.
@@ -989,6 +1222,9 @@ UNPERMUTE_CASES = [
     (256, 6, 64, 2048, torch.bfloat16), (1, 8, 256, 7168, torch.bfloat16), (64, 8, 256, 7168, torch.bfloat16),
     (256, 8, 256, 7168, torch.bfloat16), (64, 6, 64, 2048, torch.float32), (9, 3, 16, 72, torch.bfloat16),
 ]
+ROUTE_CASES = [("v2lite", t, kind) for t in (1, 2, 5, 16) for kind in ("randn", "ties")] + [
+    ("v3", t, kind) for t in (1, 3, 16) for kind in ("randn", "ties")] + [
+    ("v2lite", 7, "equal"), ("v3", 16, "equal"), ("v3-nobias", 4, "mixed"), ("v2", 9, "ties")]
 ADDEND_CASES = [(1, 6, 64, 2048, torch.bfloat16), (64, 6, 64, 2048, torch.bfloat16), (5, 8, 256, 7168, torch.bfloat16),
                 (16, 6, 64, 2048, torch.float32)]  # unpermute + the shared experts' output (the fused add)
 
@@ -1003,6 +1239,10 @@ def check_configs():
     items += [("permute", (1024, 8, 256, "bfloat16")), ("unpermute", (1024, 8, "bfloat16", "torch_strided"))]
     items += [("unpermute", (d, k, DTYPES[dt], "torch_strided", 128, True)) for _t, k, _e, d, dt in ADDEND_CASES]
     items += [("permute", (d, k, e, DTYPES[dt], 128, True)) for _t, k, e, d, dt, _kind in PERMUTE_CASES]
+    for n, _t, _kind in ROUTE_CASES:  # the fused route and the two kernels it is compared with
+        g, d = GATINGS[n], HIDDEN[n.split("-")[0]]
+        items += [("route", _route_cfg(g, d, "bfloat16", n != "v3-nobias")),
+                  ("permute", (d, g.top_k, g.num_experts, "bfloat16", 128, True))]
     return items
 
 
@@ -1030,6 +1270,9 @@ def run_checks(verbose=True):
         o, st = check_unpermute(*c, seed=300 + i, verbose=verbose, addend=True)
         ok &= o and st["exact"]  # the fused add must be bit-exact with the combine + torch's add
     ok &= check_graph(verbose)
+    for i, c in enumerate(ROUTE_CASES):  # gating + permute(with_scan) in one launch (decode batches)
+        ok &= check_route(*c, seed=500 + i, verbose=verbose)[0]
+    ok &= check_route("v3", 5, "randn", seed=599, verbose=verbose, graph=True)[0]
     # A control, not a pass/fail check: the sequential sum instead of torch's orders must show ulp differences
     # (else the bit-exact results above would not tell the summation orders apart).
     probes = [check_gating("v3", 256, "randn", seed=7, verbose=False, norm_order="seq")[1]["w_max_ulp"],
@@ -1081,6 +1324,26 @@ def bench_case(name, t):
     return rows
 
 
+def bench_route(name, t):
+    """One JSON row: the fused route launch against gating_topk + permute(with_scan=True) (CUDA-graph replay)."""
+    params, d = GATINGS[name], HIDDEN[name]
+    e, k = params.num_experts, params.top_k
+    logits = torch.randn(t, e, device="cuda")
+    bias = torch.randn(e, device="cuda") * 0.1 if params.topk_method == "noaux_tc" else None
+    hidden = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+
+    def two():
+        w, ids = gating_topk(logits, bias, params)
+        return w, ids, *permute(hidden, ids, e, with_scan=True)
+
+    tf, how = _bench.time_us(lambda: route(logits, bias, params, hidden, e))
+    t2, how2 = _bench.time_us(two)
+    return {"bench": "moe_route", "hardware": torch.cuda.get_device_name(), "model": name, "T": t, "E": e, "k": k,
+            "D": d, "fused_us": round(tf, 2), "gating_permute_us": round(t2, 2), "speedup": round(t2 / tf, 2),
+            "timing": how, "timing_two": how2}
+
+
+ROUTE_BENCH_SHAPES = [(n, t) for n in ("v2lite", "v3") for t in (1, 4, 16)]
 BENCH_SHAPES = [(n, t) for n in ("v2lite", "v3") for t in (1, 64, 256, 1024)]
 
 
@@ -1105,6 +1368,8 @@ def main(argv=None):
         for name, t in BENCH_SHAPES:
             for row in bench_case(name, t):
                 print(json.dumps(row), flush=True)
+        for name, t in ROUTE_BENCH_SHAPES:
+            print(json.dumps(bench_route(name, t)), flush=True)
     return 0 if ok else 1
 
 

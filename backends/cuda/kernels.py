@@ -109,8 +109,9 @@ _STATIC_FALLBACK = {
 # permute that also writes the expert GEMMs' scan), written in session 5 after its last device call, left it in
 # session 6 after their checks ran on an H200: moe_routing.py --check passed; moe_gemm_swap.py --check passed in the
 # 8 of 13 cases whose lines the log kept (kernels_cuda/NOTES.md, session 6, call 1).
-# decode_inputs (session 6) was written and compiled after the session's last device call.
-UNVERIFIED_KERNELS: set[str] = {"decode_inputs"}
+# decode_inputs and moe_route (the gating top-k fused with the permute) were written and compiled after session 6's
+# last device call.
+UNVERIFIED_KERNELS: set[str] = {"decode_inputs", "moe_route"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -586,6 +587,25 @@ class CudaKernelSet(KernelSet):
             True,
         )
         return mod.gating_topk(router_logits, bias, params)
+
+    def moe_route(self, router_logits, bias, params: GatingParams, hidden, num_experts: int):
+        """Decode sizes (T <= the kernel's MAX_ROUTE_TOKENS) with the gate open: ``kernels_cuda.moe_routing.route``,
+        the gating top-k and the permute (with the expert GEMMs' scan) in one launch, bit-identical to the two
+        kernels; else ``moe_gating_topk`` then ``moe_dispatch``."""
+        mod = None
+        if unverified_kernel_enabled("moe_route") and hidden.is_cuda:
+            mod = self._kernel("moe_routing")
+        if mod is None or not hasattr(mod, "route") or mod.route_reason(router_logits, bias, params, hidden,
+                                                                        num_experts) is not None:
+            return super().moe_route(router_logits, bias, params, hidden, num_experts)
+        path = (f"kernels_cuda.moe_routing route (gating + permute + scan in one launch, {params.scoring_func}/"
+                f"{params.topk_method}, E={num_experts}, k={params.top_k}{unverified_note('moe_route')})")
+        self._note("moe_gating_topk", path, True)
+        self._note("moe_dispatch", path, True)
+        weights, ids, sorted_hidden, counts, order, scan = mod.route(router_logits, bias, params, hidden, num_experts)
+        self._dispatch_scan = (counts, scan)  # for grouped_mlp, which receives these counts next (identity-checked)
+        return weights, ids, sorted_hidden, counts, DispatchState(order=order, num_tokens=ids.shape[0],
+                                                                  top_k=ids.shape[1])
 
     def moe_dispatch(self, hidden, ids, num_experts: int):
         """``kernels_cuda.moe_routing.permute`` (one kernel: counting sort by expert = the reference's stable

@@ -35,6 +35,7 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
 - ``zos_fixup``: the correction (every decode step) and, with varlen re-splitting, the re-split for ``k`` at every
   launch shape ``resplit_launch(rows)`` of 1 .. max_num_seqs rows.
 - ``decode_inputs``: one build for the page size (every size dynamic), while its gate allows it.
+- ``moe_routing`` ``route`` (the gating fused with the permute, ``moe_route``): one build, while its gate allows it.
 
 Each module's eligibility (dtype, dims, page size, its ``reason(...)`` where it has one, evaluated on meta
 tensors of the step's shapes) is respected, and so is the unverified-kernel gate. A module whose compile fails
@@ -214,10 +215,12 @@ def silu_mul_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return list(dict.fromkeys(cfgs))
 
 
-def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_scan: bool = False) -> list[tuple]:
+def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_scan: bool = False,
+                        fused_route: bool = False) -> list[tuple]:
     """``(kind, cfg)`` of gating, permute and unpermute, each where its ``*_reason`` accepts a one-token step;
     ``fused_add``: also the un-permute with the shared experts' output fused (``moe_combine_add``); ``fused_scan``:
-    the permute that writes the expert GEMMs' scan too (``moe_dispatch_scan``)."""
+    the permute that writes the expert GEMMs' scan too (``moe_dispatch_scan``); ``fused_route``: the gating fused
+    with that permute (``moe_route``) where both apply and steps of up to MAX_ROUTE_TOKENS tokens are reachable."""
     g = plan.moe_gating
     if g is None:
         return []
@@ -233,6 +236,10 @@ def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_s
         items.append(("permute", (d, k, g.num_experts, dt)))
         if fused_scan and g.num_experts <= mr.MAX_SCAN_EXPERTS:
             items.append(("permute", (d, k, g.num_experts, dt, 128, True)))
+        lo, _hi = _step_token_bounds(plan)
+        if fused_route and items and items[0][0] == "gating" and g.num_experts <= mr.MAX_SCAN_EXPERTS \
+                and lo <= mr.MAX_ROUTE_TOKENS:
+            items.append(("route", mr._route_cfg(g, d, dt, True)))  # the launch's own key (bias as for gating)
     if dt is not None and mr.unpermute_reason(_meta(k, d, dtype=plan.dtype), _meta(k), _meta(1, k,
                                               dtype=torch.float32), 1, k) is None:
         items.append(("unpermute", (d, k, dt, "torch_strided")))
@@ -361,7 +368,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),
         "moe_routing": moe_routing_configs(plan, fused_add=enabled("moe_combine_add"),
-                                           fused_scan=enabled("moe_dispatch_scan")),
+                                           fused_scan=enabled("moe_dispatch_scan"), fused_route=enabled("moe_route")),
         "moe_gemm": moe_gemm_configs(plan),
         "moe_gemm_swap": moe_gemm_swap_configs(plan) if enabled("moe_gemm_swap") else [],
         "spec_verify": spec_verify_configs(plan) if enabled("spec_verify") else [],

@@ -197,6 +197,15 @@ class KernelSet:
         (accumulated in fp32, returned in ``expert_out``'s dtype)."""
         return _ref("moe").moe_combine(expert_out, state, weights)
 
+    def moe_route(self, router_logits: torch.Tensor, bias: torch.Tensor | None, params: GatingParams,
+                  hidden: torch.Tensor, num_experts: int):
+        """Composite, not in :attr:`OPS` (its parts are reported): ``moe_gating_topk`` then ``moe_dispatch`` ->
+        ``(weights [T, k] fp32, ids [T, k] int32, sorted_hidden [T*k, D], tokens_per_expert [E] int64,
+        DispatchState)``. A backend may do both in one kernel at decode sizes (CUDA, gated until checked)."""
+        weights, ids = self.moe_gating_topk(router_logits, bias, params)
+        sorted_hidden, tokens_per_expert, state = self.moe_dispatch(hidden, ids, num_experts)
+        return weights, ids, sorted_hidden, tokens_per_expert, state
+
     def moe_combine_add(
         self, expert_out: torch.Tensor, state: DispatchState, weights: torch.Tensor, addend: torch.Tensor
     ) -> torch.Tensor:

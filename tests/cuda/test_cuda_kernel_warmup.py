@@ -418,3 +418,19 @@ def test_decode_inputs_compiled_only_with_its_gate_open(recorded, monkeypatch):
     monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "decode_inputs")
     kernel_set().warmup(v2_lite_plan(k=0))
     assert recorded["decode_inputs"] == [([(64, di.THREADS)], {})]
+
+
+def test_moe_route_compiled_only_with_its_gate_open(recorded, monkeypatch):
+    """The gating fused with the permute (moe_route, unverified): one ("route", cfg) build with its gate open."""
+    from deepinfer_npu.kernels_cuda import moe_routing as mr
+
+    assert "moe_route" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert all(kind != "route" for kind, _cfg in recorded["moe_routing"][0][0])
+    recorded.clear()
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "moe_route")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    routes = [cfg for kind, cfg in recorded["moe_routing"][0][0] if kind == "route"]
+    gating = GatingParams(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
+                          topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    assert routes == [mr._route_cfg(gating, 2048, "bfloat16", True)]

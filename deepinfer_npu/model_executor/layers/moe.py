@@ -100,8 +100,10 @@ class DeepseekMoE(nn.Module):
 
         def routed_experts():
             router_logits = k.router_logits(hidden, self.gate.weight)  # [T, E] fp32, as the reference routers
-            weights, ids = k.moe_gating_topk(router_logits, self.gate.e_score_correction_bias, self.gating)
-            sorted_hidden, tokens_per_expert, state = k.moe_dispatch(hidden, ids, self.num_experts)
+            # gating top-k, then the dispatch (one kernel on CUDA at decode sizes, where its gate allows it)
+            weights, _ids, sorted_hidden, tokens_per_expert, state = k.moe_route(
+                router_logits, self.gate.e_score_correction_bias, self.gating, hidden, self.num_experts
+            )
             expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
             return expert_out, state, weights
 
