@@ -170,7 +170,7 @@ def _gating_macro(
     s_g, s_sel, wo, io)`` reads logits row ``row`` (lane ``lane`` of the warp holds experts ``lane + 32 i``) and
     leaves the k weights / ids, in torch.topk(sorted=False)'s order, in the local arrays ``wo`` [k] f32 / ``io`` [k]
     i32 of every lane. Shared scratch: ``s_c`` / ``s_w`` [sb, sb + E) f32, ``s_g`` u32 / ``s_sel`` i32 [gb, gb + 32).
-    It calls ``T.sync_threads()`` (3 times grouped, once greedy): every thread of the CTA must run it."""
+    It calls ``T.sync_threads()`` (4 times grouped, once greedy): every thread of the CTA must run it."""
     E, K, G, TG = num_experts, top_k, n_group, topk_group
     assert E % 32 == 0 and E <= MAX_EXPERTS and 1 <= K <= min(E, MAX_TOP_K)
     assert scoring_func in SCORINGS and topk_method in METHODS
@@ -850,6 +850,8 @@ def route_reason(router_logits, bias, params, hidden, num_experts) -> str | None
         return f"num_experts {num_experts} != the gating's {params.num_experts}"
     if not router_logits.is_floating_point():
         return f"logits {router_logits.dtype}: not a floating-point tensor"
+    if hidden.dim() != 2 or int(hidden.shape[0]) != t:
+        return f"hidden {tuple(hidden.shape)} is not [T={t}, D] (the logits' tokens)"
     if hidden.dtype not in DTYPES:
         return f"hidden {hidden.dtype}: kernel handles bf16 / fp32"
     if not (router_logits.is_cuda and hidden.is_cuda) or router_logits.device != hidden.device:
@@ -867,6 +869,8 @@ def route(router_logits, bias, params, hidden, num_experts):
     ``permute(hidden, ids, num_experts, with_scan=True)``; ``route_reason`` says when it applies (T <= 16)."""
     logits = router_logits.float().contiguous()
     t, k, e, d = logits.shape[0], int(params.top_k), int(num_experts), hidden.shape[1]
+    if t > MAX_ROUTE_TOKENS:  # the shared ids buffer holds MAX_ROUTE_TOKENS * k (route_reason says so too)
+        raise ValueError(f"route: {t} tokens > MAX_ROUTE_TOKENS {MAX_ROUTE_TOKENS}")
     b = logits[0] if bias is None else bias.float().reshape(-1).contiguous()  # as gating_topk: no allocation
     dev = logits.device
     weights = torch.empty(t, k, dtype=torch.float32, device=dev)

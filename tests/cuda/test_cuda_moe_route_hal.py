@@ -57,12 +57,19 @@ def test_cuda_fused_route_when_the_gate_allows(monkeypatch):
         ks.moe_route(logits, None, PARAMS, cuda_like, 8)
     monkeypatch.setenv(ck.UNVERIFIED_ENV, "moe_route")
     out = ks.moe_route(logits, None, PARAMS, cuda_like, 8)
-    assert len(calls) == 1 and out[3] is counts and torch.equal(out[4].order, state.order)
-    assert ks._dispatch_scan == (counts, scan)  # grouped_mlp takes it when handed these counts
+    assert len(calls) == 1 and out[0] is w and out[1] is ids and out[2] is sh and out[3] is counts
+    assert out[4].order is state.order and (out[4].num_tokens, out[4].top_k) == (3, 2)
+    assert ks._dispatch_scan == (counts, scan)
+    assert ks._expert_starts(None, counts) is scan and ks._dispatch_scan is None  # grouped_mlp takes it, once
     rep = ks.op_report()
     assert rep["moe_gating_topk"].startswith("native (kernels_cuda.moe_routing route") and "unverified" in rep[
         "moe_gating_topk"]
     assert rep["moe_dispatch"] == rep["moe_gating_topk"]
+    no_route = SimpleNamespace(route_reason=lambda *a: None)  # a module without the kernel: the two ops
+    monkeypatch.setattr(ks, "_kernel", lambda name: no_route)
+    with pytest.raises(AssertionError, match="not fused"):
+        ks.moe_route(logits, None, PARAMS, cuda_like, 8)
+    monkeypatch.setattr(ks, "_kernel", lambda name: fake)
     fake.route_reason = lambda *a: "17 tokens > 16"  # the kernel refuses: the two ops again
     with pytest.raises(AssertionError, match="not fused"):
         ks.moe_route(logits, None, PARAMS, cuda_like, 8)

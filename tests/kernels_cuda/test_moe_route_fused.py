@@ -114,8 +114,11 @@ def test_route_reason_limits():
     assert why is not None and "not on a CUDA device" in why
     why = mr.route_reason(*_args(2, fake=False))  # host tensors
     assert why is not None and "not on a CUDA device" in why
-    why = mr.route_reason(torch.zeros(2, 64), None, mr.V2_LITE, torch.zeros(3, 2048, dtype=torch.bfloat16), 64)
-    assert why is not None
+    why = mr.route_reason(_FakeCuda(torch.zeros(2, 64)), None, mr.V2_LITE,
+                          _FakeCuda(torch.zeros(3, 2048, dtype=torch.bfloat16)), 64)
+    assert why is not None and "T=2" in why and "(3, 2048)" in why  # hidden's tokens != the logits'
+    with pytest.raises(ValueError, match="17 tokens > MAX_ROUTE_TOKENS 16"):
+        mr.route(torch.zeros(17, 64), None, mr.V2_LITE, torch.zeros(17, 2048, dtype=torch.bfloat16), 64)
 
 
 def test_route_kind_is_cached_and_ci_compiled():
