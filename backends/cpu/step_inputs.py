@@ -13,8 +13,9 @@ there. From the corrected lengths, the block tables and the slot state this op d
 * ``draft_next``: the draft that follows each token in its row (``-1`` after the row's last token).
 
 Precondition: ``num_tokens == seqlens_q.sum()`` (the CPU fixed total_q; zos_fixup's re-split keeps it).
-The arithmetic is that of ``model_executor/device_metadata.build_device_metadata`` and of the worker's decode path
-before this op existed; a backend's kernel must match it exactly (integers: bit-exact).
+The positions / slots / rows come from ``model_executor/device_metadata.token_layout`` (which the prefill
+path's ``build_device_metadata`` uses too), the ids from the worker's decode path before this op existed; a
+backend's kernel must match it exactly (integers: bit-exact).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from deepinfer_npu.model_executor.device_metadata import token_layout
 
 
 class DecodeInputs(NamedTuple):
@@ -48,19 +51,9 @@ def decode_inputs(
     """``seqlens_q / seqlens_k`` [B] int32, ``block_tables`` [B, W] int32, ``state_slots`` [B] int64,
     ``first_ids`` [B] int64 (-1: not known to the CPU), ``last_token`` [S] int64, ``drafts`` [S, K] int64 (K >= 1)
     -> :class:`DecodeInputs` for ``num_tokens`` tokens."""
-    device = seqlens_q.device
     q = seqlens_q.to(torch.int64)
-    k = seqlens_k.to(torch.int64)
-    b = q.shape[0]
-    cu = torch.zeros(b + 1, dtype=torch.int64, device=device)
-    cu[1:] = torch.cumsum(q, dim=0)
-    row = torch.repeat_interleave(torch.arange(b, device=device), q, output_size=num_tokens)
-    j = torch.arange(num_tokens, device=device) - cu.index_select(0, row)
-    positions = k.index_select(0, row) - q.index_select(0, row) + j
-    tables = block_tables.to(torch.int64)
-    col = (positions // block_size).clamp(max=tables.shape[1] - 1)
-    block = torch.where(positions // block_size < tables.shape[1], tables[row, col], torch.zeros_like(col))
-    slot_mapping = block * block_size + positions % block_size
+    cu, row, j, positions, slot_mapping = token_layout(q, seqlens_k.to(torch.int64), block_tables, block_size,
+                                                       num_tokens)
     last_col = drafts.shape[1] - 1
     slot_tok = state_slots.index_select(0, row)
     first = first_ids.index_select(0, row)

@@ -220,7 +220,8 @@ def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_s
     """``(kind, cfg)`` of gating, permute and unpermute, each where its ``*_reason`` accepts a one-token step;
     ``fused_add``: also the un-permute with the shared experts' output fused (``moe_combine_add``); ``fused_scan``:
     the permute that writes the expert GEMMs' scan too (``moe_dispatch_scan``); ``fused_route``: the gating fused
-    with that permute (``moe_route``) where both apply and steps of up to MAX_ROUTE_TOKENS tokens are reachable."""
+    with that permute (``moe_route``) where both apply (one-token steps, which every plan reaches, are within its
+    MAX_ROUTE_TOKENS)."""
     g = plan.moe_gating
     if g is None:
         return []
@@ -236,9 +237,7 @@ def moe_routing_configs(plan: KernelWarmupPlan, fused_add: bool = False, fused_s
         items.append(("permute", (d, k, g.num_experts, dt)))
         if fused_scan and g.num_experts <= mr.MAX_SCAN_EXPERTS:
             items.append(("permute", (d, k, g.num_experts, dt, 128, True)))
-        lo, _hi = _step_token_bounds(plan)
-        if fused_route and items and items[0][0] == "gating" and g.num_experts <= mr.MAX_SCAN_EXPERTS \
-                and lo <= mr.MAX_ROUTE_TOKENS:
+        if fused_route and items and items[0][0] == "gating" and g.num_experts <= mr.MAX_SCAN_EXPERTS:
             items.append(("route", mr._route_cfg(g, d, dt, True)))  # the launch's own key (bias as for gating)
     if dt is not None and mr.unpermute_reason(_meta(k, d, dtype=plan.dtype), _meta(k), _meta(1, k,
                                               dtype=torch.float32), 1, k) is None:

@@ -12,6 +12,26 @@ import torch
 from .attention_metadata import AttentionMetadata, HostLengths
 
 
+def token_layout(
+    q: torch.Tensor, k: torch.Tensor, block_tables: torch.Tensor, block_size: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token layout of a step from int64 query / context lengths ``q`` / ``k`` [B] -> ``(cu_seqlens_q [B+1],
+    row_of_token, j_of_token, positions, slot_mapping)`` (int64, [T]); no host read. Positions past a row's block
+    table map to block 0 (the padding block). Shared with the HAL's ``decode_inputs`` reference."""
+    device = q.device
+    b = q.shape[0]
+    cu = torch.zeros(b + 1, dtype=torch.int64, device=device)
+    cu[1:] = torch.cumsum(q, dim=0)
+    row = torch.repeat_interleave(torch.arange(b, device=device), q, output_size=num_tokens)
+    j = torch.arange(num_tokens, device=device) - cu.index_select(0, row)
+    positions = k.index_select(0, row) - q.index_select(0, row) + j
+    tables = block_tables.to(torch.int64)
+    col = (positions // block_size).clamp(max=tables.shape[1] - 1)
+    block = torch.where(positions // block_size < tables.shape[1], tables[row, col], torch.zeros_like(col))
+    slot_mapping = block * block_size + positions % block_size
+    return cu, row, j, positions, slot_mapping
+
+
 def build_device_metadata(
     seqlens_q: torch.Tensor,
     seqlens_k: torch.Tensor,
@@ -25,19 +45,9 @@ def build_device_metadata(
 ) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
     """-> ``(attn, row_of_token [T], j_of_token [T])``. Positions past a row's block table (draft chains that run
     ahead of the reservation) map to block 0, the padding block, which no sequence reads as its own."""
-    device = seqlens_q.device
     q = seqlens_q.to(torch.int64)
     k = seqlens_k.to(torch.int64)
-    b = q.shape[0]
-    cu = torch.zeros(b + 1, dtype=torch.int64, device=device)
-    cu[1:] = torch.cumsum(q, dim=0)
-    row = torch.repeat_interleave(torch.arange(b, device=device), q, output_size=num_tokens)
-    j = torch.arange(num_tokens, device=device) - cu.index_select(0, row)
-    positions = k.index_select(0, row) - q.index_select(0, row) + j
-    tables = block_tables.to(torch.int64)
-    col = (positions // block_size).clamp(max=tables.shape[1] - 1)
-    block = torch.where(positions // block_size < tables.shape[1], tables[row, col], torch.zeros_like(col))
-    slot_mapping = block * block_size + positions % block_size
+    cu, row, j, positions, slot_mapping = token_layout(q, k, block_tables, block_size, num_tokens)
     attn = AttentionMetadata(
         seqlens_q=q.to(torch.int32),
         seqlens_k=k.to(torch.int32),
