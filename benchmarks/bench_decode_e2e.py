@@ -68,6 +68,13 @@ def hardware(device_type: str) -> str:
 _GPU_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
 
+#: engine stats split into host ms a step: step_ms (all of engine.step), forward_ms (launching the forward: inputs,
+#: metadata, the graph launch), model_ms (within it, the graph replay / eager model launch), sample_ms (launching
+#: sampling + verification), host_wait_ms (blocked on the previous step's end event). Under ZOS a step's launch times
+#: are added when its results are, one step later: a window's sums are shifted by one step.
+HOST_SPLIT = ("step_ms", "forward_ms", "model_ms", "sample_ms", "host_wait_ms")
+
+
 def gpu_state(device_type: str) -> dict | None:
     """The GPU's SM / memory clocks (MHz), power (W), temperature and clock-event reasons (bitmask) now, from
     nvidia-smi (~tens of ms; called between timed windows): a window that ran slow at a lower clock tells itself
@@ -204,7 +211,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
                 prefill_steps += 1
             sync(dev)
             engine.stats["generation_tokens"] = 0
-            wait0 = engine.stats["host_wait_ms"]
+            host0 = {k: engine.stats[k] for k in HOST_SPLIT}
             steps = 0
             t0 = time.perf_counter()
             while engine.has_unfinished_requests():
@@ -216,12 +223,14 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
             clean = tokens == batch * args.gen and steps <= args.gen + 1
             # share of the window the host spent blocked on the device: ~1 - host work / step when the device
             # bounds the loop, ~0 when the host does (tells a slow window's cause apart)
-            wait_frac = (engine.stats["host_wait_ms"] - wait0) / (1e3 * elapsed)
+            wait_frac = (engine.stats["host_wait_ms"] - host0["host_wait_ms"]) / (1e3 * elapsed)
+            # host ms a step by phase (engine stats): where the host's time goes when it bounds the loop
+            split = {k: round((engine.stats[k] - host0[k]) / max(steps, 1), 4) for k in HOST_SPLIT}
             windows.append((tokens / elapsed, elapsed, tokens, steps, prefill_steps, clean, wait_frac,
-                            gpu_state(dev) if args.gpu_state else None))
+                            gpu_state(dev) if args.gpu_state else None, split))
         # the median window (a host hiccup in one short window at batch 1 moves a single reading by 10-20 %); with an
         # even --repeat the upper of the two middle windows
-        tok_s, elapsed, tokens, steps, prefill_steps, clean, _wait, _gpu = sorted(windows, key=lambda w: w[0])[
+        tok_s, elapsed, tokens, steps, prefill_steps, clean, _wait, _gpu, split = sorted(windows, key=lambda w: w[0])[
             len(windows) // 2]
         clean = all(w[5] for w in windows)
         out[batch] = {"engine_tok_s": tok_s, "engine_step_ms": 1e3 * elapsed / max(steps, 1),
@@ -229,6 +238,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
                       "pure_decode_window": clean,
                       "engine_tok_s_windows": [round(w[0], 1) for w in windows],
                       "host_wait_frac_windows": [round(w[6], 3) for w in windows],
+                      "host_ms_per_step": split, "host_ms_per_step_windows": [w[8] for w in windows],
                       "gpu_state_windows": [w[7] for w in windows] if args.gpu_state else None}
         stats = engine.get_stats()
         out[batch].update(graphs=args.graphs, engine_graph_steps=stats["graph_steps"],
@@ -236,6 +246,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
         log(f"engine batch={batch}: {tokens} tokens in {elapsed:.3f}s ({tok_s:.1f} tok/s, median of "
             f"{[round(w[0], 1) for w in windows]}, host blocked {[round(w[6], 2) for w in windows]}, "
             + (f"SM MHz after {[(w[7] or {}).get('clocks.sm') for w in windows]}, " if args.gpu_state else "")
+            + f"host ms/step of the median window {split}, "
             + f"{steps} steps after {prefill_steps} prefill steps; pure decode window: {clean}; "
             f"graphs={args.graphs}: {stats['graph_steps']} graph steps so far, "
             f"captured {stats.get('graphs_captured')}, disabled: {stats.get('graphs_disabled')})")
@@ -367,6 +378,8 @@ def main(argv=None) -> int:
             "engine_steps": eng.get(batch, {}).get("engine_steps"),
             "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
             "host_wait_frac_windows": eng.get(batch, {}).get("host_wait_frac_windows"),
+            "host_ms_per_step": eng.get(batch, {}).get("host_ms_per_step"),
+            "host_ms_per_step_windows": eng.get(batch, {}).get("host_ms_per_step_windows"),
             "gpu_state_windows": eng.get(batch, {}).get("gpu_state_windows"),
             "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
             "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),

@@ -26,7 +26,7 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
   experts after ``tokens_per_expert.tolist()`` (a sync).
 - ``sample`` / ``spec_verify`` / ``zos_fixup``: ``kernels_cuda.sampling`` / ``spec_verify`` / ``zos_fixup`` where
   their ``reason`` accepts the step; else the reference op on CUDA tensors (sync-free).
-- ``decode_inputs``: ``kernels_cuda.decode_inputs`` (one launch) while its gate allows it (unverified); else the
+- ``decode_inputs``: ``kernels_cuda.decode_inputs`` (one launch) where its ``reason`` accepts the step; else the
   reference's torch ops (sync-free).
 - ``linear``: ``kernels_cuda.skinny_gemm`` for one row (K <= 8192, no bias), else cuBLAS (the reference op).
 - Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, ``mla_epilogue`` (W_UV
@@ -109,9 +109,10 @@ _STATIC_FALLBACK = {
 # permute that also writes the expert GEMMs' scan), written in session 5 after its last device call, left it in
 # session 6 after their checks ran on an H200: moe_routing.py --check passed; moe_gemm_swap.py --check passed in the
 # 8 of 13 cases whose lines the log kept (kernels_cuda/NOTES.md, session 6, call 1).
-# decode_inputs and moe_route (the gating top-k fused with the permute) were written and compiled after session 6's
-# last device call.
-UNVERIFIED_KERNELS: set[str] = {"decode_inputs", "moe_route"}
+# decode_inputs and moe_route (the gating top-k fused with the permute), written after session 6's last device call,
+# left it in session 7: decode_inputs.py --check, moe_routing.py --check (check_route) and their GPU tests passed on an
+# H200 (kernels_cuda/NOTES.md, session 7, call 1).
+UNVERIFIED_KERNELS: set[str] = set()
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -589,7 +590,7 @@ class CudaKernelSet(KernelSet):
         return mod.gating_topk(router_logits, bias, params)
 
     def moe_route(self, router_logits, bias, params: GatingParams, hidden, num_experts: int):
-        """Decode sizes (T <= the kernel's MAX_ROUTE_TOKENS) with the gate open: ``kernels_cuda.moe_routing.route``,
+        """Decode sizes (T <= the kernel's MAX_ROUTE_TOKENS; gate: ``moe_route``): ``kernels_cuda.moe_routing.route``,
         the gating top-k and the permute (with the expert GEMMs' scan) in one launch, bit-identical to the two
         kernels; else ``moe_gating_topk`` then ``moe_dispatch``."""
         mod = None
@@ -845,8 +846,8 @@ class CudaKernelSet(KernelSet):
 
     def decode_inputs(self, seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts,
                       block_size: int, num_tokens: int):
-        """``kernels_cuda.decode_inputs`` (one launch for the ~45 small torch ops of the reference; unverified
-        until its check passes on a GPU); else the reference (``backends/cpu/step_inputs.py``), sync-free."""
+        """``kernels_cuda.decode_inputs`` (one launch for the ~45 small torch ops of the reference; checked on an H200
+        in session 7); else the reference (``backends/cpu/step_inputs.py``), sync-free."""
         args = (seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts)
         mod, path = self._gated_kernel("decode_inputs", seqlens_q)
         if mod is not None and (why := mod.reason(*args, block_size, num_tokens)) is not None:
@@ -859,7 +860,7 @@ class CudaKernelSet(KernelSet):
 
     # ---- reporting -----------------------------------------------------------------------------------------
     PLANNED = {
-        "decode_inputs": "kernels_cuda.decode_inputs (one launch) where its gate allows it (unverified); else the "
+        "decode_inputs": "kernels_cuda.decode_inputs (one launch) where its reason accepts the step; else the "
         "reference's torch ops (sync-free)",
         "linear": "kernels_cuda.skinny_gemm for 1-row steps (K <= 8192, no bias); else F.linear on cuBLAS",
         "rms_norm": "kernels_cuda.rms_norm for bf16, width 512..7168 (x256); else the reference",

@@ -98,6 +98,8 @@ COMMON = {
     "silu_mul": [(2816, True), (2816, False), (10944, True), (10944, False), (1408, True), (1408, False)],
     "moe_routing": [("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),
                     ("permute", (2048, 6, 64, "bfloat16")), ("permute", (2048, 6, 64, "bfloat16", 128, True)),
+                    # moe_route: the gating fused with the permute for decode sizes (on since session 7)
+                    ("route", (2048, 6, 64, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False, "bfloat16")),
                     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
                     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))],
     "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
@@ -171,7 +173,8 @@ def test_mtp_eager_steps_and_chains(recorded):
 def test_not_bf16_or_off_dims_compile_what_still_applies(recorded):
     plan = v2_lite_plan(dtype=torch.float32)
     kernel_set().warmup(plan)
-    assert set(recorded) == {"moe_routing", "spec_verify", "zos_fixup"}  # fp32 routing, logits, lengths
+    # fp32 routing, logits, lengths; decode_inputs (integers only) whatever the dtype
+    assert set(recorded) == {"moe_routing", "spec_verify", "zos_fixup", "decode_inputs"}
     assert ("permute", (2048, 6, 64, "float32")) in recorded["moe_routing"][0][0]
     recorded.clear()
     kernel_set().warmup(v2_lite_plan(block_size=16, moe_gating=None, moe_intermediate_size=0))
@@ -409,10 +412,16 @@ def test_w_uv_skinny_configuration_only_when_on(recorded, monkeypatch):
 
 
 def test_decode_inputs_compiled_only_with_its_gate_open(recorded, monkeypatch):
-    """decode_inputs (unverified): nothing compiled while gated; with the gate open one build for the page size."""
+    """decode_inputs (verified on an H200 in session 7, on by default): one build for the page size; put back into
+    UNVERIFIED_KERNELS, nothing compiled while gated, the build again with the gate open."""
     from deepinfer_npu.kernels_cuda import decode_inputs as di
 
-    assert "decode_inputs" in cuda_kernels.UNVERIFIED_KERNELS
+    assert "decode_inputs" not in cuda_kernels.UNVERIFIED_KERNELS
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["decode_inputs"] == [([(64, di.THREADS)], {})]
+    recorded.clear()
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"decode_inputs"})
     kernel_set().warmup(v2_lite_plan(k=0))
     assert "decode_inputs" not in recorded
     monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "decode_inputs")
@@ -421,10 +430,13 @@ def test_decode_inputs_compiled_only_with_its_gate_open(recorded, monkeypatch):
 
 
 def test_moe_route_compiled_only_with_its_gate_open(recorded, monkeypatch):
-    """The gating fused with the permute (moe_route, unverified): one ("route", cfg) build with its gate open."""
+    """The gating fused with the permute (moe_route, verified on an H200 in session 7, on by default): put back into
+    UNVERIFIED_KERNELS, no ("route", cfg) build while gated; one with its gate open."""
     from deepinfer_npu.kernels_cuda import moe_routing as mr
 
-    assert "moe_route" in cuda_kernels.UNVERIFIED_KERNELS
+    assert "moe_route" not in cuda_kernels.UNVERIFIED_KERNELS
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"moe_route"})
     kernel_set().warmup(v2_lite_plan(k=0))
     assert all(kind != "route" for kind, _cfg in recorded["moe_routing"][0][0])
     recorded.clear()

@@ -51,7 +51,8 @@ def test_cuda_fused_route_when_the_gate_allows(monkeypatch):
     cuda_like = SimpleNamespace(is_cuda=True)
     monkeypatch.setattr(ks, "moe_gating_topk", lambda *a: (_ for _ in ()).throw(AssertionError("not fused")))
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "moe_route" in ck.UNVERIFIED_KERNELS
+    assert "moe_route" not in ck.UNVERIFIED_KERNELS  # verified (session 7); gated again here to see both paths
+    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"moe_route"})
     # gate shut: the two ops (here: the stand-in gating raises, so the unfused path is visible)
     with pytest.raises(AssertionError, match="not fused"):
         ks.moe_route(logits, None, PARAMS, cuda_like, 8)

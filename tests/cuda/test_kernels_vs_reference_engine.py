@@ -40,8 +40,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
            "# Copyright 2001 Python Software Foundation\n"]
 
 
-# decode_inputs (session 6) joined these: its run with the kernel must give the reference path's tokens too
-GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs"}
+# decode_inputs and moe_route (session 6) joined these: the run with them must give the reference path's tokens too
+GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs", "moe_route"}
 
 
 def _use_kernels(monkeypatch, enabled: bool) -> None:
