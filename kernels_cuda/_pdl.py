@@ -13,20 +13,22 @@ the wait, so at most one kernel waits ahead of the one running. Kernels not buil
 launched as usual and wait for the full completion of what precedes them; a PDL kernel after one of them waits
 for its completion too (a kernel without a trigger triggers when it exits).
 
-Off by default (``DEEPINFER_PDL=1`` turns it on; the kernels' code is otherwise the same), because at batch 1 it
-is bimodal. Measured on one H200, ``bench_decode_e2e.py --graphs --no-hf --repeat 5|9`` (V2-Lite shape, each
-window 32 decode tokens a request, session 6), tok/s:
+On by default since session 7 (``DEEPINFER_PDL=0`` turns it off; the kernels' code is otherwise the same). Measured
+on one H200, ``bench_decode_e2e.py --graphs --no-hf`` (V2-Lite shape, each window 32 decode tokens a request), tok/s:
 
-- PDL off (call 3, two runs): batch 1 windows 379.5-382.0 in 9 of 10 (the tenth 373.4); run medians batch 16
-  1894.8 / 1895.6, batch 64 6030.7 / 6048.5.
-- PDL on: run medians batch 16 1922.0-1926.5 and batch 64 6145.9-6173.5 in five runs over three calls
-  (+1.4-1.7 % / +1.6-2.4 %).
-  At batch 1 (with ``run_parallel``'s branches in order, ``CudaKernelSet.parallel_branches``) a window runs either
-  at 380.0-399.6 (31 of 47 windows) or at 284.7-337.1 (14; two in between), with whole runs in one mode (9 of 9 fast;
-  5 of 5 slow) and runs that switch. Why is not known (not profiled: the profiler's spans include the waits).
-  With PDL and two streams at batch 1 too (call 3, before that rule): median 375.6 (one window at 275.1).
-- Session 5 (single windows): batch 1 292.8 / 308.1 with PDL against 347.4 / 348.3 without, batch 16 +1.4 %,
-  batch 64 +0.9 %.
+- Session 7 (decode_inputs and moe_route on; run medians): batch 1 411.3 / 408.6 with PDL against 397.5 / 394.9
+  without (two A/B pairs of 7 windows in one call; PDL windows 390.6-411.9), batch 16 1936.9 against 1911.3 and
+  batch 64 6228.5 against 6131.5 (5 windows each).
+- Session 6 (before decode_inputs; ~45 more host launches a step): at batch 1 PDL was bimodal, a window ran at
+  380.0-399.6 (31 of 47) or at 284.7-337.1 (14), with whole runs in one mode; PDL off stayed at 373.4-382.0.
+  Batch 16 / 64 +1.4-1.7 % / +1.6-2.4 %.
+
+Why the slow mode went away is inferred, not proven: with PDL the device finishes a batch-1 step sooner, so the
+host's work per step (launches, sampling inputs, post-processing: 1.2-2.0 ms in session 7, varying from run to run)
+bounds the loop more often; in session 7 the slower PDL windows (390.6-391.2) are the ones whose host waited on the
+device for only 2-8 % of the window (``host_wait_frac_windows``), against 24-43 % in the fast ones. Session 7 also
+cut the host's per-step work (decode_inputs: one launch for ~45; the decode sampling inputs reused while the batch
+is the same, ``Worker._decode_sampling_inputs``).
 """
 
 import os
@@ -35,8 +37,8 @@ ENV = "DEEPINFER_PDL"
 
 
 def pdl_enabled() -> bool:
-    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default off)."""
-    v = os.environ.get(ENV, "0").strip()
+    """Whether kernels built now wait / trigger programmatically (``DEEPINFER_PDL``, default on)."""
+    v = os.environ.get(ENV, "1").strip()
     if v not in ("0", "1"):
         raise ValueError(f"{ENV}={v!r}: expected 0 or 1")
     return v == "1"

@@ -79,7 +79,7 @@ SERIAL_BRANCHES_MAX_ROWS = 1
 # mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny; checked against the fp32
 # reference on an H200, tests/kernels_cuda/test_skinny_gemm.py). Off unless DEEPINFER_CUDA_SKINNY_W_UV=1: measured
 # only with PDL on (H200, session 6, batch 1): its fast-mode windows 380.0-397.7 tok/s against 390.6-391.9 with cuBLAS,
-# no gain beyond the spread; not measured with PDL off (the default)
+# no gain beyond the spread; not measured with PDL off
 SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "0").strip() == "1"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests (TESTS, default tests/cuda)
-#   profile   benchmarks/profile_decode.py, graphs and eager, batch 1 and 64
+#   profile   benchmarks/profile_decode.py, graphs and eager, batch PROFILE_BATCH (default "1 64"), PDL off unless
+#             PROFILE_PDL=1 (with PDL a kernel's span includes its wait: no kernel breakdown)
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs DFlash fixed/varlen, concurrency 1, 32
 #   e2e       benchmarks/bench_decode_e2e.py with graphs and transformers, batch 1 16 64 (E2E_REPEAT timed windows
 #             a batch, default 5, the median reported; e2e-nohf, e2e-nopdl and ab too)
 #   e2e-nohf  the same without transformers
-#   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, DEEPINFER_PDL=0 (the default; e2e and e2e-nohf follow the caller's DEEPINFER_PDL)
+#   e2e-nopdl batch(es) E2E_BATCH (default 1) without transformers, DEEPINFER_PDL=0 (PDL is on by default since
+#             session 7; e2e and e2e-nohf follow the caller's DEEPINFER_PDL)
 #   ab        e2e without transformers (batch AB_BATCH, default "1 16 64") once per environment in AB_ENVS
-#             (";"-separated, "-" = none; default: none; the gated kernels; PDL; PDL without the second stream;
-#             all three), each row records its DEEPINFER_* switches
+#             (";"-separated, "-" = none; default: none; PDL off; PDL off with the gated kernels), each row records
+#             its DEEPINFER_* switches
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py
@@ -71,7 +73,7 @@ for l in open('$OUT/profile.jsonl'):
     e2e-nopdl) DEEPINFER_PDL=0 timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${E2E_BATCH:-1} \
              --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \
              > /tmp/e2e_nopdl.log; grep -v '^{' /tmp/e2e_nopdl.log | grep -v kernel_cache | tail -6 ;;
-    ab) IFS=';' read -ra envs <<< "${AB_ENVS:--;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1;DEEPINFER_PDL=1;DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0;DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 DEEPINFER_PDL=1 DEEPINFER_CUDA_PARALLEL_BRANCHES=0}"
+    ab) IFS=';' read -ra envs <<< "${AB_ENVS:--;DEEPINFER_PDL=0;DEEPINFER_PDL=0 DEEPINFER_CUDA_UNVERIFIED_KERNELS=1}"
              for e in "${envs[@]}"; do [ "$e" = "-" ] && e=""; echo "== ab: ${e:-baseline}"
                env $e timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch ${AB_BATCH:-1 16 64} \
                  --prompt-len 512 --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs --no-hf --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt \

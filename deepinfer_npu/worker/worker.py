@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ class Worker:
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
+        self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
         # Every kernel variant the steps can reach, compiled now: before any capture, and before the first step
         # (which a stall of seconds per TileLang configuration would otherwise land in). None: kernel_warmup off.
@@ -272,12 +274,38 @@ class Worker:
         mask = torch.zeros(ban.shape[0], vocab, dtype=torch.bool, device=self.device)
         return mask.scatter_(1, ban.clamp(min=0), valid)
 
+    def _decode_sampling_inputs(self, step: DeviceStepState,
+                                reqs: StepRequests) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
+        """A decode step's per-token sampling tensors (offsets still to set), each token's prompt length and the
+        plan's q lengths (int64), on the device. Reused from the previous decode step when the batch is the same
+        (rows, their params and seeds, prompt lengths, q lengths) and the tokens' rows follow the plan (no device
+        re-split): steady decode then skips ~35 small host ops (pinned copies and gathers) a step, which at
+        batch 1 are a large part of the host's time per step. The cache keeps the params objects alive, so their
+        ids in the key cannot be reused by other objects."""
+        plan = step.plan
+        key = None
+        if step.attn.host is not None:  # host-known q lengths: the token -> row map is a function of the key
+            key = (plan.seq_ids.tobytes(), plan.seqlens_q.tobytes(), tuple(map(id, reqs.params)),
+                   tuple(reqs.seeds), reqs.prompt_lens.tobytes(), reqs.max_num_logprobs)
+        cached = self._decode_sampling_cache
+        if key is not None and cached is not None and cached[0] == key:
+            _key, _params, t, prompt_len_of_token, planned = cached
+        else:
+            row = step.row_of_token
+            t = _expand(self._row_tensors(reqs, np.arange(plan.num_seqs)), row)
+            t.max_num_logprobs = reqs.max_num_logprobs
+            prompt_len_of_token = self._dev(reqs.prompt_lens).index_select(0, row)
+            planned = self._dev(plan.seqlens_q.astype(np.int64))
+            self._decode_sampling_cache = (None if key is None else
+                                           (key, list(reqs.params), t, prompt_len_of_token, planned))
+        return replace(t), prompt_len_of_token, planned  # a shallow copy: the caller sets its offsets
+
     def _launch_sample(self, step: DeviceStepState, reqs: StepRequests) -> None:
         plan, attn = step.plan, step.attn
         n = plan.num_seqs
         positions = attn.positions
-        prompt_lens = self._dev(reqs.prompt_lens)
         if plan.is_prefill:
+            prompt_lens = self._dev(reqs.prompt_lens)
             rows = np.nonzero(plan.is_last_chunk)[0]
             ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
             anchor = self._dev(ends[rows])
@@ -308,10 +336,8 @@ class Worker:
             step.proposing_rows = rows
         else:
             row, j = step.row_of_token, step.j_of_token
-            t = self._row_tensors(reqs, np.arange(n))
-            t = _expand(t, row)
-            t.offsets = positions + 1 - prompt_lens.index_select(0, row)
-            t.max_num_logprobs = reqs.max_num_logprobs
+            t, prompt_len_of_token, planned = self._decode_sampling_inputs(step, reqs)
+            t.offsets = positions + 1 - prompt_len_of_token
             ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
             vo = self.kernels.spec_verify(step.logits, step.draft_next, row, j, n, max(self.k + 1, 1), t, ban)
             cu = attn.cu_seqlens_q.to(torch.int64)
@@ -320,12 +346,12 @@ class Worker:
             target = vo.target_tokens
             bonus_slots = step.slots
             # The scheduler's optimistic lengths assume its own plan's drafts were all accepted (not a device
-            # re-split's), so the correction is taken against the plan.
-            planned = self._dev(plan.seqlens_q.astype(np.int64))
+            # re-split's), so the correction is taken against the plan (``planned``: its q lengths).
             self.slots.correction.index_copy_(0, bonus_slots, planned - 1 - vo.accepted)
             step.emitted, step.num_emitted, step.accepted = vo.emitted, vo.num_emitted, vo.accepted
-            qmax = vo.emitted.shape[1]
-            step.logprob_rows = cu[:-1, None] + torch.arange(qmax, device=self.device)[None, :]
+            if vo.logprobs is not None:  # the rows of each request's logprobs (read only with logprobs)
+                qmax = vo.emitted.shape[1]
+                step.logprob_rows = cu[:-1, None] + torch.arange(qmax, device=self.device)[None, :]
             step.logprobs = vo.logprobs
             step.proposing_rows = np.arange(n)
         self.slots.last_token.index_copy_(0, bonus_slots, bonus)
@@ -410,7 +436,5 @@ class Worker:
 
 def _expand(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
     """Per-request sampling tensors -> per-token rows (``index[r]`` = request row of token ``r``)."""
-    from dataclasses import replace
-
     fields = ("temperature", "top_k", "top_p", "is_greedy", "seeds", "offsets")
     return replace(t, **{f: getattr(t, f).index_select(0, index) for f in fields})

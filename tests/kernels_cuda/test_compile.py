@@ -72,8 +72,8 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
     for k in kernels:
         src = k.get_kernel_source()
         assert "__global__" in src
-        if name in PDL_MODULES:  # kernels_cuda/_pdl.py (default off): the waits are there exactly when it is on
-            pdl = os.environ.get("DEEPINFER_PDL", "0") == "1"
+        if name in PDL_MODULES:  # kernels_cuda/_pdl.py (default on): the waits are there exactly when it is on
+            pdl = os.environ.get("DEEPINFER_PDL", "1") == "1"
             assert ("cudaGridDependencySynchronize" in src) == pdl, f"{name}: PDL={pdl} but the kernel disagrees"
     print(f"{name}: {len(kernels)} configurations compiled for sm_90a in {time.time() - t:.1f}s")
 
@@ -85,15 +85,16 @@ PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_r
 
 @pytest.mark.skipif(not _has_nvcc(), reason="nvcc (CUDA toolkit) not found: cannot compile for sm_90a")
 @pytest.mark.parametrize("name", ["silu_mul", "skinny_gemm"])
-def test_pdl_variant_compiles_for_sm90a(name, monkeypatch, tmp_path):
-    """DEEPINFER_PDL=1 (off by default): the kernels wait for their predecessor (cudaGridDependencySynchronize);
-    skinny_gemm's dense kernel issues its first weight loads before that wait (its PDL-only code path)."""
+def test_pdl_off_variant_compiles_for_sm90a(name, monkeypatch, tmp_path):
+    """DEEPINFER_PDL=0 (PDL is on by default): the kernels do not wait for their predecessor
+    (no cudaGridDependencySynchronize), and skinny_gemm's dense kernel's early weight loads (its PDL-only code
+    path) are not there either: the off switch still builds."""
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("DEEPINFER_PDL", "1")
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
     mod = importlib.import_module(f"kernels_cuda.{name}")
     for k in mod.ci_compile():
-        assert "cudaGridDependencySynchronize" in k.get_kernel_source(), name
+        assert "cudaGridDependencySynchronize" not in k.get_kernel_source(), name
 
 
 SM100_TARGET = {"kind": "cuda", "arch": "sm_100a"}

@@ -63,15 +63,15 @@ def test_cuda_kernel_set_keeps_the_reference_linear_off_cuda():
 
 def test_parallel_branches_in_order_at_one_row_with_pdl(monkeypatch):
     """run_parallel's stream choice (measured on an H200, session 6): with PDL on one token row keeps the branches
-    in order, more rows fork a second stream; without PDL (the default) every size forks; never without a device
-    or with DEEPINFER_CUDA_PARALLEL_BRANCHES=0."""
+    in order, more rows fork a second stream (PDL on is the default); without PDL every size forks; never without
+    a device or with DEEPINFER_CUDA_PARALLEL_BRANCHES=0."""
     from deepinfer_npu.backends.cuda import kernels as ck
 
     ks = ck.CudaKernelSet()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("DEEPINFER_PDL", "1")
-    assert [ks.parallel_branches(r) for r in (1, 2, 16, None)] == [False, True, True, True]
     monkeypatch.delenv("DEEPINFER_PDL", raising=False)
+    assert [ks.parallel_branches(r) for r in (1, 2, 16, None)] == [False, True, True, True]
+    monkeypatch.setenv("DEEPINFER_PDL", "0")
     assert [ks.parallel_branches(r) for r in (1, 2, None)] == [True, True, True]
     monkeypatch.setattr(ck, "PARALLEL_BRANCHES", False)
     assert not ks.parallel_branches(16)
