@@ -76,6 +76,9 @@ MOE_GEMM_SWAP_MAX_ROWS = 64
 PARALLEL_BRANCHES = os.environ.get("DEEPINFER_CUDA_PARALLEL_BRANCHES", "1").strip() != "0"
 # with PDL on, run_parallel keeps the branches in order up to this many token rows (parallel_branches)
 SERIAL_BRANCHES_MAX_ROWS = 1
+# mla_prolog's query and kv_a projections as one skinny_gemm launch for one row (MLAWeights.fused_a_proj);
+# DEEPINFER_CUDA_FUSED_A_PROJ=0 runs the two launches (A/B runs)
+FUSED_A_PROJ = os.environ.get("DEEPINFER_CUDA_FUSED_A_PROJ", "1").strip() != "0"
 # mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny; checked against the fp32
 # reference on an H200, tests/kernels_cuda/test_skinny_gemm.py). Off unless DEEPINFER_CUDA_SKINNY_W_UV=1: measured
 # only with PDL on (H200, session 6, batch 1): its fast-mode windows 380.0-397.7 tok/s against 390.6-391.9 with cuBLAS,
@@ -389,17 +392,22 @@ class CudaKernelSet(KernelSet):
         num_tokens = hidden.shape[0]
         nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
 
-        def q_branch():
+        def q_branch(first=None):  # first: the query's first projection, already computed
             if w.q_proj is not None:
-                q = lin(hidden, w.q_proj)
+                q = lin(hidden, w.q_proj) if first is None else first
             else:
-                q = lin(self.rms_norm(lin(hidden, w.q_a_proj, w.q_a_bias), w.q_a_layernorm, w.norm_eps), w.q_b_proj)
+                qa = lin(hidden, w.q_a_proj, w.q_a_bias) if first is None else first
+                q = lin(self.rms_norm(qa, w.q_a_layernorm, w.norm_eps), w.q_b_proj)
             q = q.view(num_tokens, w.num_heads, nope + rdim)
             return q, absorb_heads(q[..., :nope], w.w_uk)
 
-        # the latent projection does not wait for the query's two GEMMs (a second stream at decode sizes)
-        (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias),
-                                              rows=num_tokens)
+        fused = self._fused_a_proj(hidden, w)
+        if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)
+            first, kv = fused
+            q, q_latent = q_branch(first)
+        else:  # the latent projection does not wait for the query's GEMMs (a second stream at decode sizes)
+            (q, q_latent), kv = self.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias),
+                                                  rows=num_tokens)
         q_pe = q[..., nope:]
         bf16, mod = torch.bfloat16, None
         if not kv.is_cuda:
@@ -440,6 +448,25 @@ class CudaKernelSet(KernelSet):
         if num_tokens:
             write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
         return q_latent, q_rope
+
+    def _fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights):
+        """One row and ``w.fused_a_proj`` set: one ``skinny_gemm`` launch for the query's first projection and
+        kv_a (q_proj or q_a_proj, then kv_a_proj: the same input) -> (first, kv) views of its output; None where
+        it does not apply. skinny_gemm computes each output column alone (a warp per column, the same K order), so
+        the columns are bit-identical to the two separate launches."""
+        fused = w.fused_a_proj
+        if not FUSED_A_PROJ or fused is None or hidden.dim() != 2 or hidden.shape[0] != 1 or \
+                hidden.dtype != fused.dtype:
+            return None
+        mod, _why = self._skinny(hidden, fused)
+        if mod is None:
+            return None
+        self._note_skinny_linear(mod)
+        self._note("mla_prolog", "q / q_a and kv_a projections: one kernels_cuda.skinny_gemm launch (fused_a_proj)",
+                   True)
+        flat, rows = mod.skinny_gemm(hidden, fused).view(-1), fused.shape[0] - w.kv_a_proj.shape[0]
+        # views with their own compact strides (a split's [1, n] views would keep the fused row stride)
+        return flat[:rows].view(1, rows), flat[rows:].view(1, w.kv_a_proj.shape[0])
 
     def _attn_reason(self, q_latent, q_rope, kv_cache, block_tables, max_q: int) -> str | None:
         lrank, rdim = q_latent.shape[-1], q_rope.shape[-1]

@@ -51,6 +51,10 @@ class MLAWeights:
     o_bias: torch.Tensor | None = None
     # q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not config.rms_norm_eps (as DeepSeek does).
     norm_eps: float = 1e-6
+    # [rows of q_proj (or q_a_proj) + L + R, D]: the query's first projection and ``kv_a_proj`` in one tensor, of
+    # which those two are the row slices (no copy); both read the same input, so a backend may run them as one
+    # GEMM. None with biases, or when the two do not share it.
+    fused_a_proj: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,17 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, kernels, **kw)
             self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, kernels, **kw)
         self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kernels, bias=bias, **kw)
+        # The query's first projection and kv_a read the same input: their weights become row slices of one tensor
+        # (MLAWeights.fused_a_proj), so a backend can run both as one GEMM (one launch at batch-1 decode). The
+        # loader copies into the slices. A plain attribute: not a parameter, not in the checkpoint layout.
+        self.fused_a_proj: torch.Tensor | None = None
+        if not bias:
+            first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+            rows = first.weight.shape[0]
+            fused = torch.empty(rows + self.kv_a_proj_with_mqa.weight.shape[0], d, **kw)
+            first.weight = nn.Parameter(fused[:rows], requires_grad=False)
+            self.kv_a_proj_with_mqa.weight = nn.Parameter(fused[rows:], requires_grad=False)
+            self.fused_a_proj = fused
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, kernels, **kw)
         self.w_uk = empty_param(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank, **kw)
         self.w_uv = empty_param(h, cfg.v_head_dim, cfg.kv_lora_rank, **kw)
@@ -78,7 +89,21 @@ class MLAAttention(nn.Module):
             kv_a_bias=self.kv_a_proj_with_mqa.bias,
             o_bias=self.o_proj.bias,
             norm_eps=LATENT_NORM_EPS,
+            fused_a_proj=self._shared_fused_a_proj(),
         )
+
+    def _shared_fused_a_proj(self) -> torch.Tensor | None:
+        """``fused_a_proj`` while the two weights are still its row slices (else None: e.g. a weight replaced)."""
+        fused = self.fused_a_proj
+        if fused is None:
+            return None
+        first = (self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj).weight
+        kv = self.kv_a_proj_with_mqa.weight
+        rows_ok = first.shape[0] + kv.shape[0] == fused.shape[0] and first.shape[1] == kv.shape[1] == fused.shape[1]
+        if (rows_ok and first.dtype == kv.dtype == fused.dtype and first.data_ptr() == fused.data_ptr()
+                and kv.data_ptr() == fused.data_ptr() + first.numel() * first.element_size()):
+            return fused
+        return None
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor
