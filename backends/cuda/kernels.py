@@ -29,9 +29,12 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 - ``decode_inputs``: ``kernels_cuda.decode_inputs`` (one launch) where its ``reason`` accepts the step; else the
   reference's torch ops (sync-free).
 - ``linear``: ``kernels_cuda.skinny_gemm`` for one row (K <= 8192, no bias), else cuBLAS (the reference op).
-- Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, ``mla_epilogue`` (W_UV
-  on cuBLAS' batched GEMM; ``skinny_gemm``'s grouped mode for one token with ``DEEPINFER_CUDA_SKINNY_W_UV=1``),
-  ``copy_kv_blocks``.
+- ``mla_epilogue``: W_UV of one token on ``skinny_gemm``'s grouped mode (the heads as experts;
+  ``DEEPINFER_CUDA_SKINNY_W_UV=0``: cuBLAS), else cuBLAS' batched GEMM; o_proj through ``linear``.
+- ``mla_prolog``: for one row the query's first projection and kv_a in one ``skinny_gemm`` launch
+  (``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), then ``kernels_cuda.mla_rope_cache``.
+- Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, W_UK (cuBLAS' batched
+  GEMM), ``copy_kv_blocks``.
 
 The host max query length for the MLA kernel: the HAL's ``max_seqlen_q`` keyword (the model layer passes
 ``attn.max_seqlen_q``: k + 1 after a device re-split), else ``host.max_seqlen_q``, else the shape bound
@@ -80,10 +83,11 @@ SERIAL_BRANCHES_MAX_ROWS = 1
 # DEEPINFER_CUDA_FUSED_A_PROJ=0 runs the two launches (A/B runs)
 FUSED_A_PROJ = os.environ.get("DEEPINFER_CUDA_FUSED_A_PROJ", "1").strip() != "0"
 # mla_epilogue's W_UV at one token through skinny_gemm's grouped mode (_w_uv_skinny; checked against the fp32
-# reference on an H200, tests/kernels_cuda/test_skinny_gemm.py). Off unless DEEPINFER_CUDA_SKINNY_W_UV=1: measured
-# only with PDL on (H200, session 6, batch 1): its fast-mode windows 380.0-397.7 tok/s against 390.6-391.9 with cuBLAS,
-# no gain beyond the spread; not measured with PDL off
-SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "0").strip() == "1"
+# reference on an H200, tests/kernels_cuda/test_skinny_gemm.py): a TileLang kernel keeps the PDL chain that cuBLAS'
+# batched GEMM breaks. On by default since session 7 (H200, batch 1, PDL on, two A/B pairs of 9 windows in one call:
+# 434.3 / 433.4 tok/s against 424.5 / 425.9 with cuBLAS); DEEPINFER_CUDA_SKINNY_W_UV=0 keeps cuBLAS. Session 6 saw
+# no gain beyond the spread of its (then host-bound, bimodal) batch-1 windows.
+SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "1").strip() != "0"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -300,6 +301,7 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
             if k <= sk.DENSE_MAX_K and dt == bf}  # fp32 x fp32 is unreachable in a bf16 model
     want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in blocks}
     want |= {(2048, rb, False, False, "bfloat16", "float32", "float32", *v) for rb in blocks}  # router_logits
+    want.add((512, 1, False, True, "bfloat16", "bfloat16", "bfloat16", *v))  # W_UV at one token (SKINNY_W_UV)
     assert (10944, 1, False, False, "bfloat16", "bfloat16", "bfloat16", *v) not in want
     assert len(got) == len(set(got)) and set(got) == want
     recorded.clear()
@@ -398,7 +400,9 @@ def test_unverified_gate_takes_a_list_of_modules(monkeypatch):
 
 
 def test_w_uv_skinny_configuration_only_when_on(recorded, monkeypatch):
-    """mla_epilogue's W_UV at one token (SKINNY_W_UV): skinny_gemm's grouped configuration at K = kv_lora_rank."""
+    """mla_epilogue's W_UV at one token (SKINNY_W_UV, on by default since session 7): skinny_gemm's grouped
+    configuration at K = kv_lora_rank."""
+    assert cuda_kernels.SKINNY_W_UV or "DEEPINFER_CUDA_SKINNY_W_UV" in os.environ
     from deepinfer_npu.kernels_cuda import skinny_gemm as sk
 
     want = sk.config_for(512, sk.rows_block(1), False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16)
