@@ -33,8 +33,8 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
   ``DEEPINFER_CUDA_SKINNY_W_UV=0``: cuBLAS), else cuBLAS' batched GEMM; o_proj through ``linear``.
 - ``mla_prolog``: for one row the query's first projection and kv_a in one ``skinny_gemm`` launch
   (``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), then ``kernels_cuda.mla_rope_cache``.
-- Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, W_UK (cuBLAS' batched
-  GEMM), ``copy_kv_blocks``.
+  W_UK of one token: ``kernels_cuda.mla_absorb`` while its gate allows it (unverified), else cuBLAS' batched GEMM.
+- Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, ``copy_kv_blocks``.
 
 The host max query length for the MLA kernel: the HAL's ``max_seqlen_q`` keyword (the model layer passes
 ``attn.max_seqlen_q``: k + 1 after a device re-split), else ``host.max_seqlen_q``, else the shape bound
@@ -119,7 +119,8 @@ _STATIC_FALLBACK = {
 # decode_inputs and moe_route (the gating top-k fused with the permute), written after session 6's last device call,
 # left it in session 7: decode_inputs.py --check, moe_routing.py --check (check_route) and their GPU tests passed on an
 # H200 (kernels_cuda/NOTES.md, session 7, call 1).
-UNVERIFIED_KERNELS: set[str] = set()
+# mla_absorb (W_UK of one token) was written after session 7's last device call.
+UNVERIFIED_KERNELS: set[str] = {"mla_absorb"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -403,7 +404,7 @@ class CudaKernelSet(KernelSet):
                 qa = lin(hidden, w.q_a_proj, w.q_a_bias) if first is None else first
                 q = lin(self.rms_norm(qa, w.q_a_layernorm, w.norm_eps), w.q_b_proj)
             q = q.view(num_tokens, w.num_heads, nope + rdim)
-            return q, absorb_heads(q[..., :nope], w.w_uk)
+            return q, self._absorb_q(q, w)
 
         fused = self._fused_a_proj(hidden, w)
         if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)
@@ -452,6 +453,21 @@ class CudaKernelSet(KernelSet):
         if num_tokens:
             write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
         return q_latent, q_rope
+
+    def _absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        """W_UK of the query: ``kernels_cuda.mla_absorb`` for one bf16 token (a TileLang kernel, so the programmatic
+        launch chain goes on; gated until its check passes on a GPU); else cuBLAS' batched GEMM
+        (``absorb_heads``, the reference's arithmetic)."""
+        if q.shape[0] == 1:
+            mod, path = self._gated_kernel("mla_absorb", q)
+            if mod is not None and (why := mod.reason(q, w.w_uk)) is not None:
+                mod, path = None, f"reference ({why})"
+            if mod is not None:
+                self._note("mla_prolog", f"W_UK of one token: kernels_cuda.mla_absorb{unverified_note('mla_absorb')}",
+                           True)
+                return mod.absorb_q(q, w.w_uk)
+            self._note("mla_prolog", f"W_UK of one token: cuBLAS batched GEMM ({path})", False)
+        return absorb_heads(q[..., : w.qk_nope_head_dim], w.w_uk)
 
     def _fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights):
         """One row and ``w.fused_a_proj`` set: one ``skinny_gemm`` launch for the query's first projection and

@@ -36,6 +36,7 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
   launch shape ``resplit_launch(rows)`` of 1 .. max_num_seqs rows.
 - ``decode_inputs``: one build for the page size (every size dynamic), while its gate allows it.
 - ``moe_routing`` ``route`` (the gating fused with the permute, ``moe_route``): one build, while its gate allows it.
+- ``mla_absorb``: W_UK of one token, one build for the model's dims (bf16), while its gate allows it.
 
 Each module's eligibility (dtype, dims, page size, its ``reason(...)`` where it has one, evaluated on meta
 tensors of the step's shapes) is respected, and so is the unverified-kernel gate. A module whose compile fails
@@ -355,6 +356,17 @@ def decode_inputs_configs(plan: KernelWarmupPlan) -> list[tuple]:
     return [(plan.block_size, di.THREADS)]
 
 
+def mla_absorb_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    """``config_for(H, N, L, N + R)``: W_UK of one token (every plan has one-token steps) for a bf16 model whose
+    dims the kernel is built for."""
+    ma = _kc("mla_absorb")
+    h, n, lrank, qd = plan.num_heads, plan.qk_nope_head_dim, plan.kv_lora_rank, plan.qk_nope_head_dim + \
+        plan.qk_rope_head_dim
+    if plan.dtype != _BF16 or ma.supported(h, n, lrank, qd) is not None:
+        return []
+    return [ma.config_for(h, n, lrank, qd)]
+
+
 def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
                       enabled: Callable[[str], bool] = unverified_kernel_enabled) -> dict[str, list[tuple]]:
     """``{kernels_cuda module: [config, ...]}`` in the form each module's ``precompile`` takes (module docstring), in
@@ -364,6 +376,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "rms_norm": rms_norm_configs(plan),
         "mla_rope_cache": mla_rope_cache_configs(plan),
         "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill")),
+        "mla_absorb": mla_absorb_configs(plan) if enabled("mla_absorb") else [],
         "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),
         "moe_routing": moe_routing_configs(plan, fused_add=enabled("moe_combine_add"),

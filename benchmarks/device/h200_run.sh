@@ -20,7 +20,8 @@
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
 #   skinny    kernels_cuda/skinny_gemm.py --check --bench
 #   routing   kernels_cuda/moe_routing.py --check
-#   decodein  kernels_cuda/decode_inputs.py --check --bench (unverified; gate: DEEPINFER_CUDA_UNVERIFIED_KERNELS=decode_inputs)
+#   decodein  kernels_cuda/decode_inputs.py --check --bench
+#   absorb    kernels_cuda/mla_absorb.py --check --bench (unverified; gate: DEEPINFER_CUDA_UNVERIFIED_KERNELS=mla_absorb)
 #   swap      kernels_cuda/moe_gemm_swap.py --check --bench (unverified; the engine takes it with
 #             DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 in the caller's environment, e.g. for tests / e2e-nohf after it)
 #   unverified  kernels_cuda/device_run_unverified.sh (the gated sampling / spec_verify / zos_fixup kernels)
@@ -92,6 +93,8 @@ for l in open('$OUT/profile.jsonl'):
     routing) timeout 90 python3 kernels_cuda/moe_routing.py --check 2>&1 | filt | tail -8 ;;
     decodein) timeout $LIM python3 kernels_cuda/decode_inputs.py --check --bench --out "$OUT/h200_decode_inputs.jsonl" \
              2>&1 | filt | grep -v '^{' | tail -20 ;;
+    absorb) timeout $LIM python3 kernels_cuda/mla_absorb.py --check --bench --out "$OUT/h200_mla_absorb.jsonl" 2>&1 \
+             | filt | grep -v '^{' | tail -12 ;;
     kernels) for f in moe_gemm silu_mul mla_rope_cache moe_routing; do [ -f kernels_cuda/$f.py ] || continue
              echo "== $f"; timeout 120 python3 kernels_cuda/$f.py --check --bench --out "$OUT/h200_$f.jsonl" 2>&1 \
              | filt | grep -v '^{' | tail -25; done ;;

@@ -30,7 +30,7 @@ from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan  # noqa: E402
 
 SMS = 132  # H200
 PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup",
-               "skinny_gemm", "moe_gemm_swap", "decode_inputs")
+               "skinny_gemm", "moe_gemm_swap", "decode_inputs", "mla_absorb")
 
 
 def v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
@@ -450,3 +450,19 @@ def test_moe_route_compiled_only_with_its_gate_open(recorded, monkeypatch):
     gating = GatingParams(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
                           topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
     assert routes == [mr._route_cfg(gating, 2048, "bfloat16", True)]
+
+
+def test_mla_absorb_compiled_only_with_its_gate_open(recorded, monkeypatch):
+    """mla_absorb (W_UK of one token, unverified): nothing compiled while gated; with the gate open one build for the
+    model's dims; none for an fp32 model."""
+    from deepinfer_npu.kernels_cuda import mla_absorb as ma
+
+    assert "mla_absorb" in cuda_kernels.UNVERIFIED_KERNELS
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert "mla_absorb" not in recorded
+    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "mla_absorb")
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["mla_absorb"] == [([ma.config_for(16, 128, 512, 192)], {})]
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, dtype=torch.float32))
+    assert "mla_absorb" not in recorded

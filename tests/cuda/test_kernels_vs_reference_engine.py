@@ -40,8 +40,9 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
            "# Copyright 2001 Python Software Foundation\n"]
 
 
-# decode_inputs and moe_route (session 6) joined these: the run with them must give the reference path's tokens too
-GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs", "moe_route"}
+# decode_inputs and moe_route (session 6) and mla_absorb (session 7) joined these: the run with them must give the
+# reference path's tokens too
+GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs", "moe_route", "mla_absorb"}
 
 
 def _use_kernels(monkeypatch, enabled: bool) -> None:

@@ -80,7 +80,7 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
 
 #: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
 PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_routing", "moe_gemm", "silu_mul",
-               "moe_gemm_swap"}
+               "moe_gemm_swap", "mla_absorb"}
 
 
 @pytest.mark.skipif(not _has_nvcc(), reason="nvcc (CUDA toolkit) not found: cannot compile for sm_90a")
