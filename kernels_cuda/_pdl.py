@@ -7,8 +7,9 @@ programmatic stream serialization (``cuLaunchKernelEx``; CUDA graphs capture it 
 CTAs are placed on the SMs while the previous kernel still runs and the launch gap between two dependent kernels
 is hidden. At batch 1 a V2-Lite decode step is ~650 kernels of 1-25 us, so that gap is a large share of a step.
 
-Why it is safe: nothing a kernel does before its wait touches global memory, so reads after it see everything
-the previous kernels wrote, and writes after it cannot race a previous kernel's reads. The trigger comes after
+Why it is safe: before its wait a kernel only loads weights (skinny_gemm's first vectors, mla_absorb's whole
+slice), which no kernel writes; every other global access comes after it, so reads see everything the previous
+kernels wrote, and writes cannot race a previous kernel's reads. The trigger comes after
 the wait, so at most one kernel waits ahead of the one running. Kernels not built with PDL (torch, cuBLAS) are
 launched as usual and wait for the full completion of what precedes them; a PDL kernel after one of them waits
 for its completion too (a kernel without a trigger triggers when it exits).
@@ -24,9 +25,10 @@ on one H200, ``bench_decode_e2e.py --graphs --no-hf`` (V2-Lite shape, each windo
   Batch 16 / 64 +1.4-1.7 % / +1.6-2.4 %.
 
 Why the slow mode went away is inferred, not proven: with PDL the device finishes a batch-1 step sooner, so the
-host's work per step (launches, sampling inputs, post-processing: 1.2-2.0 ms in session 7, varying from run to run)
-bounds the loop more often; in session 7 the slower PDL windows (390.6-391.2) are the ones whose host waited on the
-device for only 2-8 % of the window (``host_wait_frac_windows``), against 24-43 % in the fast ones. Session 7 also
+host's work per step (launches, sampling inputs, post-processing: 0.95-2.42 ms over session 7's batch-1 windows,
+varying from run to run) bounds the loop more often. In session 7 the PDL windows whose host waited on the device
+for under 4 % of the window (``host_wait_frac_windows``) ran at 380.9-399.9 tok/s (call 1, before the host-side
+savings below) and 390.6-391.2 (call 2); those with 7.3-43.2 % at 408.6-411.9 (call 2). Session 7 also
 cut the host's per-step work (decode_inputs: one launch for ~45; the decode sampling inputs reused while the batch
 is the same, ``Worker._decode_sampling_inputs``).
 """

@@ -48,9 +48,11 @@ except ImportError:  # run as a script from kernels_cuda/
 
 try:
     from . import _bench
+    from ._check import bf16_ulps
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_rope_cache.py
     import _bench
+    from _check import bf16_ulps
     from _pdl import pdl_enabled
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -270,19 +272,6 @@ def make_cos_sin_cache(max_pos, device="cuda", base=10000.0, attention_factor=0.
 # ----------------------------------------------------------------------------------------------------
 # checks
 # ----------------------------------------------------------------------------------------------------
-def bf16_ulps(a, b):
-    """Per-element distance in bf16 representable values between a and b (bf16, same shape); NaN pairs -> 0,
-    a NaN against a number -> inf."""
-    ia = a.contiguous().view(torch.int16).int()
-    ib = b.contiguous().view(torch.int16).int()
-    oa = torch.where(ia < 0, -(ia & 0x7FFF), ia)  # order-preserving; +0 and -0 both map to 0
-    ob = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    d = (oa - ob).abs().float()
-    na, nb = torch.isnan(a), torch.isnan(b)
-    d = torch.where(na & nb, torch.zeros_like(d), d)
-    return torch.where(na ^ nb, torch.full_like(d, float("inf")), d)
-
-
 def compare(out, ref, max_ulps):
     """(ok, stats): NaN and inf positions equal, every element within max_ulps bf16 ulps."""
     same_nan = torch.equal(torch.isnan(out), torch.isnan(ref))

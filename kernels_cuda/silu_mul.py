@@ -40,9 +40,11 @@ except ImportError:  # run as a script from kernels_cuda/
 
 try:
     from . import _bench
+    from ._check import bf16_ulps
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/silu_mul.py
     import _bench
+    from _check import bf16_ulps
     from _pdl import pdl_enabled
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -152,18 +154,6 @@ def silu_and_mul_torch(x):
     """The reference op itself (F.silu on bf16, then the bf16 product)."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-def bf16_ulps(a, b):
-    """Per-element distance in bf16 representable values; NaN pairs -> 0, NaN against a number -> inf."""
-    ia = a.contiguous().view(torch.int16).int()
-    ib = b.contiguous().view(torch.int16).int()
-    oa = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ob = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    d = (oa - ob).abs().float()
-    na, nb = torch.isnan(a), torch.isnan(b)
-    d = torch.where(na & nb, torch.zeros_like(d), d)
-    return torch.where(na ^ nb, torch.full_like(d, float("inf")), d)
 
 
 def compare(out, ref, max_ulps):

@@ -15,8 +15,11 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
   other prefill chunks (exact host lengths) the reference arithmetic looping on those host ints (sync-free);
   anything else the reference (a sync, reported).
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
-- ``mla_prolog``: the projections on cuBLAS, then ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE
-  and the latent-cache write in one launch); else the reference arithmetic with a sync-free cache write.
+- ``mla_prolog``: the projections through ``linear`` (for one row the query's first projection and kv_a as one
+  ``skinny_gemm`` launch, ``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), W_UK of one token on
+  ``kernels_cuda.mla_absorb`` while its gate allows it (unverified), else cuBLAS' batched GEMM, then
+  ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE and the latent-cache write in one launch); else the
+  reference arithmetic with a sync-free cache write.
 - ``silu_and_mul``: ``kernels_cuda.silu_mul``.
 - ``moe_gating_topk`` / ``moe_dispatch`` / ``moe_combine``: ``kernels_cuda.moe_routing`` (warp gating top-k with
   torch's tie and summation order, counting-sort permute, fp32 weighted un-permute); else composed torch.
@@ -31,9 +34,6 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 - ``linear``: ``kernels_cuda.skinny_gemm`` for one row (K <= 8192, no bias), else cuBLAS (the reference op).
 - ``mla_epilogue``: W_UV of one token on ``skinny_gemm``'s grouped mode (the heads as experts;
   ``DEEPINFER_CUDA_SKINNY_W_UV=0``: cuBLAS), else cuBLAS' batched GEMM; o_proj through ``linear``.
-- ``mla_prolog``: for one row the query's first projection and kv_a in one ``skinny_gemm`` launch
-  (``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), then ``kernels_cuda.mla_rope_cache``.
-  W_UK of one token: ``kernels_cuda.mla_absorb`` while its gate allows it (unverified), else cuBLAS' batched GEMM.
 - Still on reference ops running on CUDA tensors (sync-free): ``rope`` outside the prolog, ``copy_kv_blocks``.
 
 The host max query length for the MLA kernel: the HAL's ``max_seqlen_q`` keyword (the model layer passes
@@ -459,9 +459,7 @@ class CudaKernelSet(KernelSet):
         launch chain goes on; gated until its check passes on a GPU); else cuBLAS' batched GEMM
         (``absorb_heads``, the reference's arithmetic)."""
         if q.shape[0] == 1:
-            mod, path = self._gated_kernel("mla_absorb", q)
-            if mod is not None and (why := mod.reason(q, w.w_uk)) is not None:
-                mod, path = None, f"reference ({why})"
+            mod, path = self._gated_kernel("mla_absorb", q, q, w.w_uk)
             if mod is not None:
                 self._note("mla_prolog", f"W_UK of one token: kernels_cuda.mla_absorb{unverified_note('mla_absorb')}",
                            True)
@@ -476,7 +474,7 @@ class CudaKernelSet(KernelSet):
         the columns are bit-identical to the two separate launches."""
         fused = w.fused_a_proj
         if not FUSED_A_PROJ or fused is None or hidden.dim() != 2 or hidden.shape[0] != 1 or \
-                hidden.dtype != fused.dtype:
+                hidden.dtype != fused.dtype or w.q_a_bias is not None or w.kv_a_bias is not None:
             return None
         mod, _why = self._skinny(hidden, fused)
         if mod is None:
@@ -826,9 +824,10 @@ class CudaKernelSet(KernelSet):
         return super().moe_combine_add(expert_out, state, weights, addend)
 
     # ---- sampling / speculative decoding -------------------------------------------------------------------
-    def _gated_kernel(self, module: str, x: torch.Tensor):
-        """(kernel module, None) when ``kernels_cuda.<module>`` may run on ``x``, else (None, path); the path is
-        "reference (...)" while the module is gated as unverified (``UNVERIFIED_KERNELS``)."""
+    def _gated_kernel(self, module: str, x: torch.Tensor, *reason_args):
+        """(kernel module, None) when ``kernels_cuda.<module>`` may run on ``x`` and its ``reason(*reason_args)``
+        accepts the call, else (None, path); the path is "reference (...)" with why (gated as unverified in
+        ``UNVERIFIED_KERNELS``, not on a device, not importable, or the module's reason)."""
         if not unverified_kernel_enabled(module):
             return None, f"reference (kernels_cuda.{module} not yet verified on a GPU: {UNVERIFIED_ENV}=1 enables it)"
         if not x.is_cuda:
@@ -836,6 +835,8 @@ class CudaKernelSet(KernelSet):
         mod = self._kernel(module)
         if mod is None:
             return None, f"reference ({self._kernel_error[module]})"
+        if reason_args and (why := mod.reason(*reason_args)) is not None:
+            return None, f"reference ({why})"
         return mod, None
 
     def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
@@ -843,9 +844,7 @@ class CudaKernelSet(KernelSet):
         reference; two launches) and no top-k /
         top-p, logprobs or bans; else the reference sampler on CUDA tensors."""
         t = sampling_tensors
-        mod, path = self._gated_kernel("sampling", logits)
-        if mod is not None and (why := mod.reason(logits, t)) is not None:
-            mod, path = None, f"reference ({why})"
+        mod, path = self._gated_kernel("sampling", logits, logits, t)
         if mod is None:
             self._note("sample", path, False)
             return _ref("sampling").sample(logits, t)
@@ -860,11 +859,8 @@ class CudaKernelSet(KernelSet):
         """``kernels_cuda.spec_verify`` (row arg-max + one accept kernel) for all-greedy steps, and for
         temperature rows without drafts (max_q == 1), without logprobs, bans or top-k / top-p; else the reference
         op on CUDA tensors."""
-        mod, path = self._gated_kernel("spec_verify", logits)
-        if mod is not None:
-            why = mod.reason(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
-            if why is not None:
-                mod, path = None, f"reference ({why})"
+        mod, path = self._gated_kernel("spec_verify", logits, logits, draft_next, row_of_token, j_of_token, num_rows,
+                                       max_q, t, ban_mask)
         if mod is None:
             self._note("spec_verify", path, False)
             return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
@@ -880,10 +876,8 @@ class CudaKernelSet(KernelSet):
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
         """``kernels_cuda.zos_fixup`` (one launch: the seqlens_k correction, and the varlen re-split by a block-wide
         threshold search); else the reference."""
-        mod, path = self._gated_kernel("zos_fixup", seqlens_k)
-        if mod is not None and (why := mod.reason(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs,
-                                                  caps)) is not None:
-            mod, path = None, f"reference ({why})"
+        mod, path = self._gated_kernel("zos_fixup", seqlens_k, seqlens_q, seqlens_k, optimistic, slots, correction,
+                                       draft_probs, caps)
         if mod is None:
             self._note("zos_fixup", path, False)
             return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
@@ -896,9 +890,7 @@ class CudaKernelSet(KernelSet):
         """``kernels_cuda.decode_inputs`` (one launch for the ~45 small torch ops of the reference; checked on an H200
         in session 7); else the reference (``backends/cpu/step_inputs.py``), sync-free."""
         args = (seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts)
-        mod, path = self._gated_kernel("decode_inputs", seqlens_q)
-        if mod is not None and (why := mod.reason(*args, block_size, num_tokens)) is not None:
-            mod, path = None, f"reference ({why})"
+        mod, path = self._gated_kernel("decode_inputs", seqlens_q, *args, block_size, num_tokens)
         if mod is None:
             self._note("decode_inputs", path, False)
             return _ref("step_inputs").decode_inputs(*args, block_size, num_tokens)
@@ -913,7 +905,9 @@ class CudaKernelSet(KernelSet):
         "rms_norm": "kernels_cuda.rms_norm for bf16, width 512..7168 (x256); else the reference",
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
         "mla_prolog": "kernels_cuda.mla_rope_cache (kv_a_layernorm + both ropes + cache write in one kernel) for "
-        "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write",
+        "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write; for one row the "
+        "q / q_a and kv_a projections as one skinny_gemm launch (fused_a_proj) and W_UK on kernels_cuda.mla_absorb "
+        "where its gate allows it (unverified)",
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
         "else decode (max q <= 16) in composed torch (dense, sync-free); "

@@ -357,8 +357,8 @@ def decode_inputs_configs(plan: KernelWarmupPlan) -> list[tuple]:
 
 
 def mla_absorb_configs(plan: KernelWarmupPlan) -> list[tuple]:
-    """``config_for(H, N, L, N + R)``: W_UK of one token (every plan has one-token steps) for a bf16 model whose
-    dims the kernel is built for."""
+    """``config_for(H, N, L, N + R)``: W_UK of one token, for a bf16 model whose dims the kernel is built for (one
+    build; a configuration whose steps never have one token, e.g. fixed-k speculation, compiles it needlessly)."""
     ma = _kc("mla_absorb")
     h, n, lrank, qd = plan.num_heads, plan.qk_nope_head_dim, plan.kv_lora_rank, plan.qk_nope_head_dim + \
         plan.qk_rope_head_dim

@@ -286,7 +286,7 @@ class Worker:
         key = None
         if step.attn.host is not None:  # host-known q lengths: the token -> row map is a function of the key
             key = (plan.seq_ids.tobytes(), plan.seqlens_q.tobytes(), tuple(map(id, reqs.params)),
-                   tuple(reqs.seeds), reqs.prompt_lens.tobytes(), reqs.max_num_logprobs)
+                   tuple(reqs.seeds), reqs.prompt_lens.tobytes())  # max_num_logprobs follows from the params
         cached = self._decode_sampling_cache
         if key is not None and cached is not None and cached[0] == key:
             _key, _params, t, prompt_len_of_token, planned = cached

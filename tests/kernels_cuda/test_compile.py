@@ -72,8 +72,10 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
     for k in kernels:
         src = k.get_kernel_source()
         assert "__global__" in src
-        if name in PDL_MODULES:  # kernels_cuda/_pdl.py (default on): the waits are there exactly when it is on
-            pdl = os.environ.get("DEEPINFER_PDL", "1") == "1"
+        if name in PDL_MODULES:  # kernels_cuda/_pdl.py: the waits are there exactly when it is on
+            from kernels_cuda._pdl import pdl_enabled
+
+            pdl = pdl_enabled()
             assert ("cudaGridDependencySynchronize" in src) == pdl, f"{name}: PDL={pdl} but the kernel disagrees"
     print(f"{name}: {len(kernels)} configurations compiled for sm_90a in {time.time() - t:.1f}s")
 

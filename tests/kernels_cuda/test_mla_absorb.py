@@ -36,15 +36,32 @@ def test_reference_is_the_backends_absorption():
     q, w = ma.make_inputs(4, 64, 128, 96, device="cpu")
     q, w = q.float(), w.float()
     torch.testing.assert_close(ma.absorb_ref(q, w), ck.absorb_heads(q[..., :64], w), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ma.absorb_cublas(q, w), ck.absorb_heads(q[..., :64], w), rtol=0, atol=0)
+
+
+def test_tolerance_accepts_another_summation_order_and_rejects_errors():
+    """within_tolerance (what --check applies): an fp32 sum in another order, rounded once, passes; a result two
+    bf16 ulps off, a NaN where the reference has a number, or a lost inf fails."""
+    q, w = ma.make_inputs(4, 64, 128, 96, seed=3, special=True, device="cpu")
+    terms = q[..., :64].float().transpose(0, 1)[:, 0, :, None] * w.float()  # [H, N, L] products
+    reordered = terms.flip(1).sum(1)[None].to(torch.bfloat16)  # the sum over N backwards
+    ok, stats = ma.within_tolerance(reordered, q, w)
+    assert ok and stats["same_nan"] and stats["same_inf"], stats
+    bad = reordered.clone()
+    h, col = 3, 5
+    assert torch.isfinite(bad[0, h, col]) and bad[0, h, col] != 0
+    bad[0, h, col] = (bad[0, h, col].float() * (1 + 2.0**-5)).to(torch.bfloat16)  # ~4 ulps off
+    assert not ma.within_tolerance(bad, q, w)[0]
+    nan = reordered.clone()
+    nan[0, h, col] = float("nan")
+    assert not ma.within_tolerance(nan, q, w)[0]
 
 
 class _StandIn:
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, why=None):
+        self.calls, self.why = 0, why
 
     def reason(self, q, w_uk):
-        return None
+        return self.why
 
     def absorb_q(self, q, w_uk):
         self.calls += 1
@@ -54,12 +71,12 @@ class _StandIn:
 def test_kernel_set_takes_it_for_one_token_with_the_gate_open(monkeypatch):
     ks = ck.CudaKernelSet()
     stand_in = _StandIn()
-    monkeypatch.setattr(ks, "_gated_kernel", lambda name, x: (stand_in, None) if ck.unverified_kernel_enabled(
-        name) else (None, f"reference (kernels_cuda.{name} not yet verified on a GPU)"))
+    monkeypatch.setattr(ks, "_kernel", lambda name: stand_in)  # _gated_kernel's gate and reason() stay real
     w = SimpleNamespace(qk_nope_head_dim=64, w_uk=ma.make_inputs(4, 64, 128, 96, device="cpu")[1])
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
     assert "mla_absorb" in ck.UNVERIFIED_KERNELS
     q1 = ma.make_inputs(4, 64, 128, 96, seed=1, device="cpu")[0]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # host tensors pass the device check
     want = ck.absorb_heads(q1[..., :64], w.w_uk)
     assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 0  # gate shut: cuBLAS' path
     assert "W_UK of one token: cuBLAS batched GEMM (reference (kernels_cuda.mla_absorb not yet verified" in \
@@ -70,6 +87,10 @@ def test_kernel_set_takes_it_for_one_token_with_the_gate_open(monkeypatch):
     assert "W_UK of one token: kernels_cuda.mla_absorb; unverified" in ks.op_report()["mla_prolog"]
     q3 = torch.cat([q1, q1, q1])  # three tokens: never the kernel
     assert torch.equal(ks._absorb_q(q3, w), ck.absorb_heads(q3[..., :64], w.w_uk)) and stand_in.calls == 1
+    stand_in.why = "kv_lora_rank 500: a multiple of 64 columns"  # the module's reason() refuses: cuBLAS, reported
+    assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 1
+    assert "cuBLAS batched GEMM (reference (kv_lora_rank 500: a multiple of 64 columns))" in ks.op_report()[
+        "mla_prolog"]
 
 
 @gpu

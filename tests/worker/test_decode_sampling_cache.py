@@ -20,7 +20,8 @@ PARAMS = [
     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
     SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=2),
     SamplingParams(max_tokens=12, temperature=1.0, top_k=20, seed=11, ignore_eos=True),
-    SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True, min_tokens=4),
+    # min_tokens with a stop id: the ban mask (rebuilt every step, not cached) is in play for the first 4 tokens
+    SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True, min_tokens=4, stop_token_ids=[264]),
 ]
 
 
@@ -93,7 +94,8 @@ def test_reuse_gives_the_same_outputs(kw, monkeypatch, sampling_builds):
     sampling_builds.update(decode_steps=0, builds=0)
     got = _run(True, monkeypatch, **kw)
     assert set(got) == {"0", "1", "2", "3"} and (got["0"] == want["0"] if varlen else got == want)
-    assert [len(got[str(i)][0]) for i in range(4)] == [p.max_tokens for p in PARAMS]
+    assert [len(got[str(i)][0]) for i in range(3)] == [p.max_tokens for p in PARAMS[:3]]
+    assert PARAMS[3].min_tokens <= len(got["3"][0]) <= PARAMS[3].max_tokens and 264 not in got["3"][0][:4]
     assert got["1"][1] is not None and len(got["1"][1]) == 6  # logprobs came through
     # batch changes (joins, finishes) rebuild; steady steps in between reuse. Varlen verification changes the q
     # lengths (part of the key) from step to step, and a device re-split leaves them unknown to the host: no reuse.
@@ -121,12 +123,12 @@ def test_the_key_tells_batches_apart():
     worker = LLM(block_size=16, num_kv_blocks=64).llm_engine.worker
     a, b = SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=0.9, top_k=5, seed=2)
 
-    def call(seq_ids, params, seeds, prompt_lens, host=True):
+    def call(seq_ids, params, seeds, prompt_lens, host=True, q=None):
         n = len(seq_ids)
-        plan = SimpleNamespace(seq_ids=np.array(seq_ids, dtype=np.int64), seqlens_q=np.ones(n, dtype=np.int32),
-                               num_seqs=n)
+        q = np.ones(n, dtype=np.int32) if q is None else np.array(q, dtype=np.int32)
+        plan = SimpleNamespace(seq_ids=np.array(seq_ids, dtype=np.int64), seqlens_q=q, num_seqs=n)
         step = SimpleNamespace(plan=plan, attn=SimpleNamespace(host=object() if host else None),
-                               row_of_token=torch.arange(n))
+                               row_of_token=torch.repeat_interleave(torch.arange(n), torch.from_numpy(q).long()))
         reqs = StepRequests(params=params, seeds=seeds, prompt_lens=np.array(prompt_lens, dtype=np.int64),
                             min_tokens=np.zeros(n, dtype=np.int64), ban_ids=[[] for _ in range(n)],
                             next_tokens=np.zeros(n, dtype=np.int64), draft_caps=np.zeros(n, dtype=np.int64))
@@ -144,3 +146,6 @@ def test_the_key_tells_batches_apart():
     again = call([0, 2], [a, b], [1, 2], [5, 7])
     assert again[0].temperature is t.temperature and again[0] is not t  # a shallow copy: offsets are per step
     assert call([0, 2], [a, b], [1, 2], [5, 7], host=False)[0].temperature is not t.temperature
+    t, prompt_len_of_token, planned = call([0, 2], [a, b], [1, 2], [5, 7], q=[2, 1])  # other q lengths: other rows
+    assert t.temperature.tolist() == pytest.approx([0.5, 0.5, 0.9]) and prompt_len_of_token.tolist() == [5, 5, 7]
+    assert planned.tolist() == [2, 1]
