@@ -16,7 +16,8 @@ floordiv / floormod, so they agree with torch's floor semantics. The reference's
 Preconditions (no host read checks them): ``num_tokens == seqlens_q.sum()``, ``0 <= seqlens_q <= seqlens_k``, slots
 and table entries in range (the reference would fault on what the kernel reads out of bounds).
 
-Verified: ``--check`` below compares every output with the reference on the same CUDA tensors (not yet run on a GPU).
+Verified: ``--check`` below compares every output with the reference on the same CUDA tensors (passed on an H200,
+session 7: 18 cases up to 1024 rows / 16384 tokens and a graph replay; ``--bench`` 2.5-3.7 us against 52-109 us).
 CI compiles it for sm_90a and sm_100a (tests/kernels_cuda/test_compile.py).
 
 Run alone:  python kernels_cuda/decode_inputs.py --check --bench

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call for the CUDA kernels gated as unverified (backends/cuda/kernels.py UNVERIFIED_KERNELS:
-# kernels_cuda/zos_fixup.py, spec_verify.py, sampling.py): their --check and --bench, their GPU tests, then the
+# Session 3's device call for the CUDA kernels then gated as unverified (backends/cuda/kernels.py UNVERIFIED_KERNELS:
+# kernels_cuda/zos_fixup.py, spec_verify.py, sampling.py; verified there and on since): their --check and --bench, their GPU tests, then the
 # engine-level test with DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 (tests/cuda/test_kernels_vs_reference_engine.py).
 # Run from the repository root on the GPU machine with .carry/ carried (tilelang site tarball, optional TileLang
 # cache). Outputs under $OUT (or ./device_out). Expected: "CHECK PASS" three times, every test passed.

@@ -16,9 +16,9 @@ gate and up tiles (two wgmmas into two accumulators) and writes the activation: 
 ``silu_mul`` launch. Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
 more than RT rows loops over row tiles (correct for any count, fast for few).
 
-Not verified on a GPU yet (``UNVERIFIED_KERNELS`` in backends/cuda/kernels.py): ``--check`` compares with the fp32
-reference (bf16 within 2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999), ``--bench`` times it
-against ``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
+Verified on an H200 (session 6, on since; the full check, 13 of 13 cases, passed in session 7): ``--check``
+compares with the fp32 reference (bf16 within 2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999),
+``--bench`` times it against ``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
 
 Run alone:  python kernels_cuda/moe_gemm_swap.py --check --bench
 """

@@ -107,15 +107,15 @@ _STATIC_FALLBACK = {
     "not apply; sync-free",
 }
 
-#: kernels_cuda modules written and compiled (sm_90a / sm_100a) but never run on a GPU: their ops keep the reference
-#: unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel enters this
-#: set; it leaves once its ``--check`` has passed on the hardware. Empty since session 3: zos_fixup, spec_verify,
+#: kernels_cuda modules written and compiled (sm_90a / sm_100a) but not yet checked on a GPU: their ops keep the
+#: reference unless the environment sets ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1`` (read at every call). A new kernel
+#: enters this set; it leaves once its ``--check`` has passed on the hardware. Session 3: zos_fixup, spec_verify,
 #: sampling and mla_prefill passed their checks and engine tests on an H200 (kernels_cuda/NOTES.md); skinny_gemm
 #: (session 4) entered and left it the same session after its check passed on an H200.
 # moe_gemm_swap, moe_combine_add (the un-permute with the shared experts' output fused) and moe_dispatch_scan (the
 # permute that also writes the expert GEMMs' scan), written in session 5 after its last device call, left it in
 # session 6 after their checks ran on an H200: moe_routing.py --check passed; moe_gemm_swap.py --check passed in the
-# 8 of 13 cases whose lines the log kept (kernels_cuda/NOTES.md, session 6, call 1).
+# 8 of 13 cases whose lines the log kept (kernels_cuda/NOTES.md, session 6, call 1; all 13 in session 7, call 1).
 # decode_inputs and moe_route (the gating top-k fused with the permute), written after session 6's last device call,
 # left it in session 7: decode_inputs.py --check, moe_routing.py --check (check_route) and their GPU tests passed on an
 # H200 (kernels_cuda/NOTES.md, session 7, call 1).
