@@ -122,45 +122,20 @@ def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
         assert a == b, (a, b)
 
 
-def _deepseek_dims_config() -> dict:
-    """A 2-layer DeepSeek-V2 config at the real MLA dims (16 heads, nope 128, rope 64, kv_lora 512; random weights)."""
-    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 4096,
-            "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "num_hidden_layers": 2,
-            "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
-            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 16,
-            "num_experts_per_tok": 4, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
-            "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
-            "topk_method": "greedy", "scoring_func": "softmax", "moe_layer_freq": 1, "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
-            "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
-            "torch_dtype": "bfloat16", "initializer_range": 0.02}
-
-
-def _logprobs_close(off, on) -> None:
-    """Greedy runs on different kernels: at the first differing token each run's token is in the other's top-5."""
-    for a, b in zip(off, on):
-        ta, tb = list(a.token_ids), list(b.token_ids)
-        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
-        if first is not None:
-            assert tb[first] in a.logprobs[first] and ta[first] in b.logprobs[first], (first, ta, tb)
-
-
 @needs_cuda
-def test_prefill_kernel_in_the_engine(monkeypatch, tmp_path):
+def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
     """kernels_cuda.mla_decode.mla_prefill serving prefill at DeepSeek dims (random bf16 weights, 2 layers):
     greedy tokens follow the default path (the reference loop on host lengths) by the logprobs-close rule."""
-    import json
 
     from deepinfer_npu import LLM, SamplingParams
 
-    cfg = _deepseek_dims_config()
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    path = deepseek_dims_model()
     prompts = [{"prompt_token_ids": [(31 * i + 7 * b) % 4000 + 5 for i in range(100 + 250 * b)]} for b in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 
     def run(enabled: bool):
         _use_kernels(monkeypatch, enabled)
-        llm = LLM(str(tmp_path), load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
+        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
                   max_num_seqs=4, max_num_batched_tokens=512)  # chunked prefill: context before later chunks
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -169,24 +144,23 @@ def test_prefill_kernel_in_the_engine(monkeypatch, tmp_path):
     rep_off, off = run(False)
     rep_on, on = run(True)
     assert "mla_prefill" in rep_on and "mla_prefill (bf16" not in rep_off
-    _logprobs_close(off, on)
+    assert_logprobs_close(off, on)
 
 
 @needs_cuda
-def test_mla_absorb_in_the_engine(monkeypatch, tmp_path):
+def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
     """kernels_cuda.mla_absorb (W_UK of one token) at batch 1, DeepSeek dims: with its gate open every decode step
     takes it, and the greedy tokens follow cuBLAS' path by the logprobs-close rule."""
-    import json
 
     from deepinfer_npu import LLM, SamplingParams
 
-    (tmp_path / "config.json").write_text(json.dumps(_deepseek_dims_config()))
+    path = deepseek_dims_model()
     prompt = {"prompt_token_ids": [(31 * i + 7) % 4000 + 5 for i in range(60)]}
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
 
     def run(enabled: bool):
         _use_kernels(monkeypatch, True, set() if enabled else {"mla_absorb"})
-        llm = LLM(str(tmp_path), load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256,
+        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256,
                   max_num_seqs=1)
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate([prompt], params, use_tqdm=False)]
@@ -196,4 +170,4 @@ def test_mla_absorb_in_the_engine(monkeypatch, tmp_path):
     rep_on, on = run(True)
     assert "W_UK of one token: kernels_cuda.mla_absorb" in rep_on and "cuBLAS batched GEMM" not in rep_on, rep_on
     assert "W_UK of one token: cuBLAS batched GEMM" in rep_off, rep_off
-    _logprobs_close(off, on)
+    assert_logprobs_close(off, on)

@@ -82,9 +82,9 @@ def test_mirror_matches_reference_cpu(case, seed):
         assert np.array_equal(a, b.numpy()) and a.dtype == b.numpy().dtype, name
 
 
-def test_mirror_hand_case_cpu():
-    """Rows with q = 0 (first, middle, last) are skipped; positions past the table map to block 0; first_ids -1
-    reads last_token; the draft columns clamp to K - 1."""
+def _hand_case() -> tuple[torch.Tensor, ...]:
+    """(seqlens_q, seqlens_k, tables, slots, first_ids, last_token, drafts): rows with q = 0 first, middle and last,
+    a position past the table, a first id of -1, draft columns to clamp (page 64, 5 tokens)."""
     sq = torch.tensor([0, 3, 0, 2, 0], dtype=torch.int32)
     sk = torch.tensor([5, 130, 7, 4, 9], dtype=torch.int32)
     tables = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], dtype=torch.int32)
@@ -92,14 +92,21 @@ def test_mirror_hand_case_cpu():
     first = torch.tensor([11, -1, 12, 13, 14])
     last = torch.tensor([100, 101, 102, 103, 104])
     drafts = torch.tensor([[200, 201], [210, 211], [220, 221], [230, 231], [240, 241]])
-    ref = di.decode_inputs_ref(sq, sk, tables, slots, first, last, drafts, 64, 5)
+    return sq, sk, tables, slots, first, last, drafts
+
+
+def test_mirror_hand_case_cpu():
+    """Rows with q = 0 (first, middle, last) are skipped; positions past the table map to block 0; first_ids -1
+    reads last_token; the draft columns clamp to K - 1."""
+    case = _hand_case()
+    ref = di.decode_inputs_ref(*case, 64, 5)
     assert ref.row_of_token.tolist() == [1, 1, 1, 3, 3] and ref.j_of_token.tolist() == [0, 1, 2, 0, 1]
     assert ref.positions.tolist() == [127, 128, 129, 2, 3]
     assert ref.slot_mapping.tolist() == [4 * 64 + 63, 0 * 64 + 0, 0 * 64 + 1, 7 * 64 + 2, 7 * 64 + 3]
     assert ref.input_ids.tolist() == [100, 200, 201, 13, 220]
     assert ref.draft_next.tolist() == [200, 201, -1, 220, -1]
     assert ref.cu_seqlens_q.tolist() == [0, 0, 3, 3, 5, 5]
-    got = kernel_mirror(*[a.numpy() for a in (sq, sk, tables, slots, first, last, drafts)], 64, 5)
+    got = kernel_mirror(*[a.numpy() for a in case], 64, 5)
     for a, b in zip(got, ref):
         assert np.array_equal(a, b.numpy())
 
@@ -197,14 +204,7 @@ def test_check_gpu():
 
 @gpu
 def test_hand_case_gpu():
-    sq = torch.tensor([0, 3, 0, 2, 0], dtype=torch.int32)
-    sk = torch.tensor([5, 130, 7, 4, 9], dtype=torch.int32)
-    tables = torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8], [9, 10]], dtype=torch.int32)
-    slots = torch.tensor([4, 0, 3, 2, 1])
-    first = torch.tensor([11, -1, 12, 13, 14])
-    last = torch.tensor([100, 101, 102, 103, 104])
-    drafts = torch.tensor([[200, 201], [210, 211], [220, 221], [230, 231], [240, 241]])
-    args = [x.cuda() for x in (sq, sk, tables, slots, first, last, drafts)]
+    args = [x.cuda() for x in _hand_case()]
     got = di.decode_inputs(*args, 64, 5)
     ref = di.decode_inputs_ref(*args, 64, 5)
     for name, a, b in zip(di.DecodeInputs._fields, got, ref):
