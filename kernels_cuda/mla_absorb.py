@@ -17,8 +17,9 @@ columns of one head, each of its 256 threads 8 adjacent columns (one 16-byte vec
 its whole slice of W_UK before it waits for the previous kernel (the weights do not depend on it), then the query,
 then sums the 32 row groups through shared memory. Grid: L / 64 x H CTAs (128 for V2-Lite's 16 heads).
 
-Not verified on a GPU yet (``UNVERIFIED_KERNELS`` in backends/cuda/kernels.py): ``--check`` compares with the fp32
-reference and with cuBLAS.
+Checked on an H200 (session 8): ``--check`` (fp32 reference and cuBLAS) passed, 0-2 bf16 ulp, NaN/inf positions equal,
+graph replay; 1.40 us for 16 heads against cuBLAS' 2.73 us, 3.84 against 4.94 us for 128 (graph-timed, weights in
+L2). In the engine at batch 1 it raised decode from 433.9 / 428.2 to 449.4 / 449.8 tok/s (A/B/A/B, 9 windows each).
 
 Run alone:  python kernels_cuda/mla_absorb.py --check --bench
 """

@@ -452,17 +452,18 @@ def test_moe_route_compiled_only_with_its_gate_open(recorded, monkeypatch):
     assert routes == [mr._route_cfg(gating, 2048, "bfloat16", True)]
 
 
-def test_mla_absorb_compiled_only_with_its_gate_open(recorded, monkeypatch):
-    """mla_absorb (W_UK of one token, unverified): nothing compiled while gated; with the gate open one build for the
-    model's dims; none for an fp32 model."""
+def test_mla_absorb_compiled_for_bf16_models_and_not_when_gated(recorded, monkeypatch):
+    """mla_absorb (W_UK of one token, verified in session 8): one build for the model's dims; none for an fp32 model;
+    nothing compiled when it is put back into the gate."""
     from deepinfer_npu.kernels_cuda import mla_absorb as ma
 
-    assert "mla_absorb" in cuda_kernels.UNVERIFIED_KERNELS
-    kernel_set().warmup(v2_lite_plan(k=0))
-    assert "mla_absorb" not in recorded
-    monkeypatch.setenv(cuda_kernels.UNVERIFIED_ENV, "mla_absorb")
+    assert "mla_absorb" not in cuda_kernels.UNVERIFIED_KERNELS
+    monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
     kernel_set().warmup(v2_lite_plan(k=0))
     assert recorded["mla_absorb"] == [([ma.config_for(16, 128, 512, 192)], {})]
     recorded.clear()
     kernel_set().warmup(v2_lite_plan(k=0, dtype=torch.float32))
+    assert "mla_absorb" not in recorded
+    monkeypatch.setattr(cuda_kernels, "UNVERIFIED_KERNELS", {"mla_absorb"})
+    kernel_set().warmup(v2_lite_plan(k=0))
     assert "mla_absorb" not in recorded

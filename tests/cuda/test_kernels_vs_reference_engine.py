@@ -4,7 +4,7 @@ mla_decode.mla_prefill): the reference model's tokens with the kernels equal tho
 modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed
 on an H200 in session 3 (then with the kernels gated and enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after
 which the gate was emptied; decode_inputs and moe_route joined in session 6 and passed here in session 7.
-W_UK of one token (kernels_cuda.mla_absorb, session 7, gated) has a batch-1 test of its own at DeepSeek dims (its
+W_UK of one token (kernels_cuda.mla_absorb, session 7, verified in session 8) has a batch-1 test of its own at DeepSeek dims (its
 rounding is not cuBLAS', so the tokens follow the logprobs-close rule); the other tests keep it gated.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step

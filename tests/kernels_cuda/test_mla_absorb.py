@@ -74,7 +74,8 @@ def test_kernel_set_takes_it_for_one_token_with_the_gate_open(monkeypatch):
     monkeypatch.setattr(ks, "_kernel", lambda name: stand_in)  # _gated_kernel's gate and reason() stay real
     w = SimpleNamespace(qk_nope_head_dim=64, w_uk=ma.make_inputs(4, 64, 128, 96, device="cpu")[1])
     monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "mla_absorb" in ck.UNVERIFIED_KERNELS
+    assert "mla_absorb" not in ck.UNVERIFIED_KERNELS  # verified in session 8; put back here to test the gate
+    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"mla_absorb"})
     q1 = ma.make_inputs(4, 64, 128, 96, seed=1, device="cpu")[0]
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # host tensors pass the device check
     want = ck.absorb_heads(q1[..., :64], w.w_uk)
