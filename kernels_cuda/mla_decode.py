@@ -80,6 +80,55 @@ def _pass_configs():
 # ----------------------------------------------------------------------------------------------------
 # factory
 # ----------------------------------------------------------------------------------------------------
+def combine_splits(heads: int, num_splits: int, skip_empty_splits: bool = False, pdl: bool = False):
+    """The split-KV combine as a TileLang macro (one CTA per (head, token), 128 threads x 4 values), shared by the
+    pipelined and the warp-specialized decode kernels: fp32 partial outputs and base-2 LSEs in, the bf16 output and
+    the natural-log LSE out. Call it inside a prim_func after the split kernel."""
+    H, S, DV, PDL = heads, num_splits, KV_LORA, pdl
+    acc, dtype = T.float32, T.bfloat16
+
+    @T.macro
+    def combine(Out, Lse, O_part, Lse_part, num_tokens):
+        with T.Kernel(H, num_tokens, threads=128) as (h, t):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
+            o_acc = T.alloc_fragment([DV], acc)
+            po = T.alloc_fragment([DV], acc)
+            lmax = T.alloc_var(acc)
+            lsum = T.alloc_var(acc)
+            w = T.alloc_var(acc)
+            inv = T.alloc_var(acc)
+            T.clear(o_acc)
+            lmax = -T.infinity(acc)
+            for s in T.serial(S):
+                lmax = T.max(lmax, Lse_part[s, t, h])
+            lmax = T.if_then_else(lmax == -T.infinity(acc), 0.0, lmax)
+            lsum = 0.0
+            for s in T.serial(S):
+                lsum += T.exp2(Lse_part[s, t, h] - lmax)
+            inv = T.if_then_else(lsum > 0, 1.0 / lsum, 0.0)
+            for s in T.serial(S):
+                if skip_empty_splits:
+                    if Lse_part[s, t, h] > -T.infinity(acc):  # an empty split's partial was never written
+                        for d in T.Parallel(DV):
+                            po[d] = O_part[s, t, h, d]
+                        w = T.exp2(Lse_part[s, t, h] - lmax) * inv
+                        for d in T.Parallel(DV):
+                            o_acc[d] += po[d] * w
+                else:
+                    for d in T.Parallel(DV):
+                        po[d] = O_part[s, t, h, d]
+                    w = T.exp2(Lse_part[s, t, h] - lmax) * inv
+                    for d in T.Parallel(DV):
+                        o_acc[d] += po[d] * w
+            for d in T.Parallel(DV):
+                Out[t, h, d] = T.cast(o_acc[d], dtype)
+            Lse[t, h] = T.if_then_else(lsum > 0, (T.log2(lsum) + lmax) * LN2, -T.infinity(acc))
+
+    return combine
+
+
 def build_mla_decode(
     heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
     causal_tile_bound: bool = False, block_m: int = BLOCK_M, skip_empty_splits: bool = False,
@@ -110,6 +159,7 @@ def build_mla_decode(
     B = T.dynamic("batch")
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
+    combine = combine_splits(H, S, skip_empty_splits, PDL)
 
     @T.prim_func
     def mla_decode_split(
@@ -233,43 +283,7 @@ def build_mla_decode(
                         Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i]
 
         if S > 1:
-            # combine the splits: one CTA per (head, token), 128 threads x 4 values
-            with T.Kernel(H, Tq, threads=128) as (h, t):
-                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                    T.pdl_sync()
-                    T.pdl_trigger()
-                o_acc = T.alloc_fragment([DV], acc)
-                po = T.alloc_fragment([DV], acc)
-                lmax = T.alloc_var(acc)
-                lsum = T.alloc_var(acc)
-                w = T.alloc_var(acc)
-                inv = T.alloc_var(acc)
-                T.clear(o_acc)
-                lmax = -T.infinity(acc)
-                for s in T.serial(S):
-                    lmax = T.max(lmax, Lse_part[s, t, h])
-                lmax = T.if_then_else(lmax == -T.infinity(acc), 0.0, lmax)
-                lsum = 0.0
-                for s in T.serial(S):
-                    lsum += T.exp2(Lse_part[s, t, h] - lmax)
-                inv = T.if_then_else(lsum > 0, 1.0 / lsum, 0.0)
-                for s in T.serial(S):
-                    if skip_empty_splits:
-                        if Lse_part[s, t, h] > -T.infinity(acc):  # an empty split's partial was never written
-                            for d in T.Parallel(DV):
-                                po[d] = O_part[s, t, h, d]
-                            w = T.exp2(Lse_part[s, t, h] - lmax) * inv
-                            for d in T.Parallel(DV):
-                                o_acc[d] += po[d] * w
-                    else:
-                        for d in T.Parallel(DV):
-                            po[d] = O_part[s, t, h, d]
-                        w = T.exp2(Lse_part[s, t, h] - lmax) * inv
-                        for d in T.Parallel(DV):
-                            o_acc[d] += po[d] * w
-                for d in T.Parallel(DV):
-                    Out[t, h, d] = T.cast(o_acc[d], dtype)
-                Lse[t, h] = T.if_then_else(lsum > 0, (T.log2(lsum) + lmax) * LN2, -T.infinity(acc))
+            combine(Out, Lse, O_part, Lse_part, Tq)
 
     return mla_decode_split
 
@@ -298,17 +312,26 @@ def _engine_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: flo
 
 
 def _normalize(config) -> tuple:
-    """(heads, m_tiles, num_splits[, causal[, block_m]]) -> the 5-tuple."""
+    """(heads, m_tiles, num_splits[, causal[, block_m[, warp_specialized]]]) -> the 6-tuple."""
     c = tuple(config)
-    return (c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False, int(c[4]) if len(c) > 4 else BLOCK_M)
+    return (c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False, int(c[4]) if len(c) > 4 else BLOCK_M,
+            bool(c[5]) if len(c) > 5 else False)
 
 
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
     """Compile several configurations ahead of use: decode ``(heads, m_tiles, num_splits)`` (``decode_config``:
-    plus ``False, block_m`` for the small-tile variant) or, with a fourth item ``True``, ``mla_prefill``'s causal
-    variant ``(heads, m_tiles, num_splits, True)``."""
+    plus ``False, block_m`` for the small-tile variant, ``False, 64, True`` for ``mla_decode_ws``'s kernel) or,
+    with a fourth item ``True``, ``mla_prefill``'s causal variant ``(heads, m_tiles, num_splits, True)``."""
 
     configs = list(dict.fromkeys(_normalize(c) for c in configs))
+    ws_configs = [c[:3] for c in configs if c[5]]
+    configs = [c[:5] for c in configs if not c[5]]
+    if ws_configs:
+        try:
+            from . import mla_decode_ws as ws
+        except ImportError:  # run as a script from kernels_cuda/
+            import mla_decode_ws as ws
+        ws.precompile(ws_configs, softmax_scale, num_workers)
     if not configs:
         return
     # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
@@ -343,7 +366,7 @@ def ci_compile(configs=None):
     # ("AST constructor recursion depth mismatch" seen here); only nvcc runs in parallel.
     funcs = [build_mla_decode(h, mt, s, HEAD_DIM**-0.5, causal_tile_bound=ctb, block_m=bm,
                               threads=SMALL_THREADS if bm != BLOCK_M else 256)
-             for h, mt, s, ctb, bm in map(_normalize, cfgs)]
+             for h, mt, s, ctb, bm, _ws in map(_normalize, cfgs)]
     if configs is None:
         funcs.append(build_mla_decode(16, m_tiles_for(16, 512), 1, HEAD_DIM**-0.5, causal_tile_bound=True))
 
@@ -363,12 +386,15 @@ def decode_block_m(heads: int, q_bucket: int) -> int:
     return SMALL_BLOCK_M if heads * q_bucket <= SMALL_BLOCK_M else BLOCK_M
 
 
-def decode_config(heads: int, q_bucket: int, num_splits: int) -> tuple:
+def decode_config(heads: int, q_bucket: int, num_splits: int, warp_specialized: bool = False) -> tuple:
     """The precompile configuration the engine's decode launch uses for ``q_bucket`` (``bucket_q``) query tokens:
-    ``(heads, m_tiles, num_splits)``, or ``(heads, 1, num_splits, False, SMALL_BLOCK_M)`` for the small tile."""
+    ``(heads, m_tiles, num_splits)``, ``(heads, 1, num_splits, False, SMALL_BLOCK_M)`` for the small tile, or with
+    ``warp_specialized`` (``mla_decode``'s argument) and a 64-row tile ``(heads, m_tiles, num_splits, False, 64,
+    True)``."""
     bm = decode_block_m(heads, q_bucket)
     if bm == BLOCK_M:
-        return (heads, m_tiles_for(heads, q_bucket), num_splits)
+        mt = m_tiles_for(heads, q_bucket)
+        return (heads, mt, num_splits, False, BLOCK_M, True) if warp_specialized else (heads, mt, num_splits)
     return (heads, -(-q_bucket * heads // bm), num_splits, False, bm)
 
 
@@ -434,11 +460,13 @@ def mla_decode(
     threads: int | None = None,
     block_m: int | None = None,
     skip_empty_splits: bool = False,
+    warp_specialized: bool = False,
 ):
     """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
     ``num_stages`` / ``threads`` / ``block_m`` / ``skip_empty_splits``: the split kernel's pipeline depth, CTA
     size, folded rows a CTA, and empty-split handling (tuning sweeps; None: the engine's choice,
-    ``decode_block_m``)."""
+    ``decode_block_m``). ``warp_specialized``: ``mla_decode_ws``'s kernel where the engine's tile has 64 rows
+    (``mla_decode_ws.applies``; the tuning arguments then do not apply)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -448,7 +476,15 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
-    if num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
+    if warp_specialized and engine_bm == BLOCK_M:
+        try:
+            from . import mla_decode_ws as ws
+        except ImportError:  # run as a script from kernels_cuda/
+            import mla_decode_ws as ws
+
+        mt = m_tiles_for(H, bucket_q(max_seqlen_q))
+        kern = ws.get_kernel(H, mt, num_splits, float(softmax_scale))
+    elif num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
         kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm)  # precompile's call form
     else:
@@ -468,6 +504,8 @@ def mla_decode(
     else:  # unused by the kernel, but the shapes must bind: a cached dummy (kept alive for graph replays)
         o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
     q_start = cu_seqlens_q[:B]
+    if warp_specialized and engine_bm == BLOCK_M:  # its Q inputs are the [T * H, D] row views
+        q_latent, q_rope = q_latent.view(Tq * H, KV_LORA), q_rope.view(Tq * H, ROPE)
     kern(q_latent, q_rope, kv_cache, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse
 
@@ -588,15 +626,17 @@ def compare(out, ref, name, ulps=2.0):
     return ok, dict(name=name, cos_diff=cos_diff, max_abs=err.max().item(), worst_ulps=worst)
 
 
-def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verbose=True):
-    """Fresh random inputs, NaN-poisoned outputs, fp32 reference; returns (ok, stats)."""
+def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verbose=True, warp_specialized=False):
+    """Fresh random inputs, NaN-poisoned outputs, fp32 reference; returns (ok, stats). ``warp_specialized``: the
+    kernel of ``mla_decode_ws`` (where it applies)."""
     inp = make_inputs(batch, heads, seqlens_k, seqlens_q, seed=seed)
     scale = HEAD_DIM**-0.5
     Tq, H = inp["q_latent"].shape[:2]
     out = torch.full((Tq, H, KV_LORA), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((Tq, H), float("nan"), dtype=torch.float32, device="cuda")
     max_q = max(seqlens_q) if isinstance(seqlens_q, list) else seqlens_q
-    mla_decode(**inp, softmax_scale=scale, max_seqlen_q=max_q, num_splits=num_splits, out=out, lse=lse)
+    mla_decode(**inp, softmax_scale=scale, max_seqlen_q=max_q, num_splits=num_splits, out=out, lse=lse,
+               warp_specialized=warp_specialized)
     torch.cuda.synchronize()
     ref_o, ref_l = mla_decode_ref(**inp, softmax_scale=scale)
     ok_o, so = compare(out, ref_o, "out")
@@ -604,7 +644,8 @@ def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verb
     ok = ok_o and ok_l
     if verbose:
         print(
-            f"check B={batch} H={heads} sk={seqlens_k if isinstance(seqlens_k, int) else 'var'} "
+            f"check{' ws' if warp_specialized else ''} B={batch} H={heads} "
+            f"sk={seqlens_k if isinstance(seqlens_k, int) else 'var'} "
             f"sq={seqlens_q if isinstance(seqlens_q, int) else f'var<={max_q}'} splits={num_splits}: "
             f"{'OK' if ok else 'FAIL'} out={so} lse={sl}",
             flush=True,
@@ -699,7 +740,7 @@ copy_bandwidth = _bench.copy_gbps  # device-to-device copy GB/s, bytes read + wr
 
 
 def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=None,
-               threads=None, block_m=None, check=False, skip_empty_splits=False):
+               threads=None, block_m=None, check=False, skip_empty_splits=False, warp_specialized=False):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
     Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table. ``check``: also compare the
     output with the fp32 reference (``compare``, 2 ulps) and report it in the row."""
@@ -721,6 +762,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         mla_decode(
             **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms,
             num_stages=num_stages, threads=threads, block_m=block_m, skip_empty_splits=skip_empty_splits,
+            warp_specialized=warp_specialized,
         )
 
     fn()
@@ -766,6 +808,8 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "threads": threads or (SMALL_THREADS if (block_m or decode_block_m(heads, bucket_q(q_len))) < BLOCK_M else 256),
         "block_m": block_m or decode_block_m(heads, bucket_q(q_len)),
         "skip_empty_splits": skip_empty_splits,
+        "kernel": "warp_specialized" if warp_specialized and decode_block_m(heads, bucket_q(q_len)) == BLOCK_M
+        else "pipelined",
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),

@@ -45,6 +45,7 @@ token, as the worker's rows always do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import logging
@@ -121,7 +122,8 @@ _STATIC_FALLBACK = {
 # H200 (kernels_cuda/NOTES.md, session 7, call 1).
 # mla_absorb (W_UK of one token), written after session 7's last device call, left it in session 8: mla_absorb.py
 # --check (6 cases, <= 2 bf16 ulp vs fp32, NaN/inf positions equal, graph replay) and the engine test passed on an H200.
-UNVERIFIED_KERNELS: set[str] = set()
+# mla_decode_ws (the hand warp-specialized MLA decode for 64-row tiles) was written in session 8.
+UNVERIFIED_KERNELS: set[str] = {"mla_decode_ws"}
 UNVERIFIED_ENV = "DEEPINFER_CUDA_UNVERIFIED_KERNELS"
 
 
@@ -141,6 +143,13 @@ def unverified_kernel_enabled(module: str) -> bool:
     if value in ("1", "true", "yes", "on"):
         return True
     return module in {name.strip() for name in value.split(",")}
+
+
+@functools.cache
+def is_sm90(device_index: int) -> bool:
+    """Hopper (compute capability 9.x): where the sm_90a-only kernels (wgmma issued by hand, setmaxnreg warpgroup
+    roles: ``mla_decode_ws``) may run."""
+    return torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 def _ref(module: str):
@@ -558,9 +567,12 @@ class CudaKernelSet(KernelSet):
                     q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
                 )
         mod = self._kernel("mla_decode")
+        ws = unverified_kernel_enabled("mla_decode_ws") and is_sm90(q_latent.device.index or 0)
+        ws_note = (f"; warp-specialized (mla_decode_ws{unverified_note('mla_decode_ws')})"
+                   if ws and mod.decode_block_m(q_latent.shape[1], mod.bucket_q(max_q)) == mod.BLOCK_M else "")
         self._note(
             "mla_attention",
-            f"kernels_cuda.mla_decode (bf16, H={q_latent.shape[1]}, q<= {mod.bucket_q(max_q)})",
+            f"kernels_cuda.mla_decode (bf16, H={q_latent.shape[1]}, q<= {mod.bucket_q(max_q)}{ws_note})",
             True,
         )
         i32 = torch.int32
@@ -575,6 +587,7 @@ class CudaKernelSet(KernelSet):
             float(softmax_scale),
             max_seqlen_q=max_q,
             num_sms=self._sms(q_latent.device),
+            warp_specialized=ws,
         )
         return out
 

@@ -69,6 +69,7 @@ from .kernels import (
     PAGE,
     ROPE,
     SKINNY_GROUPED_MAX_ROWS,
+    is_sm90,
     tilelang_importable,
     unverified_kernel_enabled,
 )
@@ -132,9 +133,11 @@ def _bucket_reachable(bucket: int, max_q: int) -> bool:
     return (bucket // 2 + 1 if bucket > 1 else 1) <= max_q
 
 
-def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = True) -> list[tuple]:
+def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = True,
+                       warp_specialized: bool = False) -> list[tuple]:
     """Decode ``md.decode_config`` tuples and prefill ``(heads, m_tiles, 1, True)`` (causal tile bound)
-    configurations, as ``mla_attention`` launches them (module docstring)."""
+    configurations, as ``mla_attention`` launches them (module docstring); ``warp_specialized``: the decode tiles
+    of 64 rows on ``mla_decode_ws``'s kernel (its gate)."""
     if not (plan.dtype == _BF16 and plan.kv_lora_rank == KV_LORA and plan.qk_rope_head_dim == ROPE
             and plan.block_size == PAGE):
         return []
@@ -146,13 +149,14 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         """Every bucket of a host max query length 1..max_q_bound, at ``batch`` rows and table ``width``."""
         for bucket in (1, 2, 4, 8, 16):
             if _bucket_reachable(bucket, min(max_q_bound, MAX_Q)):
-                decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms)))
+                decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms),
+                                            warp_specialized))
 
     # Decode graphs: S rows, host max_seqlen_q = k + 1 (exactly that bucket), the graphs' own (wider) tables.
     for size in plan.decode_graph_sizes:
         bucket = md.bucket_q(k + 1)
         decode.add(md.decode_config(h, bucket, md.default_num_splits(size, h, bucket, plan.decode_graph_width,
-                                                                     num_sms)))
+                                                                     num_sms), warp_specialized))
     # Prefill chunks of <= 16 query tokens (and MTP's catch-up over them): B prompts on the scheduler's tables.
     for b in range(1, min(plan.max_num_prompts, mnbt) + 1):
         add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
@@ -368,14 +372,17 @@ def mla_absorb_configs(plan: KernelWarmupPlan) -> list[tuple]:
 
 
 def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
-                      enabled: Callable[[str], bool] = unverified_kernel_enabled) -> dict[str, list[tuple]]:
+                      enabled: Callable[[str], bool] = unverified_kernel_enabled,
+                      sm90: bool = True) -> dict[str, list[tuple]]:
     """``{kernels_cuda module: [config, ...]}`` in the form each module's ``precompile`` takes (module docstring), in
     compile order (the forward's, then verification and the ZOS correction); modules with nothing to compile are
-    left out. ``enabled``: the unverified-kernel gate."""
+    left out. ``enabled``: the unverified-kernel gate; ``sm90``: a Hopper device (``mla_decode_ws`` runs only there).
+    """
     out = {
         "rms_norm": rms_norm_configs(plan),
         "mla_rope_cache": mla_rope_cache_configs(plan),
-        "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill")),
+        "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill"),
+                                         warp_specialized=enabled("mla_decode_ws") and sm90),
         "mla_absorb": mla_absorb_configs(plan) if enabled("mla_absorb") else [],
         "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),
@@ -459,7 +466,8 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             kernels.num_sms = num_sms
-        configs = reachable_configs(plan, num_sms)
+        sm90 = torch.cuda.is_available() and is_sm90(torch.cuda.current_device())
+        configs = reachable_configs(plan, num_sms, sm90=sm90)
     except Exception as e:  # noqa: BLE001 - a bug here must not stop start-up; the kernels compile at first use
         logger.warning("kernel warm-up skipped: listing the configurations failed: %s: %s", type(e).__name__, e)
         return f"skipped: listing the configurations failed: {type(e).__name__}: {e}"

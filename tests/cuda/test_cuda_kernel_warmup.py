@@ -340,6 +340,47 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
 
 
+def test_mla_decode_ws_configs_follow_the_gate_and_the_device():
+    """mla_decode_ws (gated, session 8): with its gate open on a Hopper device every 64-row decode configuration
+    carries the warp-specialized flag (16-row tiles and prefill do not change); gate shut or another device: none."""
+    from deepinfer_npu.backends.cuda.warmup import reachable_configs
+
+    plan = v2_lite_plan(k=3, varlen=True, method="dflash")
+    base = reachable_configs(plan, SMS, enabled=lambda name: name != "mla_decode_ws", sm90=True)["mla_decode"]
+    assert not any(len(c) == 6 for c in base)
+    ws = reachable_configs(plan, SMS, enabled=lambda name: True, sm90=True)["mla_decode"]
+    want = {c + (False, md.BLOCK_M, True) if len(c) == 3 else c for c in base}
+    assert set(ws) == want and any(len(c) == 6 for c in ws) and any(len(c) == 5 for c in ws)
+    assert reachable_configs(plan, SMS, enabled=lambda name: True, sm90=False)["mla_decode"] == base
+
+
+def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):
+    """The warp-specialized launch calls mla_decode_ws.get_kernel as its precompile primes it, with Q and Q_pe as
+    [T * H, D] row views; a 16-row step keeps the small pipelined tile even when asked for it."""
+    from deepinfer_npu.kernels_cuda import mla_decode_ws as ws
+
+    launched, small = [], []
+    monkeypatch.setattr(ws, "get_kernel", lambda *a, **k: lambda *args: launched.append((a, k, args[0].shape,
+                                                                                         args[1].shape)))
+    monkeypatch.setattr(md, "get_kernel", lambda *a, **k: small.append((a, k)) or (lambda *args: None))
+    bf = torch.bfloat16
+    one, cu = torch.ones(1, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    args = (torch.zeros(2, 16, 512, dtype=bf), torch.zeros(2, 16, 64, dtype=bf), torch.zeros(2, 64, 576, dtype=bf),
+            torch.zeros(1, 2, dtype=torch.int32), one * 2, one * 2, cu, 0.125)
+    md.mla_decode(*args, max_seqlen_q=2, num_splits=2, num_sms=SMS, warp_specialized=True)
+    assert launched == [((16, 1, 2, 0.125), {}, (32, 512), (32, 64))] and not small
+    md.mla_decode(args[0][:1], args[1][:1], *args[2:4], one, one, torch.tensor([0, 1], dtype=torch.int32), 0.125,
+                  max_seqlen_q=1, num_splits=2, num_sms=SMS, warp_specialized=True)
+    assert len(launched) == 1 and small == [((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})]
+    monkeypatch.undo()
+    primed = []
+    monkeypatch.setattr(ws, "build_mla_decode_ws", lambda *a, **k: object())
+    monkeypatch.setattr(ws, "_compile", lambda f: f)
+    monkeypatch.setattr(ws, "get_kernel", lambda *a, **k: primed.append((a, k)))
+    md.precompile([md.decode_config(16, 2, 2, warp_specialized=True)], softmax_scale=0.125)
+    assert primed == [((16, 1, 2, 0.125), {})]
+
+
 GATED_MOE = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}  # session 5's, verified in session 6
 
 

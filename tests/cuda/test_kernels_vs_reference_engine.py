@@ -4,8 +4,9 @@ mla_decode.mla_prefill): the reference model's tokens with the kernels equal tho
 modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed
 on an H200 in session 3 (then with the kernels gated and enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after
 which the gate was emptied; decode_inputs and moe_route joined in session 6 and passed here in session 7.
-W_UK of one token (kernels_cuda.mla_absorb, session 7, verified in session 8) has a batch-1 test of its own at DeepSeek dims (its
-rounding is not cuBLAS', so the tokens follow the logprobs-close rule); the other tests keep it gated.
+W_UK of one token (kernels_cuda.mla_absorb, session 7, verified in session 8) has a batch-1 test of its own at
+DeepSeek dims (its rounding is not cuBLAS', so the tokens follow the logprobs-close rule); the other tests keep it
+gated.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
   (prefill sampling is greedy too); with fixed draft counts the tokens must be equal, with varlen verification (the
@@ -44,8 +45,8 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
 
 # decode_inputs and moe_route (session 6) joined these: the run with them must give the reference path's tokens too
 GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs", "moe_route"}
-# kept gated in both runs of the equal-token tests: not bit-identical to the path it replaces (its own test below)
-NOT_BIT_IDENTICAL = {"mla_absorb"}
+# kept gated in both runs of the equal-token tests: not bit-identical to the path they replace (own tests below)
+NOT_BIT_IDENTICAL = {"mla_absorb", "mla_decode_ws"}
 
 
 def _use_kernels(monkeypatch, enabled: bool, also_gated: set[str] = NOT_BIT_IDENTICAL) -> None:
@@ -170,4 +171,30 @@ def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logpr
     rep_on, on = run(True)
     assert "W_UK of one token: kernels_cuda.mla_absorb" in rep_on and "cuBLAS batched GEMM" not in rep_on, rep_on
     assert "W_UK of one token: cuBLAS batched GEMM" in rep_off, rep_off
+    assert_logprobs_close(off, on)
+
+
+@needs_cuda
+def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
+    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode) at 128 heads, three requests: with its gate
+    open every decode step takes it (the op report says so), and the greedy tokens follow the pipelined kernel's
+    by the logprobs-close rule."""
+
+    from deepinfer_npu import LLM, SamplingParams
+
+    path = deepseek_dims_model(num_attention_heads=128, num_key_value_heads=128)
+    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 4000 + 5 for i in range(40 + 30 * j)]} for j in range(3)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def run(enabled: bool):
+        _use_kernels(monkeypatch, True, set() if enabled else {"mla_decode_ws"})
+        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+        _forget_paths(llm)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return llm.llm_engine.backend.op_report()["mla_attention"], outs
+
+    rep_off, off = run(False)
+    rep_on, on = run(True)
+    assert "warp-specialized (mla_decode_ws)" in rep_on, rep_on
+    assert "warp-specialized" not in rep_off, rep_off
     assert_logprobs_close(off, on)

@@ -7,7 +7,8 @@ file without it fails here, so no kernel escapes the compile check. For sm_100a 
 ``target=`` when ``ci_compile`` accepts it, else it points the module's ``SM90_TARGET`` (which every module's
 ``ci_compile`` reads at call time) at sm_100a for the duration of the call.
 
-sm_100a (TileLang 0.1.15, nvcc 13.0), what compiles: every module. mla_decode's ``T.gemm`` lowers to
+sm_100a (TileLang 0.1.15, nvcc 13.0), what compiles: every module but mla_decode_ws (Hopper-only by design,
+``SM100_SKIP``). mla_decode's ``T.gemm`` lowers to
 ``mma.sync`` (ldmatrix operands, TMA loads kept) instead of Hopper's wgmma, so it compiles but is not the
 tuned path there (TileLang would need tcgen05 / TMEM code for Blackwell's tensor cores); it is not run there.
 Compile time of this file on the 2-core CI machine: see the summary line each test prints (pytest -s).
@@ -82,7 +83,7 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
 
 #: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
 PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_routing", "moe_gemm", "silu_mul",
-               "moe_gemm_swap", "mla_absorb"}
+               "moe_gemm_swap", "mla_absorb", "mla_decode_ws"}
 
 
 @pytest.mark.skipif(not _has_nvcc(), reason="nvcc (CUDA toolkit) not found: cannot compile for sm_90a")
@@ -101,8 +102,12 @@ def test_pdl_off_variant_compiles_for_sm90a(name, monkeypatch, tmp_path):
 
 SM100_TARGET = {"kind": "cuda", "arch": "sm_100a"}
 
-#: module -> the exact reason it cannot target sm_100a (none today; see the module docstring).
-SM100_SKIP: dict[str, str] = {}
+#: module -> the exact reason it cannot target sm_100a (see the module docstring).
+SM100_SKIP: dict[str, str] = {
+    "mla_decode_ws": "Hopper-only by design: T.wgmma_gemm (wgmma issued by hand) and setmaxnreg warpgroup roles have "
+    "no sm_100a lowering; the engine takes it only on compute capability 9.x (kernels.is_sm90) and keeps "
+    "mla_decode's pipelined kernel elsewhere",
+}
 
 
 @functools.cache
@@ -167,12 +172,26 @@ MLA_CASES = [
 @gpu
 @pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-S{c[4]}")
 @pytest.mark.parametrize("seed", [0, 1])
-def test_mla_decode_matches_reference_gpu(case, seed):
+@pytest.mark.parametrize("ws", [False, True], ids=["pipelined", "warp-specialized"])
+def test_mla_decode_matches_reference_gpu(case, seed, ws):
+    """Both decode kernels (``warp_specialized``: mla_decode_ws's where the tile has 64 rows; the 16-row cases
+    keep the small pipelined tile either way)."""
     from kernels_cuda import mla_decode as mla
 
     b, h, sk, sq, s = case
-    ok, stats = mla.check_case(b, h, sk, sq, s, seed=1000 + seed, verbose=False)
+    ok, stats = mla.check_case(b, h, sk, sq, s, seed=1000 + seed, verbose=False, warp_specialized=ws)
     assert ok, stats
+
+
+def test_mla_decode_ws_applies_to_the_64_row_tiles():
+    from kernels_cuda import mla_decode as mla
+    from kernels_cuda import mla_decode_ws as ws
+
+    assert not ws.applies(16, 1) and ws.applies(16, 2) and ws.applies(16, 16) and ws.applies(128, 1)
+    cases = ws.check_cases()
+    assert cases and all(c in mla.check_cases() for c in cases)
+    assert {c[1] for c in cases} == {16, 128}  # 16 heads only from 2 query tokens up
+    assert all(c[1] == 128 or (max(c[3]) if isinstance(c[3], list) else c[3]) > 1 for c in cases)
 
 
 @gpu

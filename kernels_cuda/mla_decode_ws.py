@@ -1,0 +1,345 @@
+"""Paged MLA decode (absorbed), warp-specialized by hand for Hopper, in TileLang.
+
+Same op, layout and launch contract as ``mla_decode.py`` (FlashMLA layout: 576 values a token, pages of 64; query
+tokens x heads folded into 64-row tiles; split-KV with the shared combine kernel); ``mla_decode.mla_decode`` takes
+this kernel with ``warp_specialized=True`` where the tile has 64 rows (``applies``).
+
+Why a second kernel: at 128 heads the decode is tensor-core bound (kernels_cuda/NOTES.md, the table at the top), and
+the pipelined kernel ran its wgmma at ~380-400 TFLOP/s (0.39 of copy, H200): in each 64-key tile its two consumer
+warpgroups compute QK^T half each, then exchange row maxima and sums through shared memory and named barriers, then
+PV, all in lockstep, so the tensor cores idle through the softmax. Here (FlashMLA's split of the work, as in
+TileLang's ``examples/deepseek_mla/example_mla_decode_ws.py``), 384 threads:
+
+- warpgroup 0 (240 registers): QK^T of the whole 64 x 64 tile (three async wgmma, one wait), the mask and the
+  softmax without any cross-warpgroup reduction, P to shared memory, P @ V[:, :256];
+- warpgroup 1 (168 registers): P @ V[:, 256:] of tile k while warpgroup 0 already runs QK^T of tile k + 1;
+- warpgroup 2 (producer, 80 registers): TMA loads of Q once and of each page (through the block table) into a
+  ``num_stages`` ring of shared-memory slots.
+
+mbarriers: ``ready[s]`` (TMA bytes + the producer's 128 arrivals), ``free[s]`` (both consumers done with slot s),
+``s_ready`` / ``s_free`` (P and the rescale factors handed from warpgroup 0 to 1, and back), ``done`` (warpgroup 0's
+final row sums, which warpgroup 1 needs to normalize its half). A tile index k uses slot k % num_stages in round
+k // num_stages; waits take the parity of the round (or of k for the per-tile barriers).
+
+Run alone:  python kernels_cuda/mla_decode_ws.py --check --bench   (GPU; --compile-only without one)
+"""
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+try:  # tilelang is optional at import time so that the module imports without it
+    import tilelang
+    import tilelang.language as T
+except Exception:  # pragma: no cover - exercised where tilelang is absent
+    tilelang = None
+    T = None
+
+try:
+    from . import mla_decode as md
+    from ._ast_guard import compile_pool
+    from ._pdl import pdl_enabled
+except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
+    import mla_decode as md
+    from _ast_guard import compile_pool
+    from _pdl import pdl_enabled
+
+THREADS = 384  # two consumer warpgroups and one producer
+REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
+
+
+def applies(heads: int, q_bucket: int) -> bool:
+    """The engine's tile for this step has 64 rows (the 16-row mma.sync tile has no warpgroups to specialize)."""
+    return md.decode_block_m(heads, q_bucket) == md.BLOCK_M
+
+
+# ----------------------------------------------------------------------------------------------------
+# factory
+# ----------------------------------------------------------------------------------------------------
+def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+    """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
+    passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
+    zeros, rows of the next request are computed and never stored)."""
+    assert tilelang is not None, "tilelang is not installed"
+    assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
+    PDL = pdl_enabled()
+    H, S, NS = heads, num_splits, num_stages
+    DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
+    BM, BN, PAGE, HD = md.BLOCK_M, md.BLOCK_N, md.PAGE, md.HEAD_DIM
+    scale = float(softmax_scale * md.LOG2E)
+    dtype, acc = T.bfloat16, T.float32
+    neg_big = -(2.0**30)  # finite "minus infinity" for the running max (avoids inf - inf)
+
+    Tq = T.dynamic("num_tokens")
+    TH = T.dynamic("num_rows")
+    B = T.dynamic("batch")
+    NB = T.dynamic("num_blocks")
+    NBT = T.dynamic("max_blocks_per_seq")
+    combine = md.combine_splits(H, S, False, PDL)
+
+    @T.prim_func
+    def mla_decode_ws(
+        Q: T.Tensor([TH, DV], dtype),
+        Q_pe: T.Tensor([TH, DPE], dtype),
+        KV: T.Tensor([NB, PAGE, HD], dtype),
+        block_table: T.Tensor([B, NBT], T.int32),
+        q_start: T.Tensor([B], T.int32),
+        seqlens_q: T.Tensor([B], T.int32),
+        seqlens_k: T.Tensor([B], T.int32),
+        Out: T.Tensor([Tq, H, DV], dtype),
+        Lse: T.Tensor([Tq, H], acc),
+        O_part: T.Tensor([S, Tq, H, DV], acc),
+        Lse_part: T.Tensor([S, Tq, H], acc),
+    ):
+        with T.Kernel(m_tiles, B, S, threads=THREADS) as (mt, b, z):
+            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
+                T.pdl_sync()
+                T.pdl_trigger()
+            Q_shared = T.alloc_shared([BM, DV], dtype)
+            Q_pe_shared = T.alloc_shared([BM, DPE], dtype)
+            KV_shared = T.alloc_shared([NS, BN, DV], dtype)
+            K_pe_shared = T.alloc_shared([NS, BN, DPE], dtype)
+            S_shared = T.alloc_shared([BM, BN], dtype)
+            alpha_shared = T.alloc_shared([BM], acc)
+            l_shared = T.alloc_shared([BM], acc)
+
+            acc_s = T.alloc_fragment([BM, BN], acc)
+            acc_o_l = T.alloc_fragment([BM, DH], acc)
+            acc_o_r = T.alloc_fragment([BM, DH], acc)
+            m_i = T.alloc_fragment([BM], acc)
+            m_prev = T.alloc_fragment([BM], acc)
+            alpha = T.alloc_fragment([BM], acc)
+            row_sum = T.alloc_fragment([BM], acc)
+            l_i = T.alloc_fragment([BM], acc)
+            lim = T.alloc_fragment([BM], T.int32)
+
+            bar_q = T.alloc_barrier(arrive_count=128)
+            bar_ready = T.alloc_barrier(arrive_count=[128] * NS)
+            bar_free = T.alloc_barrier(arrive_count=[256] * NS)
+            bar_s_ready = T.alloc_barrier(arrive_count=256)
+            bar_s_free = T.alloc_barrier(arrive_count=256)
+            bar_done = T.alloc_barrier(arrive_count=128)
+
+            sq = seqlens_q[b]
+            sk = seqlens_k[b]
+            qs = q_start[b]
+            row0 = mt * BM
+            n_valid_rows = sq * H
+            n_tiles = T.ceildiv(sk, BN)
+            per = n_tiles // S
+            rem = n_tiles % S
+            my_tiles = T.if_then_else(row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
+            t0 = per * z + T.min(z, rem)
+            first_masked = sk - sq  # keys at positions > this are invisible to the first query row
+            rounds = T.ceildiv(my_tiles, NS)
+            tx = T.get_thread_binding()
+
+            if tx < 128:  # warpgroup 0: QK^T, mask, softmax, P @ V left half
+                T.set_max_nreg(REGS_SOFTMAX_WG, 1)
+                T.fill(acc_o_l, 0)
+                T.fill(l_i, 0)
+                T.fill(m_i, neg_big)
+                for i in T.Parallel(BM):  # last visible key position per row (inclusive); rows past sq clamp
+                    lim[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
+                T.barrier_wait(bar_q, 0)
+                for r in T.serial(rounds):
+                    for st in T.unroll(NS):
+                        k = r * NS + st
+                        if k < my_tiles:
+                            T.barrier_wait(bar_ready[st], r & 1)
+                            T.clear(acc_s)
+                            T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[st, :, 0:DH], acc_s, transpose_B=True)
+                            T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[st, :, DH:DV], acc_s, transpose_B=True)
+                            T.wgmma_gemm(Q_pe_shared, K_pe_shared[st, :, :], acc_s, transpose_B=True)
+                            T.wait_wgmma(0)
+                            if (t0 + k + 1) * BN - 1 > first_masked:
+                                for i, j in T.Parallel(BM, BN):
+                                    acc_s[i, j] = T.if_then_else(
+                                        (t0 + k) * BN + j > lim[i], -T.infinity(acc), acc_s[i, j]
+                                    )
+                            if k > 0:  # warpgroup 1 is done with the previous tile's P and factors
+                                T.barrier_arrive(bar_s_free)
+                                T.barrier_wait(bar_s_free, (k - 1) & 1)
+                            T.copy(m_i, m_prev)
+                            T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                            for i in T.Parallel(BM):
+                                alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale)
+                            for i, j in T.Parallel(BM, BN):
+                                acc_s[i, j] = T.exp2(acc_s[i, j] * scale - m_i[i] * scale)
+                            T.reduce_sum(acc_s, row_sum, dim=1)
+                            for i in T.Parallel(BM):
+                                l_i[i] = l_i[i] * alpha[i] + row_sum[i]
+                            for i, d in T.Parallel(BM, DH):
+                                acc_o_l[i, d] *= alpha[i]
+                            T.copy(alpha, alpha_shared)
+                            T.copy(acc_s, S_shared)
+                            T.gemm(S_shared, KV_shared[st, :, 0:DH], acc_o_l)
+                            T.barrier_arrive(bar_s_ready)
+                            T.barrier_arrive(bar_free[st])
+                T.copy(l_i, l_shared)
+                T.barrier_arrive(bar_done)
+                # finalize: rows with no visible key in this split give o = 0, lse = -inf
+                for i, d in T.Parallel(BM, DH):
+                    acc_o_l[i, d] = T.if_then_else(l_i[i] > 0, acc_o_l[i, d] / l_i[i], 0.0)
+                for i in T.Parallel(BM):
+                    m_prev[i] = T.if_then_else(l_i[i] > 0, T.log2(l_i[i]) + m_i[i] * scale, -T.infinity(acc))
+                if S == 1:
+                    for i, d in T.Parallel(BM, DH):
+                        if row0 + i < n_valid_rows:
+                            Out[qs + (row0 + i) // H, (row0 + i) % H, d] = T.cast(acc_o_l[i, d], dtype)
+                    for i in T.Parallel(BM):
+                        if row0 + i < n_valid_rows:
+                            Lse[qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i] * md.LN2
+                else:
+                    for i, d in T.Parallel(BM, DH):
+                        if row0 + i < n_valid_rows:
+                            O_part[z, qs + (row0 + i) // H, (row0 + i) % H, d] = acc_o_l[i, d]
+                    for i in T.Parallel(BM):
+                        if row0 + i < n_valid_rows:
+                            Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i]
+            elif tx < 256:  # warpgroup 1: P @ V right half, one tile behind warpgroup 0's QK^T
+                T.set_max_nreg(REGS_PV_WG, 1)
+                T.fill(acc_o_r, 0)
+                for r in T.serial(rounds):
+                    for st in T.unroll(NS):
+                        k = r * NS + st
+                        if k < my_tiles:
+                            T.barrier_arrive(bar_s_ready)
+                            T.barrier_wait(bar_s_ready, k & 1)
+                            for i, d in T.Parallel(BM, DH):
+                                acc_o_r[i, d] *= alpha_shared[i]
+                            T.gemm(S_shared, KV_shared[st, :, DH:DV], acc_o_r)
+                            T.barrier_arrive(bar_free[st])
+                            T.barrier_arrive(bar_s_free)  # after the last tile nobody waits: harmless
+                T.barrier_wait(bar_done, 0)
+                for i, d in T.Parallel(BM, DH):
+                    acc_o_r[i, d] = T.if_then_else(l_shared[i] > 0, acc_o_r[i, d] / l_shared[i], 0.0)
+                if S == 1:
+                    for i, d in T.Parallel(BM, DH):
+                        if row0 + i < n_valid_rows:
+                            Out[qs + (row0 + i) // H, (row0 + i) % H, DH + d] = T.cast(acc_o_r[i, d], dtype)
+                else:
+                    for i, d in T.Parallel(BM, DH):
+                        if row0 + i < n_valid_rows:
+                            O_part[z, qs + (row0 + i) // H, (row0 + i) % H, DH + d] = acc_o_r[i, d]
+            else:  # warpgroup 2: TMA producer
+                T.set_max_nreg(REGS_PRODUCER, 0)
+                T.tma_copy(Q[qs * H + row0 : qs * H + row0 + BM, :], Q_shared, barrier=bar_q)
+                T.tma_copy(Q_pe[qs * H + row0 : qs * H + row0 + BM, :], Q_pe_shared, barrier=bar_q)
+                T.barrier_arrive(bar_q)
+                for r in T.serial(rounds):
+                    for st in T.unroll(NS):
+                        k = r * NS + st
+                        if k < my_tiles:
+                            T.barrier_wait(bar_free[st], (r & 1) ^ 1)
+                            page = block_table[b, t0 + k]
+                            T.tma_copy(KV[page, :, 0:DV], KV_shared[st, :, :], barrier=bar_ready[st])
+                            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[st, :, :], barrier=bar_ready[st])
+                            T.barrier_arrive(bar_ready[st])
+
+        if S > 1:
+            combine(Out, Lse, O_part, Lse_part, Tq)
+
+    return mla_decode_ws
+
+
+def _compile(func):
+    return tilelang.compile(func, out_idx=None, target=dict(md.SM90_TARGET), pass_configs=md._pass_configs())
+
+
+@functools.cache
+def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+    """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
+    assert tilelang is not None, "tilelang is not installed"
+    return _compile(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale, num_stages))
+
+
+def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None):
+    """Compile ``(heads, m_tiles, num_splits)`` configurations ahead of use (builds on this thread, nvcc in
+    parallel), then warm ``get_kernel``'s cache with the launcher's call form."""
+    configs = list(dict.fromkeys(tuple(c[:3]) for c in configs))
+    if not configs:
+        return
+    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale)) for h, mt, s in configs]
+    with compile_pool(num_workers or min(len(funcs), 16)) as ex:
+        list(ex.map(_compile, funcs))
+    for h, mt, s in configs:
+        get_kernel(h, mt, s, float(softmax_scale))
+
+
+CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite verification (q <= 4) with the combine
+
+
+def ci_compile(configs=None):
+    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py)."""
+    funcs = [build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5) for h, mt, s in (configs or CI_CONFIGS)]
+    with compile_pool(len(funcs)) as ex:
+        return list(ex.map(_compile, funcs))
+
+
+# ----------------------------------------------------------------------------------------------------
+# checks and benchmark (the reference, inputs and comparison are mla_decode's)
+# ----------------------------------------------------------------------------------------------------
+def _q_bucket(seqlens_q) -> int:
+    return md.bucket_q(max(seqlens_q) if isinstance(seqlens_q, list) else seqlens_q)
+
+
+def check_cases(seed=0):
+    """mla_decode's cases whose tile has 64 rows (all 128-head ones, 16 heads from 4 query tokens)."""
+    return [c for c in md.check_cases(seed) if applies(c[1], _q_bucket(c[3]))]
+
+
+def run_checks(seed=0) -> bool:
+    ok, mine = True, check_cases(seed)
+    for i, case in enumerate(md.check_cases(seed)):
+        if case in mine:  # the seed mla_decode's own run of the case uses
+            ok &= md.check_case(*case, seed=seed + i, warp_specialized=True)[0]
+    return ok
+
+
+def bench(copy_gbps: float, shapes=None, out=None):
+    """JSON lines (also appended to ``out``): each issue shape and two verification shapes on both kernels,
+    graph-timed in one run."""
+    shapes = shapes or [(B, H, S, 1) for B, H, S in md.BENCH_SHAPES] + [(64, 128, 4096, 2), (64, 16, 4096, 4)]
+    for B, H, S, q in shapes:
+        if not applies(H, md.bucket_q(q)):
+            continue
+        base = md.bench_case(B, H, S, q, copy_gbps=copy_gbps)
+        row = md.bench_case(B, H, S, q, copy_gbps=copy_gbps, warp_specialized=True, check=True)
+        row.update(pipelined_us=base["us"], speedup=round(base["us"] / row["us"], 3))
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="numerics vs the fp32 reference (needs a GPU)")
+    ap.add_argument("--bench", action="store_true", help="both decode kernels on the issue's shapes (needs a GPU)")
+    ap.add_argument("--compile-only", action="store_true", help="compile the check and bench configurations")
+    ap.add_argument("--out", help="also append the bench rows to this JSONL file")
+    args = ap.parse_args(argv)
+    md._bench.exit_without_cuda(args)
+    cases = check_cases()
+    cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in cases]
+    cfgs += [c for c in md.bench_configs() if applies(c[0], 1) and len(c) == 3]
+    t = time.time()
+    precompile(cfgs)
+    print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
+    ok = True
+    if args.check:
+        ok = run_checks()
+        print("CHECK", "PASS" if ok else "FAIL", flush=True)
+    if args.bench:
+        md.precompile(md.bench_configs() + [md.decode_config(128, 2, 1), md.decode_config(16, 4, 1)])
+        cb = md.copy_bandwidth()
+        print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
+        bench(cb, out=args.out)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
