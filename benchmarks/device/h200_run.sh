@@ -15,7 +15,8 @@
 #             its DEEPINFER_* switches
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
-#   mla       benchmarks/bench_mla_decode.py
+#   mla       benchmarks/bench_mla_decode.py (MLA_ARGS: extra arguments, e.g. --warp-specialized)
+#   ws        kernels_cuda/mla_decode_ws.py --check --bench (the hand warp-specialized decode against the pipelined one)
 #   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
 #   skinny    kernels_cuda/skinny_gemm.py --check --bench
@@ -100,7 +101,14 @@ for l in open('$OUT/profile.jsonl'):
              | filt | grep -v '^{' | tail -25; done ;;
     mla1) timeout $LIM python3 kernels_cuda/mla_decode.py --sweep-batch1 2>&1 | filt > "$OUT/mla1.log"
              grep '^{' "$OUT/mla1.log" > "$OUT/h200_mla_decode_batch1.jsonl"; tail -25 "$OUT/mla1.log" ;;
-    mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 --out "$OUT/h200_mla_decode.jsonl" \
+    ws) timeout $LIM python3 kernels_cuda/mla_decode_ws.py --check --bench --out "$OUT/h200_mla_decode_ws.jsonl" 2>&1 \
+             | filt > "$OUT/ws.log"; echo "ws rc=${PIPESTATUS[0]}"; grep -v '^{' "$OUT/ws.log" | tail -40
+             python3 -c "
+import json
+for l in open('$OUT/h200_mla_decode_ws.jsonl'):
+    r = json.loads(l); print(r['heads'], r['batch'], r['seqlen_k'], r['q_len'], r['num_splits'], r['us'], r['pipelined_us'], r['speedup'], r.get('frac_of_copy'), r['TFLOPs'], r.get('check'))
+" ;;
+    mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
     savecache) tar -cJf "$OUT/tlcache.tar.xz" -C /tmp/tlcache . ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
