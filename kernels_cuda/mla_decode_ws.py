@@ -47,6 +47,9 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
     from _pdl import pdl_enabled
 
 THREADS = 384  # two consumer warpgroups and one producer
+#: warpgroup 0 runs tile j's softmax while its P @ V of tile j - 1 is in flight (False: session 8's first version,
+#: QK^T, softmax and a synchronous PV in sequence)
+OVERLAP_SOFTMAX = True
 REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
 
 
@@ -58,7 +61,14 @@ def applies(heads: int, q_bucket: int) -> bool:
 # ----------------------------------------------------------------------------------------------------
 # factory
 # ----------------------------------------------------------------------------------------------------
-def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+def build_mla_decode_ws(
+    heads: int,
+    m_tiles: int,
+    num_splits: int,
+    softmax_scale: float,
+    num_stages: int = 2,
+    overlap: bool = OVERLAP_SOFTMAX,
+):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
     zeros, rows of the next request are computed and never stored)."""
@@ -78,6 +88,25 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
     combine = md.combine_splits(H, S, False, PDL)
+
+    @T.macro
+    def softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, tile, first_masked):
+        """Key tile ``tile`` (its index in the request) of warpgroup 0's rows: the causal / length mask where the
+        tile reaches past the first query's position, the running max, rescale factor, probabilities (in acc_s)
+        and running sum. acc_o is not touched (its PV may still be in flight). first_masked: keys at positions past
+        it are invisible to the first query row."""
+        if (tile + 1) * BN - 1 > first_masked:
+            for i, c in T.Parallel(BM, BN):
+                acc_s[i, c] = T.if_then_else(tile * BN + c > lim[i], -T.infinity(acc), acc_s[i, c])
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for i in T.Parallel(BM):
+            alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale)
+        for i, c in T.Parallel(BM, BN):
+            acc_s[i, c] = T.exp2(acc_s[i, c] * scale - m_i[i] * scale)
+        T.reduce_sum(acc_s, row_sum, dim=1)
+        for i in T.Parallel(BM):
+            l_i[i] = l_i[i] * alpha[i] + row_sum[i]
 
     @T.prim_func
     def mla_decode_ws(
@@ -144,40 +173,63 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
                 for i in T.Parallel(BM):  # last visible key position per row (inclusive); rows past sq clamp
                     lim[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
                 T.barrier_wait(bar_q, 0)
-                for r in T.serial(rounds):
-                    for st in T.unroll(NS):
-                        k = r * NS + st
-                        if k < my_tiles:
-                            T.barrier_wait(bar_ready[st], r & 1)
-                            T.clear(acc_s)
-                            T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[st, :, 0:DH], acc_s, transpose_B=True)
-                            T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[st, :, DH:DV], acc_s, transpose_B=True)
-                            T.wgmma_gemm(Q_pe_shared, K_pe_shared[st, :, :], acc_s, transpose_B=True)
-                            T.wait_wgmma(0)
-                            if (t0 + k + 1) * BN - 1 > first_masked:
-                                for i, j in T.Parallel(BM, BN):
-                                    acc_s[i, j] = T.if_then_else(
-                                        (t0 + k) * BN + j > lim[i], -T.infinity(acc), acc_s[i, j]
-                                    )
-                            if k > 0:  # warpgroup 1 is done with the previous tile's P and factors
-                                T.barrier_arrive(bar_s_free)
-                                T.barrier_wait(bar_s_free, (k - 1) & 1)
-                            T.copy(m_i, m_prev)
-                            T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                            for i in T.Parallel(BM):
-                                alpha[i] = T.exp2((m_prev[i] - m_i[i]) * scale)
-                            for i, j in T.Parallel(BM, BN):
-                                acc_s[i, j] = T.exp2(acc_s[i, j] * scale - m_i[i] * scale)
-                            T.reduce_sum(acc_s, row_sum, dim=1)
-                            for i in T.Parallel(BM):
-                                l_i[i] = l_i[i] * alpha[i] + row_sum[i]
-                            for i, d in T.Parallel(BM, DH):
-                                acc_o_l[i, d] *= alpha[i]
-                            T.copy(alpha, alpha_shared)
-                            T.copy(acc_s, S_shared)
-                            T.gemm(S_shared, KV_shared[st, :, 0:DH], acc_o_l)
-                            T.barrier_arrive(bar_s_ready)
-                            T.barrier_arrive(bar_free[st])
+                if overlap:
+                    # Step j issues QK^T of tile j, then P @ V_left of tile j - 1 (both async), waits for QK^T
+                    # only, and runs tile j's softmax while that PV (and warpgroup 1's) keeps the tensor cores
+                    # busy; acc_o_l is rescaled only after its PV has landed. Each wait sits in the branch of the
+                    # issues it waits for: ptxas then sees which accumulators are in flight and adds no wait.
+                    for r in T.serial(T.ceildiv(my_tiles + 1, NS)):
+                        for st in T.unroll(NS):
+                            j = r * NS + st
+                            prev = (st + NS - 1) % NS  # tile j - 1's slot
+                            if j < my_tiles:
+                                T.barrier_wait(bar_ready[st], r & 1)
+                                T.clear(acc_s)
+                                T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[st, :, 0:DH], acc_s, transpose_B=True)
+                                T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[st, :, DH:DV], acc_s, transpose_B=True)
+                                T.wgmma_gemm(Q_pe_shared, K_pe_shared[st, :, :], acc_s, transpose_B=True)
+                                if j > 0:
+                                    T.wgmma_gemm(S_shared, KV_shared[prev, :, 0:DH], acc_o_l)
+                                    T.wait_wgmma(1)  # QK^T done; the PV may still run
+                                    softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, t0 + j, first_masked)
+                                    T.wait_wgmma(0)
+                                    T.barrier_arrive(bar_free[prev])
+                                    for i, d in T.Parallel(BM, DH):
+                                        acc_o_l[i, d] *= alpha[i]
+                                    T.barrier_arrive(bar_s_free)  # warpgroup 1 is done with tile j - 1's P
+                                    T.barrier_wait(bar_s_free, (j - 1) & 1)
+                                else:
+                                    T.wait_wgmma(0)
+                                    softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, t0 + j, first_masked)
+                                T.copy(alpha, alpha_shared)
+                                T.copy(acc_s, S_shared)
+                                T.barrier_arrive(bar_s_ready)
+                            elif j == my_tiles and j > 0:  # the last tile's P @ V_left
+                                T.wgmma_gemm(S_shared, KV_shared[prev, :, 0:DH], acc_o_l)
+                                T.wait_wgmma(0)
+                                T.barrier_arrive(bar_free[prev])
+                else:
+                    for r in T.serial(rounds):
+                        for st in T.unroll(NS):
+                            k = r * NS + st
+                            if k < my_tiles:
+                                T.barrier_wait(bar_ready[st], r & 1)
+                                T.clear(acc_s)
+                                T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[st, :, 0:DH], acc_s, transpose_B=True)
+                                T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[st, :, DH:DV], acc_s, transpose_B=True)
+                                T.wgmma_gemm(Q_pe_shared, K_pe_shared[st, :, :], acc_s, transpose_B=True)
+                                T.wait_wgmma(0)
+                                softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, t0 + k, first_masked)
+                                for i, d in T.Parallel(BM, DH):
+                                    acc_o_l[i, d] *= alpha[i]
+                                if k > 0:  # warpgroup 1 is done with the previous tile's P and factors
+                                    T.barrier_arrive(bar_s_free)
+                                    T.barrier_wait(bar_s_free, (k - 1) & 1)
+                                T.copy(alpha, alpha_shared)
+                                T.copy(acc_s, S_shared)
+                                T.gemm(S_shared, KV_shared[st, :, 0:DH], acc_o_l)
+                                T.barrier_arrive(bar_s_ready)
+                                T.barrier_arrive(bar_free[st])
                 T.copy(l_i, l_shared)
                 T.barrier_arrive(bar_done)
                 # finalize: rows with no visible key in this split give o = 0, lse = -inf
@@ -250,23 +302,33 @@ def _compile(func):
 
 
 @functools.cache
-def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2):
+def get_kernel(
+    heads: int,
+    m_tiles: int,
+    num_splits: int,
+    softmax_scale: float,
+    num_stages: int = 2,
+    overlap: bool = OVERLAP_SOFTMAX,
+):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
-    return _compile(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale, num_stages))
+    return _compile(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale, num_stages, overlap))
 
 
-def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None):
+def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None, overlap: bool = OVERLAP_SOFTMAX):
     """Compile ``(heads, m_tiles, num_splits)`` configurations ahead of use (builds on this thread, nvcc in
     parallel), then warm ``get_kernel``'s cache with the launcher's call form."""
     configs = list(dict.fromkeys(tuple(c[:3]) for c in configs))
     if not configs:
         return
-    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale)) for h, mt, s in configs]
+    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale), overlap=overlap) for h, mt, s in configs]
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
     for h, mt, s in configs:
-        get_kernel(h, mt, s, float(softmax_scale))
+        if overlap == OVERLAP_SOFTMAX:
+            get_kernel(h, mt, s, float(softmax_scale))
+        else:
+            get_kernel(h, mt, s, float(softmax_scale), overlap=overlap)
 
 
 CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite verification (q <= 4) with the combine
@@ -299,20 +361,41 @@ def run_checks(seed=0) -> bool:
     return ok
 
 
+BENCH_SHAPES = [(B, H, S, 1) for B, H, S in md.BENCH_SHAPES] + [(64, 128, 4096, 2), (64, 16, 4096, 4)]
+
+
+def bench_configs(num_sms: int = 132) -> list[tuple]:
+    """(heads, m_tiles, num_splits) of the bench shapes this kernel applies to, at the launch's split choice."""
+    out = []
+    for B, H, S, q in BENCH_SHAPES:
+        bq = md.bucket_q(q)
+        if applies(H, bq):
+            out.append(md.decode_config(H, bq, md.default_num_splits(B, H, bq, S // md.PAGE, num_sms))[:3])
+    return out
+
+
 def bench(copy_gbps: float, shapes=None, out=None):
-    """JSON lines (also appended to ``out``): each issue shape and two verification shapes on both kernels,
-    graph-timed in one run."""
-    shapes = shapes or [(B, H, S, 1) for B, H, S in md.BENCH_SHAPES] + [(64, 128, 4096, 2), (64, 16, 4096, 4)]
-    for B, H, S, q in shapes:
+    """JSON lines (also appended to ``out``): each issue shape and two verification shapes on the pipelined kernel,
+    this kernel without the softmax overlap (session 8's first version) and with it, graph-timed in one run, the
+    warp-specialized rows checked against the fp32 reference."""
+    global get_kernel
+    for B, H, S, q in shapes or BENCH_SHAPES:
         if not applies(H, md.bucket_q(q)):
             continue
         base = md.bench_case(B, H, S, q, copy_gbps=copy_gbps)
+        default = get_kernel
+        get_kernel = functools.partial(default, overlap=not OVERLAP_SOFTMAX)  # mla_decode looks it up per call
+        try:
+            other = md.bench_case(B, H, S, q, copy_gbps=copy_gbps, warp_specialized=True, check=True)
+        finally:
+            get_kernel = default
         row = md.bench_case(B, H, S, q, copy_gbps=copy_gbps, warp_specialized=True, check=True)
-        row.update(pipelined_us=base["us"], speedup=round(base["us"] / row["us"], 3))
-        print(json.dumps(row), flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        for r, ov in ((other, not OVERLAP_SOFTMAX), (row, OVERLAP_SOFTMAX)):
+            r.update(overlap_softmax=ov, pipelined_us=base["us"], speedup=round(base["us"] / r["us"], 3))
+            print(json.dumps(r), flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
 
 
 def main(argv=None):
@@ -325,7 +408,7 @@ def main(argv=None):
     md._bench.exit_without_cuda(args)
     cases = check_cases()
     cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in cases]
-    cfgs += [c for c in md.bench_configs() if applies(c[0], 1) and len(c) == 3]
+    cfgs += bench_configs()
     t = time.time()
     precompile(cfgs)
     print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
@@ -334,7 +417,8 @@ def main(argv=None):
         ok = run_checks()
         print("CHECK", "PASS" if ok else "FAIL", flush=True)
     if args.bench:
-        md.precompile(md.bench_configs() + [md.decode_config(128, 2, 1), md.decode_config(16, 4, 1)])
+        md.precompile(bench_configs())  # the pipelined kernel's, for the comparison
+        precompile(bench_configs(), overlap=not OVERLAP_SOFTMAX)
         cb = md.copy_bandwidth()
         print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
         bench(cb, out=args.out)
