@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-GPU_FLAGS = ("check", "bench", "check_prefill", "sweep_batch1")  # argparse dests of the kernel files' GPU-only jobs
+GPU_FLAGS = ("check", "bench", "check_prefill", "sweep_batch1", "diagnose")  # dests of GPU-only jobs
 
 
 def exit_without_cuda(args) -> None:

@@ -30,6 +30,8 @@ import json
 import sys
 import time
 
+import torch
+
 try:  # tilelang is optional at import time so that the module imports without it
     import tilelang
     import tilelang.language as T
@@ -68,16 +70,24 @@ def build_mla_decode_ws(
     softmax_scale: float,
     num_stages: int = 2,
     overlap: bool = OVERLAP_SOFTMAX,
+    load_kv: bool = True,
+    block_n: int = md.BLOCK_N,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
-    zeros, rows of the next request are computed and never stored)."""
+    zeros, rows of the next request are computed and never stored). ``overlap``: the softmax-overlapping schedule
+    of warpgroup 0 (``OVERLAP_SOFTMAX``). ``load_kv=False`` is a measurement switch only (``--diagnose``): the
+    producer signals each slot without loading it, so the time is the warpgroups' compute and hand-offs alone.
+    ``block_n``: keys a tile (64 = a page; 32 = half a page, so that four slots fit where two pages do)."""
     assert tilelang is not None, "tilelang is not installed"
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
     DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
-    BM, BN, PAGE, HD = md.BLOCK_M, md.BLOCK_N, md.PAGE, md.HEAD_DIM
+    BM, BN, PAGE, HD = md.BLOCK_M, block_n, md.PAGE, md.HEAD_DIM
+    assert PAGE % BN == 0 and BN % 16 == 0, f"block_n {BN}: a multiple of 16 dividing the page ({PAGE})"
+    smem = BM * (DV + DPE) * 2 + NS * BN * HD * 2 + BM * BN * 2
+    assert smem <= 227 * 1024 - 2048, f"{NS} stages of {BN} keys need {smem} bytes of shared memory (H200: 227 KB)"
     scale = float(softmax_scale * md.LOG2E)
     dtype, acc = T.bfloat16, T.float32
     neg_big = -(2.0**30)  # finite "minus infinity" for the running max (avoids inf - inf)
@@ -286,9 +296,11 @@ def build_mla_decode_ws(
                         k = r * NS + st
                         if k < my_tiles:
                             T.barrier_wait(bar_free[st], (r & 1) ^ 1)
-                            page = block_table[b, t0 + k]
-                            T.tma_copy(KV[page, :, 0:DV], KV_shared[st, :, :], barrier=bar_ready[st])
-                            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[st, :, :], barrier=bar_ready[st])
+                            if load_kv:
+                                page = block_table[b, (t0 + k) * BN // PAGE]
+                                r0 = (t0 + k) * BN % PAGE
+                                T.tma_copy(KV[page, r0 : r0 + BN, 0:DV], KV_shared[st, :, :], barrier=bar_ready[st])
+                                T.tma_copy(KV[page, r0 : r0 + BN, DV:HD], K_pe_shared[st, :, :], barrier=bar_ready[st])
                             T.barrier_arrive(bar_ready[st])
 
         if S > 1:
@@ -398,12 +410,84 @@ def bench(copy_gbps: float, shapes=None, out=None):
                     f.write(json.dumps(r) + "\n")
 
 
+def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int = 4096):
+    """Where the time goes at one issue shape (JSON lines). For each schedule (with and without the softmax
+    overlap; 64-key tiles in 2 slots, 32-key tiles in 4): the real pages (output checked against the fp32
+    reference), every tile of a request re-reading its first page (HBM traffic ~0, L2 -> SM traffic unchanged),
+    and no KV loads at all (the warpgroups' compute and hand-offs alone; garbage output)."""
+    scale = md.HEAD_DIM**-0.5
+    inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
+    mt = md.m_tiles_for(heads, 1)
+    variants = [(ov, load, bn, ns) for bn, ns in ((64, 2), (32, 4)) for ov in (False, True) for load in (True, False)]
+    with compile_pool(len(variants)) as ex:
+        kernels = list(
+            ex.map(
+                _compile,
+                [
+                    build_mla_decode_ws(heads, mt, 1, scale, ns, overlap=ov, load_kv=load, block_n=bn)
+                    for ov, load, bn, ns in variants
+                ],
+            )
+        )
+    q2 = inp["q_latent"].view(-1, md.KV_LORA)
+    qpe2 = inp["q_rope"].view(-1, md.ROPE)
+    out = torch.empty_like(inp["q_latent"])
+    lse = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
+    o_part, l_part = md._dummy_partials(out.shape[0], heads, out.device)
+    one_page = inp["block_tables"][:, :1].expand_as(inp["block_tables"]).contiguous()
+    ref, _ = md.mla_decode_ref(**inp, softmax_scale=scale)
+    nbytes = batch * seqlen_k * md.HEAD_DIM * 2
+    flops = 2 * batch * heads * seqlen_k * (md.HEAD_DIM + md.KV_LORA)
+    for (ov, load, bn, ns), kern in zip(variants, kernels):
+        tables = [("pages", inp["block_tables"]), ("one_page", one_page)] if load else [("no_loads", one_page)]
+        for mode, bt in tables:
+
+            def fn(kern=kern, bt=bt):
+                kern(
+                    q2,
+                    qpe2,
+                    inp["kv_cache"],
+                    bt,
+                    inp["cu_seqlens_q"][:batch],
+                    inp["seqlens_q"],
+                    inp["seqlens_k"],
+                    out,
+                    lse,
+                    o_part,
+                    l_part,
+                )
+
+            out.fill_(float("nan"))
+            us, timing = md._bench.time_us(fn)
+            row = {
+                "bench": "mla_decode_ws_diagnose",
+                "hardware": torch.cuda.get_device_name(),
+                "batch": batch,
+                "heads": heads,
+                "seqlen_k": seqlen_k,
+                "overlap_softmax": ov,
+                "block_n": bn,
+                "num_stages": ns,
+                "kv": mode,
+                "us": round(us, 2),
+                "us_per_64_keys": round(us / (seqlen_k // 64), 3),
+                "TFLOPs": round(flops / us / 1e6, 1),
+                "frac_of_copy": round(nbytes / us / 1e3 / copy_gbps, 3),
+                "timing": timing,
+            }
+            if mode == "pages":
+                ok, info = md.compare(out, ref, "diagnose")
+                row.update(check="PASS" if ok else "FAIL", check_info={k: v for k, v in info.items() if k != "name"})
+            print(json.dumps(row), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="numerics vs the fp32 reference (needs a GPU)")
     ap.add_argument("--bench", action="store_true", help="both decode kernels on the issue's shapes (needs a GPU)")
     ap.add_argument("--compile-only", action="store_true", help="compile the check and bench configurations")
     ap.add_argument("--out", help="also append the bench rows to this JSONL file")
+    ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
     args = ap.parse_args(argv)
     md._bench.exit_without_cuda(args)
     cases = check_cases()
@@ -422,6 +506,8 @@ def main(argv=None):
         cb = md.copy_bandwidth()
         print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
         bench(cb, out=args.out)
+    if args.diagnose:
+        diagnose(md.copy_bandwidth())
     return 0 if ok else 1
 
 
