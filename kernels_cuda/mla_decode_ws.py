@@ -49,9 +49,11 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
     from _pdl import pdl_enabled
 
 THREADS = 384  # two consumer warpgroups and one producer
-#: warpgroup 0 runs tile j's softmax while its P @ V of tile j - 1 is in flight (False: session 8's first version,
-#: QK^T, softmax and a synchronous PV in sequence)
-OVERLAP_SOFTMAX = True
+#: True: warpgroup 0 runs tile j's softmax while its P @ V of tile j - 1 is in flight. False (the default): QK^T,
+#: softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K) the overlap is faster
+#: without KV loads (125.7 against 129.5 us) but slower with them (164.5 against 150.3 us): its PV of tile j - 1
+#: ends during step j, so the slot of tile j - 1 is released later and the load of tile j + 1 has less time to land.
+OVERLAP_SOFTMAX = False
 REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
 
 

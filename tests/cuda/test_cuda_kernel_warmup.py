@@ -341,8 +341,9 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
 
 
 def test_mla_decode_ws_configs_follow_the_gate_and_the_device():
-    """mla_decode_ws (gated, session 8): with its gate open on a Hopper device every 64-row decode configuration
-    carries the warp-specialized flag (16-row tiles and prefill do not change); gate shut or another device: none."""
+    """mla_decode_ws (verified in session 8: on by default): on a Hopper device every 64-row decode configuration
+    carries the warp-specialized flag (16-row tiles and prefill do not change); put back into the gate, or on
+    another device: none."""
     from deepinfer_npu.backends.cuda.warmup import reachable_configs
 
     plan = v2_lite_plan(k=3, varlen=True, method="dflash")
@@ -352,6 +353,8 @@ def test_mla_decode_ws_configs_follow_the_gate_and_the_device():
     want = {c + (False, md.BLOCK_M, True) if len(c) == 3 else c for c in base}
     assert set(ws) == want and any(len(c) == 6 for c in ws) and any(len(c) == 5 for c in ws)
     assert reachable_configs(plan, SMS, enabled=lambda name: True, sm90=False)["mla_decode"] == base
+    assert "mla_decode_ws" not in cuda_kernels.UNVERIFIED_KERNELS
+    assert reachable_configs(plan, SMS, sm90=True)["mla_decode"] == ws  # the default gate: on
 
 
 def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):

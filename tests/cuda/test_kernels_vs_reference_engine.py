@@ -176,9 +176,9 @@ def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logpr
 
 @needs_cuda
 def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
-    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode) at 128 heads, three requests: with its gate
-    open every decode step takes it (the op report says so), and the greedy tokens follow the pipelined kernel's
-    by the logprobs-close rule."""
+    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode, on by default since session 8) at 128 heads,
+    three requests: every decode step takes it (the op report says so), and the greedy tokens follow those of the
+    pipelined kernel (mla_decode_ws put back into the gate) by the logprobs-close rule."""
 
     from deepinfer_npu import LLM, SamplingParams
 
