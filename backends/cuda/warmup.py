@@ -454,6 +454,11 @@ def _counts(configs: dict[str, list[tuple]]) -> str:
     return ", ".join(parts)
 
 
+def _device_is_sm90() -> bool:
+    """The current CUDA device is a Hopper (mla_decode_ws' kernels run only there)."""
+    return torch.cuda.is_available() and is_sm90(torch.cuda.current_device())
+
+
 def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     """Compile every configuration of :func:`reachable_configs` for ``kernels`` (a ``CudaKernelSet``), module by
     module; -> ``"N configs in X s (module: n, ...)"`` plus the modules that failed or were skipped. A module that
@@ -466,8 +471,7 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         if num_sms is None:
             num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
             kernels.num_sms = num_sms
-        sm90 = torch.cuda.is_available() and is_sm90(torch.cuda.current_device())
-        configs = reachable_configs(plan, num_sms, sm90=sm90)
+        configs = reachable_configs(plan, num_sms, sm90=_device_is_sm90())
     except Exception as e:  # noqa: BLE001 - a bug here must not stop start-up; the kernels compile at first use
         logger.warning("kernel warm-up skipped: listing the configurations failed: %s: %s", type(e).__name__, e)
         return f"skipped: listing the configurations failed: {type(e).__name__}: {e}"

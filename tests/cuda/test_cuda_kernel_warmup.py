@@ -68,6 +68,9 @@ def recorded(monkeypatch):
     monkeypatch.setattr(moe_gemm, "expert_starts",
                         lambda t: calls.setdefault("moe_gemm", []).append(("expert_scan", (t.shape[0],))))
     monkeypatch.delenv(cuda_kernels.UNVERIFIED_ENV, raising=False)
+    # the expected sets here are the pipelined kernel's on any machine (an H200 would add mla_decode_ws' flag:
+    # test_mla_decode_ws_configs_follow_the_gate_and_the_device)
+    monkeypatch.setattr(importlib.import_module("deepinfer_npu.backends.cuda.warmup"), "_device_is_sm90", lambda: False)
     return calls
 
 
@@ -355,6 +358,18 @@ def test_mla_decode_ws_configs_follow_the_gate_and_the_device():
     assert reachable_configs(plan, SMS, enabled=lambda name: True, sm90=False)["mla_decode"] == base
     assert "mla_decode_ws" not in cuda_kernels.UNVERIFIED_KERNELS
     assert reachable_configs(plan, SMS, sm90=True)["mla_decode"] == ws  # the default gate: on
+
+
+def test_warm_up_on_a_hopper_device_takes_mla_decode_ws(recorded, monkeypatch):
+    """warm_up asks the device: on compute capability 9.x the 64-row decode configurations carry the flag."""
+    from deepinfer_npu.backends.cuda import warmup
+
+    plan = v2_lite_plan(k=3, varlen=True, method="dflash")
+    monkeypatch.setattr(warmup, "_device_is_sm90", lambda: True)
+    kernel_set().warmup(plan)
+    (cfgs, _kw), = recorded["mla_decode"]
+    assert cfgs == warmup.reachable_configs(plan, SMS, sm90=True)["mla_decode"]
+    assert any(len(c) == 6 and c[5] for c in cfgs)
 
 
 def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):
