@@ -10,7 +10,7 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 
 - ``mla_attention``: ``kernels_cuda.mla_decode`` (paged absorbed MLA, FlashMLA layout) for steps whose host max
   query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
-  draft verification. Prefill chunks (host max query length > 16, same dtype and dims):
+  draft verification (64-row tiles on a Hopper: ``kernels_cuda.mla_decode_ws``, warp-specialized). Prefill chunks (host max query length > 16, same dtype and dims):
   ``kernels_cuda.mla_decode.mla_prefill`` (causal tile bound). Other decode shapes: a dense sync-free composition;
   other prefill chunks (exact host lengths) the reference arithmetic looping on those host ints (sync-free);
   anything else the reference (a sync, reported).
@@ -924,7 +924,8 @@ class CudaKernelSet(KernelSet):
         "q / q_a and kv_a projections as one skinny_gemm launch (fused_a_proj) and W_UK on kernels_cuda.mla_absorb "
         "where its gate allows it (unverified)",
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
-        "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16; "
+        "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16 (64-row "
+        "tiles on sm_90 through kernels_cuda.mla_decode_ws, warp-specialized); "
         "else decode (max q <= 16) in composed torch (dense, sync-free); "
         "prefill (max q > 16) on kernels_cuda.mla_decode.mla_prefill (causal tile bound) for the same shapes, "
         "else on the host's exact lengths (the reference loop, sync-free); else the reference (syncs)",
