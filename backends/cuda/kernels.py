@@ -12,8 +12,8 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
   query length is 1..16 with bf16 and the real DeepSeek dims (kv_lora 512 + rope 64, page 64): decode and
   draft verification (64-row tiles on a Hopper: ``kernels_cuda.mla_decode_ws``, warp-specialized). Prefill
   chunks (host max query length > 16, same dtype and dims): ``kernels_cuda.mla_decode.mla_prefill`` (causal tile
-  bound). Other decode shapes: a dense sync-free composition; other prefill chunks (exact host lengths) the reference arithmetic looping on those host ints (sync-free);
-  anything else the reference (a sync, reported).
+  bound). Other decode shapes: a dense sync-free composition; other prefill chunks (exact host lengths) the
+  reference arithmetic looping on those host ints (sync-free); anything else the reference (a sync, reported).
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
 - ``mla_prolog``: the projections through ``linear`` (for one row the query's first projection and kv_a as one
   ``skinny_gemm`` launch, ``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), W_UK of one token on
