@@ -80,6 +80,21 @@ def _pass_configs():
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
+def compile_sm90(func):
+    """Compile a PrimFunc of this file or of ``mla_decode_ws`` for ``SM90_TARGET`` (read at call time: the CI's
+    sm_100a compile points it elsewhere)."""
+    return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
+
+
+def _ws_module():
+    """``mla_decode_ws``, also when this file runs as a script (then both are top-level modules)."""
+    try:
+        from . import mla_decode_ws as ws
+    except ImportError:  # run as a script from kernels_cuda/
+        import mla_decode_ws as ws
+    return ws
+
+
 # ----------------------------------------------------------------------------------------------------
 # factory
 # ----------------------------------------------------------------------------------------------------
@@ -300,7 +315,7 @@ def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, 
     func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages, threads=threads,
                             causal_tile_bound=causal_tile_bound, block_m=block_m,
                             skip_empty_splits=skip_empty_splits)
-    return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
+    return compile_sm90(func)
 
 
 def _engine_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, causal: bool = False,
@@ -330,11 +345,12 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
     ws_configs = [c[:3] for c in configs if c[5]]
     configs = [c[:5] for c in configs if not c[5]]
     if ws_configs:
+        ws = _ws_module()
         try:
-            from . import mla_decode_ws as ws
-        except ImportError:  # run as a script from kernels_cuda/
-            import mla_decode_ws as ws
-        ws.precompile(ws_configs, softmax_scale, num_workers)
+            ws.precompile(ws_configs, softmax_scale, num_workers)
+        except Exception as e:  # noqa: BLE001 - the pipelined kernel still serves these steps (mla_decode)
+            ws.disable(f"compile failed: {type(e).__name__}: {e}")
+            configs += [c[:3] + (False, BLOCK_M) for c in ws_configs]
     if not configs:
         return
     # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
@@ -342,11 +358,8 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
     funcs = [build_mla_decode(h, mt, s, float(softmax_scale), causal_tile_bound=ctb, block_m=bm,
                               threads=SMALL_THREADS if bm != BLOCK_M else 256) for h, mt, s, ctb, bm in configs]
 
-    def one(func):
-        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
-
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
-        list(ex.map(one, funcs))
+        list(ex.map(compile_sm90, funcs))
     for h, mt, s, ctb, bm in configs:  # the launchers' own calls, so that their functools cache keys match
         _engine_kernel(h, mt, s, float(softmax_scale), ctb, bm)
 
@@ -370,14 +383,12 @@ def ci_compile(configs=None):
     funcs = [build_mla_decode(h, mt, s, HEAD_DIM**-0.5, causal_tile_bound=ctb, block_m=bm,
                               threads=SMALL_THREADS if bm != BLOCK_M else 256)
              for h, mt, s, ctb, bm, _ws in map(_normalize, cfgs)]
+    assert not any(_normalize(c)[5] for c in cfgs), "warp-specialized configurations: mla_decode_ws.ci_compile"
     if configs is None:
         funcs.append(build_mla_decode(16, m_tiles_for(16, 512), 1, HEAD_DIM**-0.5, causal_tile_bound=True))
 
-    def one(func):
-        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
-
     with compile_pool(len(funcs)) as ex:
-        return list(ex.map(one, funcs))
+        return list(ex.map(compile_sm90, funcs))
 
 
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
@@ -464,12 +475,14 @@ def mla_decode(
     block_m: int | None = None,
     skip_empty_splits: bool = False,
     warp_specialized: bool = False,
+    ws_variant: dict | None = None,
 ):
     """out_latent [T, H, 512] bf16 and lse [T, H] fp32. Pass max_seqlen_q (host int): no device sync.
     ``num_stages`` / ``threads`` / ``block_m`` / ``skip_empty_splits``: the split kernel's pipeline depth, CTA
     size, folded rows a CTA, and empty-split handling (tuning sweeps; None: the engine's choice,
     ``decode_block_m``). ``warp_specialized``: ``mla_decode_ws``'s kernel where the engine's tile has 64 rows
-    (``mla_decode_ws.applies``; the tuning arguments then do not apply)."""
+    (``mla_decode_ws.applies``; the tuning arguments then do not apply) unless that module was disabled (a failed
+    compile: ``mla_decode_ws.disabled_reason``), ``ws_variant`` its ``get_kernel`` keyword arguments (benchmarks)."""
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     if max_seqlen_q is None:
@@ -479,14 +492,10 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
-    if warp_specialized and engine_bm == BLOCK_M:
-        try:
-            from . import mla_decode_ws as ws
-        except ImportError:  # run as a script from kernels_cuda/
-            import mla_decode_ws as ws
-
+    use_ws = warp_specialized and engine_bm == BLOCK_M and _ws_module().disabled_reason is None
+    if use_ws:
         mt = m_tiles_for(H, bucket_q(max_seqlen_q))
-        kern = ws.get_kernel(H, mt, num_splits, float(softmax_scale))
+        kern = _ws_module().get_kernel(H, mt, num_splits, float(softmax_scale), **(ws_variant or {}))
     elif num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
         kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm)  # precompile's call form
@@ -507,8 +516,8 @@ def mla_decode(
     else:  # unused by the kernel, but the shapes must bind: a cached dummy (kept alive for graph replays)
         o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
     q_start = cu_seqlens_q[:B]
-    if warp_specialized and engine_bm == BLOCK_M:  # its Q inputs are the [T * H, D] row views
-        q_latent, q_rope = q_latent.view(Tq * H, KV_LORA), q_rope.view(Tq * H, ROPE)
+    if use_ws:  # its Q inputs are the [T * H, D] row views
+        q_latent, q_rope = q_latent.reshape(Tq * H, KV_LORA), q_rope.reshape(Tq * H, ROPE)
     kern(q_latent, q_rope, kv_cache, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse
 
@@ -743,7 +752,8 @@ copy_bandwidth = _bench.copy_gbps  # device-to-device copy GB/s, bytes read + wr
 
 
 def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None, seed=100, num_stages=None,
-               threads=None, block_m=None, check=False, skip_empty_splits=False, warp_specialized=False):
+               threads=None, block_m=None, check=False, skip_empty_splits=False, warp_specialized=False,
+               ws_variant=None):
     """Median kernel time, from CUDA-graph replays (falls back to plain event timing if capture fails).
     Bytes = KV cache read once (FlashMLA's count) + q + out + lse + block table. ``check``: also compare the
     output with the fp32 reference (``compare``, 2 ulps) and report it in the row."""
@@ -765,7 +775,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         mla_decode(
             **inp, softmax_scale=scale, max_seqlen_q=q_len, num_splits=S, out=out, lse=lse, num_sms=num_sms,
             num_stages=num_stages, threads=threads, block_m=block_m, skip_empty_splits=skip_empty_splits,
-            warp_specialized=warp_specialized,
+            warp_specialized=warp_specialized, ws_variant=ws_variant,
         )
 
     fn()
@@ -790,6 +800,8 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         timing = "events"
         t = do_bench(fn, warmup=25, rep=300, return_mode="median")
     kv_bytes = batch * seqlen_k * HEAD_DIM * 2
+    ws_row = (warp_specialized and decode_block_m(heads, bucket_q(q_len)) == BLOCK_M
+              and _ws_module().disabled_reason is None)
     nbytes = (
         kv_bytes
         + Tq * heads * HEAD_DIM * 2
@@ -808,11 +820,11 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "q_len": q_len,
         "num_splits": S,
         "num_stages": num_stages or 2,
-        "threads": threads or (SMALL_THREADS if (block_m or decode_block_m(heads, bucket_q(q_len))) < BLOCK_M else 256),
+        "threads": (_ws_module().THREADS if ws_row else threads
+                    or (SMALL_THREADS if (block_m or decode_block_m(heads, bucket_q(q_len))) < BLOCK_M else 256)),
         "block_m": block_m or decode_block_m(heads, bucket_q(q_len)),
         "skip_empty_splits": skip_empty_splits,
-        "kernel": "warp_specialized" if warp_specialized and decode_block_m(heads, bucket_q(q_len)) == BLOCK_M
-        else "pipelined",
+        "kernel": "warp_specialized" if ws_row else "pipelined",
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),

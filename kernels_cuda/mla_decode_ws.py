@@ -55,12 +55,32 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
     from _pdl import pdl_enabled
 
 THREADS = 384  # two consumer warpgroups and one producer
-#: True: warpgroup 0 runs tile j's softmax while its P @ V of tile j - 1 is in flight. False (the default): QK^T,
-#: softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K) the overlap is faster
-#: without KV loads (125.7 against 129.5 us) but slower with them (164.5 against 150.3 us): its PV of tile j - 1
-#: ends during step j, so the slot of tile j - 1 is released later and the load of tile j + 1 has less time to land.
+#: True: warpgroup 0 runs tile j's softmax while both halves of P @ V of tile j - 1 are in flight. False (the
+#: default): QK^T, softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K) an
+#: earlier overlap (warpgroup 1's half issued before QK^T of tile j) was faster without KV loads (125.7 against 129.5
+#: us) but slower with them (164.5 against 150.3 us): the PV of tile j - 1 ends during step j, so its slot is released
+#: later and the load of tile j + 1 has less time to land (what ``prefetch_tiles`` addresses). The present form
+#: (warpgroup 1's half issued after QK^T of tile j) has not run on a GPU yet.
 OVERLAP_SOFTMAX = False
+#: L2 prefetch distance in tiles (``build_mla_decode_ws``'s ``prefetch_tiles``); 0 until measured on a GPU
+PREFETCH_TILES = 0
+PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
+L2_PREFETCH_SOURCE = r"""
+__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
 REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
+
+
+#: why this kernel is off in this process (a failed compile at warm-up: ``mla_decode.precompile``); None: usable
+disabled_reason: str | None = None
+
+
+def disable(reason: str) -> None:
+    """Turn the kernel off for this process: ``mla_decode.mla_decode`` then runs the pipelined 64-row kernel."""
+    global disabled_reason
+    disabled_reason = reason
 
 
 def applies(heads: int, q_bucket: int) -> bool:
@@ -79,23 +99,24 @@ def build_mla_decode_ws(
     num_stages: int = 2,
     overlap: bool = OVERLAP_SOFTMAX,
     load_kv: bool = True,
-    block_n: int = md.BLOCK_N,
+    prefetch_tiles: int = PREFETCH_TILES,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
     zeros, rows of the next request are computed and never stored). ``overlap``: the softmax-overlapping schedule
     of warpgroup 0 (``OVERLAP_SOFTMAX``). ``load_kv=False`` is a measurement switch only (``--diagnose``): the
     producer signals each slot without loading it, so the time is the warpgroups' compute and hand-offs alone.
-    ``block_n``: keys a tile (64 = a page; 32 = half a page, so that four slots fit where two pages do)."""
+    ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
+    (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
+    the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``)."""
     assert tilelang is not None, "tilelang is not installed"
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
     DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
-    BM, BN, PAGE, HD = md.BLOCK_M, block_n, md.PAGE, md.HEAD_DIM
-    assert PAGE % BN == 0 and BN % 16 == 0, f"block_n {BN}: a multiple of 16 dividing the page ({PAGE})"
-    smem = BM * (DV + DPE) * 2 + NS * BN * HD * 2 + BM * BN * 2
-    assert smem <= 227 * 1024 - 2048, f"{NS} stages of {BN} keys need {smem} bytes of shared memory (H200: 227 KB)"
+    BM, BN, PAGE, HD = md.BLOCK_M, md.BLOCK_N, md.PAGE, md.HEAD_DIM
+    PF = prefetch_tiles
+    assert PF == 0 or PF >= NS, f"prefetch_tiles {PF}: 0 or at least the {NS} slots (nearer tiles load at once)"
     scale = float(softmax_scale * md.LOG2E)
     dtype, acc = T.bfloat16, T.float32
     neg_big = -(2.0**30)  # finite "minus infinity" for the running max (avoids inf - inf)
@@ -192,10 +213,10 @@ def build_mla_decode_ws(
                     lim[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
                 T.barrier_wait(bar_q, 0)
                 if overlap:
-                    # Step j issues QK^T of tile j, then P @ V_left of tile j - 1 (both async), waits for QK^T
-                    # only, and runs tile j's softmax while that PV (and warpgroup 1's) keeps the tensor cores
-                    # busy; acc_o_l is rescaled only after its PV has landed. Each wait sits in the branch of the
-                    # issues it waits for: ptxas then sees which accumulators are in flight and adds no wait.
+                    # Step j issues QK^T of tile j and only then hands tile j - 1's P to warpgroup 1 and issues its
+                    # own half of P @ V of tile j - 1, so both halves run while warpgroup 0 waits for QK^T only
+                    # and computes tile j's softmax; acc_o_l is rescaled after its PV has landed. Each wgmma wait
+                    # sits in the branch of its issues: ptxas then sees which accumulators are in flight.
                     for r in T.serial(T.ceildiv(my_tiles + 1, NS)):
                         for st in T.unroll(NS):
                             j = r * NS + st
@@ -207,6 +228,7 @@ def build_mla_decode_ws(
                                 T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[st, :, DH:DV], acc_s, transpose_B=True)
                                 T.wgmma_gemm(Q_pe_shared, K_pe_shared[st, :, :], acc_s, transpose_B=True)
                                 if j > 0:
+                                    T.barrier_arrive(bar_s_ready)  # tile j - 1's P and factors
                                     T.wgmma_gemm(S_shared, KV_shared[prev, :, 0:DH], acc_o_l)
                                     T.wait_wgmma(1)  # QK^T done; the PV may still run
                                     softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, t0 + j, first_masked)
@@ -221,8 +243,9 @@ def build_mla_decode_ws(
                                     softmax_tile(acc_s, m_i, m_prev, alpha, row_sum, l_i, lim, t0 + j, first_masked)
                                 T.copy(alpha, alpha_shared)
                                 T.copy(acc_s, S_shared)
+                                T.fence_proxy_async()  # P is read by wgmma (the async proxy) after the hand-off
+                            elif j == my_tiles and j > 0:  # the last tile's P @ V
                                 T.barrier_arrive(bar_s_ready)
-                            elif j == my_tiles and j > 0:  # the last tile's P @ V_left
                                 T.wgmma_gemm(S_shared, KV_shared[prev, :, 0:DH], acc_o_l)
                                 T.wait_wgmma(0)
                                 T.barrier_arrive(bar_free[prev])
@@ -245,6 +268,8 @@ def build_mla_decode_ws(
                                     T.barrier_wait(bar_s_free, (k - 1) & 1)
                                 T.copy(alpha, alpha_shared)
                                 T.copy(acc_s, S_shared)
+                                # T.gemm emits fence.proxy.async before its wgmma: P's generic-proxy writes are
+                                # visible to warpgroup 1's wgmma (async proxy) once s_ready is arrived below
                                 T.gemm(S_shared, KV_shared[st, :, 0:DH], acc_o_l)
                                 T.barrier_arrive(bar_s_ready)
                                 T.barrier_arrive(bar_free[st])
@@ -299,16 +324,37 @@ def build_mla_decode_ws(
                 T.tma_copy(Q[qs * H + row0 : qs * H + row0 + BM, :], Q_shared, barrier=bar_q)
                 T.tma_copy(Q_pe[qs * H + row0 : qs * H + row0 + BM, :], Q_pe_shared, barrier=bar_q)
                 T.barrier_arrive(bar_q)
+                if PF > 0:
+                    T.import_source(L2_PREFETCH_SOURCE)
+                    if tx == 2 * 128:  # tiles NS .. PF - 1 now; tile k + PF when tile k's slot is taken
+                        for k in T.serial(NS, T.min(PF, my_tiles)):
+                            T.evaluate(
+                                T.call_extern(
+                                    "handle",
+                                    "di_prefetch_l2",
+                                    T.access_ptr(KV[block_table[b, t0 + k], 0, 0], "r"),
+                                    PAGE_BYTES,
+                                )
+                            )
                 for r in T.serial(rounds):
                     for st in T.unroll(NS):
                         k = r * NS + st
                         if k < my_tiles:
+                            if PF > 0:
+                                if tx == 2 * 128 and k + PF < my_tiles:
+                                    T.evaluate(
+                                        T.call_extern(
+                                            "handle",
+                                            "di_prefetch_l2",
+                                            T.access_ptr(KV[block_table[b, t0 + k + PF], 0, 0], "r"),
+                                            PAGE_BYTES,
+                                        )
+                                    )
                             T.barrier_wait(bar_free[st], (r & 1) ^ 1)
                             if load_kv:
-                                page = block_table[b, (t0 + k) * BN // PAGE]
-                                r0 = (t0 + k) * BN % PAGE
-                                T.tma_copy(KV[page, r0 : r0 + BN, 0:DV], KV_shared[st, :, :], barrier=bar_ready[st])
-                                T.tma_copy(KV[page, r0 : r0 + BN, DV:HD], K_pe_shared[st, :, :], barrier=bar_ready[st])
+                                page = block_table[b, t0 + k]
+                                T.tma_copy(KV[page, :, 0:DV], KV_shared[st, :, :], barrier=bar_ready[st])
+                                T.tma_copy(KV[page, :, DV:HD], K_pe_shared[st, :, :], barrier=bar_ready[st])
                             T.barrier_arrive(bar_ready[st])
 
         if S > 1:
@@ -317,8 +363,7 @@ def build_mla_decode_ws(
     return mla_decode_ws
 
 
-def _compile(func):
-    return tilelang.compile(func, out_idx=None, target=dict(md.SM90_TARGET), pass_configs=md._pass_configs())
+_compile = md.compile_sm90
 
 
 @functools.cache
@@ -329,34 +374,44 @@ def get_kernel(
     softmax_scale: float,
     num_stages: int = 2,
     overlap: bool = OVERLAP_SOFTMAX,
+    prefetch_tiles: int = PREFETCH_TILES,
 ):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
-    return _compile(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale, num_stages, overlap))
+    return _compile(
+        build_mla_decode_ws(
+            heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles=prefetch_tiles
+        )
+    )
 
 
-def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None, overlap: bool = OVERLAP_SOFTMAX):
+def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None, **variant):
     """Compile ``(heads, m_tiles, num_splits)`` configurations ahead of use (builds on this thread, nvcc in
-    parallel), then warm ``get_kernel``'s cache with the launcher's call form."""
+    parallel), then warm ``get_kernel``'s cache with the launcher's call form. ``variant``: ``overlap`` /
+    ``prefetch_tiles`` other than the defaults (``bench``)."""
+    assert all(len(c) == 3 or (len(c) == 6 and c[5]) for c in configs), f"not 64-row ws configurations: {configs}"
     configs = list(dict.fromkeys(tuple(c[:3]) for c in configs))
     if not configs:
         return
-    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale), overlap=overlap) for h, mt, s in configs]
+    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale), **variant) for h, mt, s in configs]
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
     for h, mt, s in configs:
-        if overlap == OVERLAP_SOFTMAX:
+        if not variant or {**_default_variant(), **variant} == _default_variant():
             get_kernel(h, mt, s, float(softmax_scale))
         else:
-            get_kernel(h, mt, s, float(softmax_scale), overlap=overlap)
+            get_kernel(h, mt, s, float(softmax_scale), **variant)
 
 
 CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite verification (q <= 4) with the combine
 
 
 def ci_compile(configs=None):
-    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py)."""
+    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and
+    one with the variants' code paths (overlap and prefetch on)."""
     funcs = [build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5) for h, mt, s in (configs or CI_CONFIGS)]
+    if configs is None:
+        funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4))
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(_compile, funcs))
 
@@ -369,15 +424,19 @@ def _q_bucket(seqlens_q) -> int:
 
 
 def check_cases(seed=0):
-    """mla_decode's cases whose tile has 64 rows (all 128-head ones, 16 heads from 4 query tokens)."""
-    return [c for c in md.check_cases(seed) if applies(c[1], _q_bucket(c[3]))]
+    """mla_decode's cases whose tile has 64 rows (all 128-head ones; 16 heads from 2 query tokens), plus 16 heads
+    with 2 query tokens (32 valid rows of the 64: V2-Lite with one MTP draft)."""
+    extra = [(4, 16, 1000, 2, 1), (5, 16, [700, 64, 1500, 2, 3000], 2, 3)]
+    return [c for c in md.check_cases(seed) if applies(c[1], _q_bucket(c[3]))] + extra
 
 
 def run_checks(seed=0) -> bool:
-    ok, mine = True, check_cases(seed)
-    for i, case in enumerate(md.check_cases(seed)):
+    ok, mine, theirs = True, check_cases(seed), md.check_cases(seed)
+    for i, case in enumerate(theirs):
         if case in mine:  # the seed mla_decode's own run of the case uses
             ok &= md.check_case(*case, seed=seed + i, warp_specialized=True)[0]
+    for i, case in enumerate(c for c in mine if c not in theirs):
+        ok &= md.check_case(*case, seed=seed + 1000 + i, warp_specialized=True)[0]
     return ok
 
 
@@ -394,24 +453,45 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
     return out
 
 
+#: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments)
+VARIANTS = [
+    {"overlap": True, "prefetch_tiles": 0},
+    {"overlap": False, "prefetch_tiles": 4},
+    {"overlap": True, "prefetch_tiles": 4},
+]
+
+
+def _default_variant() -> dict:
+    return {"overlap": OVERLAP_SOFTMAX, "prefetch_tiles": PREFETCH_TILES}
+
+
 def bench(copy_gbps: float, shapes=None, out=None):
     """JSON lines (also appended to ``out``): each issue shape and two verification shapes on the pipelined kernel,
-    this kernel without the softmax overlap (session 8's first version) and with it, graph-timed in one run, the
-    warp-specialized rows checked against the fp32 reference."""
-    global get_kernel
+    this kernel's default and each of ``VARIANTS``, graph-timed in one run, the warp-specialized rows checked against
+    the fp32 reference."""
     for B, H, S, q in shapes or BENCH_SHAPES:
         if not applies(H, md.bucket_q(q)):
             continue
         base = md.bench_case(B, H, S, q, copy_gbps=copy_gbps)
-        default = get_kernel
-        get_kernel = functools.partial(default, overlap=not OVERLAP_SOFTMAX)  # mla_decode looks it up per call
-        try:
-            other = md.bench_case(B, H, S, q, copy_gbps=copy_gbps, warp_specialized=True, check=True)
-        finally:
-            get_kernel = default
-        row = md.bench_case(B, H, S, q, copy_gbps=copy_gbps, warp_specialized=True, check=True)
-        for r, ov in ((other, not OVERLAP_SOFTMAX), (row, OVERLAP_SOFTMAX)):
-            r.update(overlap_softmax=ov, pipelined_us=base["us"], speedup=round(base["us"] / r["us"], 3))
+        for variant in [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]:
+            default = variant == _default_variant()
+            r = md.bench_case(
+                B,
+                H,
+                S,
+                q,
+                copy_gbps=copy_gbps,
+                warp_specialized=True,
+                check=True,
+                ws_variant=None if default else variant,
+            )
+            r.update(
+                overlap_softmax=variant["overlap"],
+                prefetch_tiles=variant["prefetch_tiles"],
+                default=default,
+                pipelined_us=base["us"],
+                speedup=round(base["us"] / r["us"], 3),
+            )
             print(json.dumps(r), flush=True)
             if out:
                 with open(out, "a") as f:
@@ -419,23 +499,18 @@ def bench(copy_gbps: float, shapes=None, out=None):
 
 
 def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int = 4096):
-    """Where the time goes at one issue shape (JSON lines). For each schedule (with and without the softmax
-    overlap; 64-key tiles in 2 slots, 32-key tiles in 4): the real pages (output checked against the fp32
-    reference), every tile of a request re-reading its first page (HBM traffic ~0, L2 -> SM traffic unchanged),
-    and no KV loads at all (the warpgroups' compute and hand-offs alone; garbage output)."""
+    """Where the time goes at one issue shape (JSON lines). For the default and each of ``VARIANTS``: the real
+    pages (output checked against the fp32 reference), every tile of a request re-reading its first page (HBM
+    traffic ~0, L2 -> SM traffic unchanged) and, without prefetch, no KV loads at all (the warpgroups' compute and
+    hand-offs alone; garbage output)."""
     scale = md.HEAD_DIM**-0.5
     inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
     mt = md.m_tiles_for(heads, 1)
-    variants = [(ov, load, bn, ns) for bn, ns in ((64, 2), (32, 4)) for ov in (False, True) for load in (True, False)]
+    schedules = [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]
+    variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not v["prefetch_tiles"]]
     with compile_pool(len(variants)) as ex:
         kernels = list(
-            ex.map(
-                _compile,
-                [
-                    build_mla_decode_ws(heads, mt, 1, scale, ns, overlap=ov, load_kv=load, block_n=bn)
-                    for ov, load, bn, ns in variants
-                ],
-            )
+            ex.map(_compile, [build_mla_decode_ws(heads, mt, 1, scale, load_kv=load, **v) for v, load in variants])
         )
     q2 = inp["q_latent"].view(-1, md.KV_LORA)
     qpe2 = inp["q_rope"].view(-1, md.ROPE)
@@ -446,7 +521,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     ref, _ = md.mla_decode_ref(**inp, softmax_scale=scale)
     nbytes = batch * seqlen_k * md.HEAD_DIM * 2
     flops = 2 * batch * heads * seqlen_k * (md.HEAD_DIM + md.KV_LORA)
-    for (ov, load, bn, ns), kern in zip(variants, kernels):
+    for (v, load), kern in zip(variants, kernels):
         tables = [("pages", inp["block_tables"]), ("one_page", one_page)] if load else [("no_loads", one_page)]
         for mode, bt in tables:
 
@@ -473,9 +548,9 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "batch": batch,
                 "heads": heads,
                 "seqlen_k": seqlen_k,
-                "overlap_softmax": ov,
-                "block_n": bn,
-                "num_stages": ns,
+                "overlap_softmax": v["overlap"],
+                "prefetch_tiles": v["prefetch_tiles"],
+                "default": v == _default_variant(),
                 "kv": mode,
                 "us": round(us, 2),
                 "us_per_64_keys": round(us / (seqlen_k // 64), 3),
@@ -510,7 +585,8 @@ def main(argv=None):
         print("CHECK", "PASS" if ok else "FAIL", flush=True)
     if args.bench:
         md.precompile(bench_configs())  # the pipelined kernel's, for the comparison
-        precompile(bench_configs(), overlap=not OVERLAP_SOFTMAX)
+        for variant in VARIANTS:
+            precompile(bench_configs(), **variant)
         cb = md.copy_bandwidth()
         print(json.dumps({"bench": "copy", "GBps": round(cb, 1)}), flush=True)
         bench(cb, out=args.out)
@@ -520,4 +596,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("mla_decode_ws", sys.modules[__name__])  # mla_decode's import finds this module
     sys.exit(main())

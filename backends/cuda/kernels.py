@@ -17,7 +17,7 @@ What is native today (bf16, DeepSeek dims; each kernel file holds its reference,
 - ``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` for bf16 rows of width 512..7168 (multiple of 256).
 - ``mla_prolog``: the projections through ``linear`` (for one row the query's first projection and kv_a as one
   ``skinny_gemm`` launch, ``MLAWeights.fused_a_proj``; ``DEEPINFER_CUDA_FUSED_A_PROJ=0``: two), W_UK of one token on
-  ``kernels_cuda.mla_absorb`` while its gate allows it (unverified), else cuBLAS' batched GEMM, then
+  ``kernels_cuda.mla_absorb``, else cuBLAS' batched GEMM, then
   ``kernels_cuda.mla_rope_cache`` (q RoPE, c_kv RMSNorm, k RoPE and the latent-cache write in one launch); else the
   reference arithmetic with a sync-free cache write.
 - ``silu_and_mul``: ``kernels_cuda.silu_mul``.
@@ -89,6 +89,9 @@ FUSED_A_PROJ = os.environ.get("DEEPINFER_CUDA_FUSED_A_PROJ", "1").strip() != "0"
 # 434.3 / 433.4 tok/s against 424.5 / 425.9 with cuBLAS); DEEPINFER_CUDA_SKINNY_W_UV=0 keeps cuBLAS. Session 6 saw
 # no gain beyond the spread of its (then host-bound, bimodal) batch-1 windows.
 SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "1").strip() != "0"
+# 64-row MLA decode tiles on kernels_cuda.mla_decode_ws (hand warp-specialized; Hopper only): 1.17-1.26x the
+# pipelined kernel on an H200 (session 8); DEEPINFER_CUDA_MLA_WS=0 keeps the pipelined one (A/B runs)
+MLA_WS = os.environ.get("DEEPINFER_CUDA_MLA_WS", "1").strip() != "0"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
 #: Reference ops that read device values on the host (a host-device sync per call on CUDA).
@@ -467,8 +470,8 @@ class CudaKernelSet(KernelSet):
 
     def _absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         """W_UK of the query: ``kernels_cuda.mla_absorb`` for one bf16 token (a TileLang kernel, so the programmatic
-        launch chain goes on; gated until its check passes on a GPU); else cuBLAS' batched GEMM
-        (``absorb_heads``, the reference's arithmetic)."""
+        launch chain goes on; checked on an H200 in session 8, on unless put back into the gate); else cuBLAS'
+        batched GEMM (``absorb_heads``, the reference's arithmetic)."""
         if q.shape[0] == 1:
             mod, path = self._gated_kernel("mla_absorb", q, q, w.w_uk)
             if mod is not None:
@@ -568,9 +571,12 @@ class CudaKernelSet(KernelSet):
                     q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
                 )
         mod = self._kernel("mla_decode")
-        ws = unverified_kernel_enabled("mla_decode_ws") and is_sm90(q_latent.device.index or 0)
-        ws_note = (f"; warp-specialized (mla_decode_ws{unverified_note('mla_decode_ws')})"
-                   if ws and mod.decode_block_m(q_latent.shape[1], mod.bucket_q(max_q)) == mod.BLOCK_M else "")
+        ws = MLA_WS and unverified_kernel_enabled("mla_decode_ws") and is_sm90(q_latent.device.index or 0)
+        ws_note = ""
+        if ws and mod.decode_block_m(q_latent.shape[1], mod.bucket_q(max_q)) == mod.BLOCK_M:
+            off = mod._ws_module().disabled_reason
+            ws_note = (f"; warp-specialized (mla_decode_ws{unverified_note('mla_decode_ws')})" if off is None
+                       else f"; pipelined 64-row tile (mla_decode_ws off: {off})")
         self._note(
             "mla_attention",
             f"kernels_cuda.mla_decode (bf16, H={q_latent.shape[1]}, q<= {mod.bucket_q(max_q)}{ws_note})",
@@ -921,8 +927,7 @@ class CudaKernelSet(KernelSet):
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
         "mla_prolog": "kernels_cuda.mla_rope_cache (kv_a_layernorm + both ropes + cache write in one kernel) for "
         "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write; for one row the "
-        "q / q_a and kv_a projections as one skinny_gemm launch (fused_a_proj) and W_UK on kernels_cuda.mla_absorb "
-        "where its gate allows it (unverified)",
+        "q / q_a and kv_a projections as one skinny_gemm launch (fused_a_proj) and W_UK on kernels_cuda.mla_absorb",
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16 (64-row "
         "tiles on sm_90 through kernels_cuda.mla_decode_ws, warp-specialized); "

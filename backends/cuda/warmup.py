@@ -21,8 +21,10 @@ What each op reaches (mirrors the routing in ``backends/cuda/kernels.py``; ``k``
   take this kernel, and so does MTP's catch-up over them) and eager decode or MTP's catch-up over a decode step
   (``B`` = 1 .. max_num_seqs, ``max_q <= k + 1``, also after a device re-split); MTP's chained drafts (``max_q =
   1``, tables padded by up to k + 1 keys; with graphs, the chain graphs' fixed width at every propose graph
-  size). Prefill (``mla_prefill``: max q > 16): one causal configuration per
-  power-of-two query bucket from 32 up to the longest chunk.
+  size). On a Hopper the 64-row ones carry ``mla_decode_ws``' flag, ``(heads, m_tiles, num_splits, False, 64,
+  True)`` (``md.decode_config``), and compile that kernel; 16-row ones are ``(..., False, 16)``. Prefill
+  (``mla_prefill``: max q > 16): one causal configuration per power-of-two query bucket from 32 up to the longest
+  chunk.
 - ``silu_mul``: each SwiGLU width (dense layers, shared experts, routed experts), the row variant (<= 128 rows)
   and the tile variant (more rows) where the step sizes reach them.
 - ``moe_routing`` (gating, permute, unpermute), ``moe_gemm`` (w13 and w2 GEMMs, its expert scan) for MoE models;
@@ -382,7 +384,7 @@ def reachable_configs(plan: KernelWarmupPlan, num_sms: int,
         "rms_norm": rms_norm_configs(plan),
         "mla_rope_cache": mla_rope_cache_configs(plan),
         "mla_decode": mla_decode_configs(plan, num_sms, prefill=enabled("mla_prefill"),
-                                         warp_specialized=enabled("mla_decode_ws") and sm90),
+                                         warp_specialized=enabled("mla_decode_ws") and sm90 and _cuda_kernels.MLA_WS),
         "mla_absorb": mla_absorb_configs(plan) if enabled("mla_absorb") else [],
         "skinny_gemm": skinny_gemm_configs(plan) if enabled("skinny_gemm") else [],
         "silu_mul": silu_mul_configs(plan),

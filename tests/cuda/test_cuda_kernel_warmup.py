@@ -399,6 +399,45 @@ def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):
     assert primed == [((16, 1, 2, 0.125), {})]
 
 
+def test_mla_decode_ws_off_switch(monkeypatch):
+    """DEEPINFER_CUDA_MLA_WS=0 (kernels.MLA_WS): no warp-specialized configuration even on a Hopper."""
+    from deepinfer_npu.backends.cuda.warmup import reachable_configs
+
+    plan = v2_lite_plan(k=3, varlen=True, method="dflash")
+    monkeypatch.setattr(cuda_kernels, "MLA_WS", False)
+    assert not any(len(c) == 6 for c in reachable_configs(plan, SMS, sm90=True)["mla_decode"])
+
+
+def test_mla_decode_ws_compile_failure_falls_back_to_the_pipelined_kernel(monkeypatch):
+    """A failed mla_decode_ws compile turns that kernel off (with the reason), compiles the pipelined 64-row kernel
+    for the same configurations instead, and the launch then takes it: mla_decode stays on."""
+    from deepinfer_npu.kernels_cuda import mla_decode_ws as ws
+
+    monkeypatch.setattr(ws, "disabled_reason", None)
+
+    def boom(*a, **k):
+        raise RuntimeError("nvcc: out of memory")
+
+    monkeypatch.setattr(ws, "precompile", boom)
+    built = []
+    monkeypatch.setattr(md, "build_mla_decode", lambda *a, **k: built.append(a[:3]) or object())
+    monkeypatch.setattr(md, "compile_sm90", lambda f: f)
+    monkeypatch.setattr(md, "get_kernel", lambda *a, **k: (lambda *args: None))
+    md.precompile([md.decode_config(16, 2, 2, warp_specialized=True), md.decode_config(16, 1, 4)], 0.125)
+    assert ws.disabled_reason == "compile failed: RuntimeError: nvcc: out of memory"
+    assert sorted(built) == [(16, 1, 2), (16, 1, 4)]
+    launched = []
+    monkeypatch.setattr(md, "get_kernel", lambda *a, **k: launched.append((a, k)) or (lambda *args: None))
+    monkeypatch.setattr(ws, "get_kernel", lambda *a, **k: pytest.fail("mla_decode_ws is off"))
+    bf = torch.bfloat16
+    one, cu = torch.ones(1, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32)
+    q, q_pe, kv = (torch.zeros(2, 16, 512, dtype=bf), torch.zeros(2, 16, 64, dtype=bf),
+                   torch.zeros(2, 64, 576, dtype=bf))
+    md.mla_decode(q, q_pe, kv, torch.zeros(1, 2, dtype=torch.int32), one * 2, one * 2, cu, 0.125, max_seqlen_q=2,
+                  num_splits=2, num_sms=SMS, warp_specialized=True)
+    assert launched == [((16, 1, 2, 0.125), {})]
+
+
 GATED_MOE = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}  # session 5's, verified in session 6
 
 

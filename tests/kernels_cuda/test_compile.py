@@ -166,6 +166,7 @@ MLA_CASES = [
     (6, 16, 2049, 16, 3),
     (4, 128, [100, 3000, 65, 1500], [16, 3, 1, 9], 1),  # varlen batch
     (4, 16, [100, 3000, 65, 1500], [16, 3, 1, 9], 3),
+    (4, 16, 1000, 2, 1),  # 32 rows of a 64-row tile (V2-Lite, one MTP draft)
 ]
 
 
@@ -189,7 +190,9 @@ def test_mla_decode_ws_applies_to_the_64_row_tiles():
 
     assert not ws.applies(16, 1) and ws.applies(16, 2) and ws.applies(16, 16) and ws.applies(128, 1)
     cases = ws.check_cases()
-    assert cases and all(c in mla.check_cases() for c in cases)
+    theirs = [c for c in mla.check_cases() if ws.applies(c[1], ws._q_bucket(c[3]))]
+    assert theirs and all(c in cases for c in theirs)  # every 64-row case of mla_decode's, plus its own
+    assert any(c[1] == 16 and ws._q_bucket(c[3]) == 2 for c in cases)  # 32 valid rows of 64 (one MTP draft)
     assert {c[1] for c in cases} == {16, 128}  # 16 heads only from 2 query tokens up
     assert all(c[1] == 128 or (max(c[3]) if isinstance(c[3], list) else c[3]) > 1 for c in cases)
 
