@@ -181,22 +181,17 @@ def _sm90() -> bool:
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="mla_decode_ws runs on Hopper (compute capability 9.x) only")
 
 
-@needs_cuda
-@needs_sm90
-def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
-    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode, on by default since session 8) at 128 heads,
-    three requests: every decode step takes it (the op report says so), and the greedy tokens follow those of the
-    pipelined kernel (mla_decode_ws put back into the gate) by the logprobs-close rule."""
-
+def _ws_against_pipelined(monkeypatch, path: str, prompts, assert_logprobs_close, **llm_kw) -> None:
+    """Greedy runs with logprobs, mla_decode_ws put back into the gate and then on: the op report names the
+    warp-specialized kernel only in the second, and the tokens follow the logprobs-close rule."""
     from deepinfer_npu import LLM, SamplingParams
 
-    path = deepseek_dims_model(num_attention_heads=128, num_key_value_heads=128)
-    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 4000 + 5 for i in range(40 + 30 * j)]} for j in range(3)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
 
     def run(enabled: bool):
         _use_kernels(monkeypatch, True, set() if enabled else {"mla_decode_ws"})
-        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                  **llm_kw)
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return llm.llm_engine.backend.op_report()["mla_attention"], outs
@@ -206,29 +201,24 @@ def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_lo
     assert "warp-specialized (mla_decode_ws)" in rep_on, rep_on
     assert "warp-specialized" not in rep_off, rep_off
     assert_logprobs_close(off, on)
+
+
+@needs_cuda
+@needs_sm90
+def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
+    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode, on by default since session 8) at 128 heads,
+    three requests: every decode step takes it, and the greedy tokens follow those of the pipelined kernel."""
+    path = deepseek_dims_model(num_attention_heads=128, num_key_value_heads=128)
+    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 4000 + 5 for i in range(40 + 30 * j)]} for j in range(3)]
+    _ws_against_pipelined(monkeypatch, path, prompts, assert_logprobs_close)
 
 
 @needs_cuda
 @needs_sm90
 def test_mla_decode_ws_with_mtp_drafts_at_16_heads(monkeypatch, deepseek_dims_model, assert_logprobs_close):
     """V2-Lite's 16 heads with MTP (2 drafts: 3 query tokens a request, 48 rows of a 64-row tile) on the
-    warp-specialized kernel, against the pipelined one, greedy with logprobs: the logprobs-close rule."""
-    from deepinfer_npu import LLM, SamplingParams
-
+    warp-specialized kernel, against the pipelined one."""
     path = deepseek_dims_model(num_nextn_predict_layers=1)
     prompts = [{"prompt_token_ids": [(17 * i + 11 * j) % 4000 + 5 for i in range(30 + 20 * j)]} for j in range(3)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5)
-
-    def run(enabled: bool):
-        _use_kernels(monkeypatch, True, set() if enabled else {"mla_decode_ws"})
-        llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-                  speculative_method="mtp", num_speculative_tokens=2)
-        _forget_paths(llm)
-        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        return llm.llm_engine.backend.op_report()["mla_attention"], outs
-
-    rep_off, off = run(False)
-    rep_on, on = run(True)
-    assert "warp-specialized (mla_decode_ws)" in rep_on, rep_on
-    assert "warp-specialized" not in rep_off, rep_off
-    assert_logprobs_close(off, on)
+    _ws_against_pipelined(monkeypatch, path, prompts, assert_logprobs_close, speculative_method="mtp",
+                          num_speculative_tokens=2)
