@@ -56,13 +56,13 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
 
 THREADS = 384  # two consumer warpgroups and one producer
 #: True: warpgroup 0 runs tile j's softmax while both halves of P @ V of tile j - 1 are in flight. False (the
-#: default): QK^T, softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K) an
-#: earlier overlap (warpgroup 1's half issued before QK^T of tile j) was faster without KV loads (125.7 against 129.5
-#: us) but slower with them (164.5 against 150.3 us): the PV of tile j - 1 ends during step j, so its slot is released
-#: later and the load of tile j + 1 has less time to land (what ``prefetch_tiles`` addresses). The present form
-#: (warpgroup 1's half issued after QK^T of tile j) has not run on a GPU yet.
+#: default): QK^T, softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K, call 7)
+#: the overlap without KV loads takes 115.9 us (630 TFLOP/s) against 128.7, but 148.8 with every tile re-reading one
+#: page (L2) and 181.2 with the real pages, against 135.8 / 154.9: the PV of tile j - 1 ends during step j, so its
+#: slot is released later and the load of tile j + 1 (two slots of 72 KB fit next to Q) lands too late.
 OVERLAP_SOFTMAX = False
-#: L2 prefetch distance in tiles (``build_mla_decode_ws``'s ``prefetch_tiles``); 0 until measured on a GPU
+#: L2 prefetch distance in tiles (``build_mla_decode_ws``'s ``prefetch_tiles``). 0: on an H200 (session 8, call 7,
+#: B=64 H=128 4K) 4 tiles ahead made the real-pages time longer, 169.8 against 154.9 us (181.2 -> 184.9 overlapped)
 PREFETCH_TILES = 0
 PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
 L2_PREFETCH_SOURCE = r"""
@@ -573,12 +573,12 @@ def main(argv=None):
     ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
     args = ap.parse_args(argv)
     md._bench.exit_without_cuda(args)
-    cases = check_cases()
-    cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in cases]
-    cfgs += bench_configs()
-    t = time.time()
-    precompile(cfgs)
-    print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
+    if args.check or args.bench or args.compile_only:
+        cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in check_cases()]
+        cfgs += bench_configs()
+        t = time.time()
+        precompile(cfgs)
+        print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
     ok = True
     if args.check:
         ok = run_checks()
