@@ -86,6 +86,7 @@ def compile_sm90(func):
     return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET), pass_configs=_pass_configs())
 
 
+@functools.cache
 def _ws_module():
     """``mla_decode_ws``, also when this file runs as a script (then both are top-level modules)."""
     try:
@@ -391,6 +392,13 @@ def ci_compile(configs=None):
         return list(ex.map(compile_sm90, funcs))
 
 
+def takes_warp_specialized(heads: int, q_bucket: int, warp_specialized: bool) -> bool:
+    """Whether ``mla_decode(..., warp_specialized=...)`` launches ``mla_decode_ws``'s kernel: asked for, a 64-row
+    tile, and that module not disabled (a failed compile)."""
+    return bool(warp_specialized) and decode_block_m(heads, q_bucket) == BLOCK_M and \
+        _ws_module().disabled_reason is None
+
+
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
     return -(-max_seqlen_q * heads // BLOCK_M)
 
@@ -492,7 +500,7 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
-    use_ws = warp_specialized and engine_bm == BLOCK_M and _ws_module().disabled_reason is None
+    use_ws = takes_warp_specialized(H, bucket_q(max_seqlen_q), warp_specialized)
     if use_ws:
         mt = m_tiles_for(H, bucket_q(max_seqlen_q))
         kern = _ws_module().get_kernel(H, mt, num_splits, float(softmax_scale), **(ws_variant or {}))
@@ -800,8 +808,7 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         timing = "events"
         t = do_bench(fn, warmup=25, rep=300, return_mode="median")
     kv_bytes = batch * seqlen_k * HEAD_DIM * 2
-    ws_row = (warp_specialized and decode_block_m(heads, bucket_q(q_len)) == BLOCK_M
-              and _ws_module().disabled_reason is None)
+    ws_row = takes_warp_specialized(heads, bucket_q(q_len), warp_specialized)
     nbytes = (
         kv_bytes
         + Tq * heads * HEAD_DIM * 2
