@@ -827,11 +827,12 @@ def bench_case(batch, heads, seqlen_k, q_len=1, num_splits=None, copy_gbps=None,
         "q_len": q_len,
         "num_splits": S,
         "num_stages": num_stages or 2,
-        "threads": (_ws_module().THREADS if ws_row else threads
+        "threads": (_ws_module().threads((ws_variant or {}).get("schedule")) if ws_row else threads
                     or (SMALL_THREADS if (block_m or decode_block_m(heads, bucket_q(q_len))) < BLOCK_M else 256)),
         "block_m": block_m or decode_block_m(heads, bucket_q(q_len)),
         "skip_empty_splits": skip_empty_splits,
         "kernel": "warp_specialized" if ws_row else "pipelined",
+        "schedule": ((ws_variant or {}).get("schedule") or _ws_module().SCHEDULE) if ws_row else None,
         "us": round(t * 1e3, 2),
         "bytes": nbytes,
         "GBps": round(gbps, 1),

@@ -47,14 +47,27 @@ except Exception:  # pragma: no cover - exercised where tilelang is absent
 
 try:
     from . import mla_decode as md
+    from . import mla_decode_seesaw as seesaw
     from ._ast_guard import compile_pool
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
     import mla_decode as md
+    import mla_decode_seesaw as seesaw
     from _ast_guard import compile_pool
     from _pdl import pdl_enabled
 
 THREADS = 384  # two consumer warpgroups and one producer
+#: "ws": this file's schedule (above). "seesaw": ``mla_decode_seesaw.py`` (FlashMLA's schedule: both warpgroups
+#: compute QK^T and softmax of alternate tiles and half of every P @ V; 256 threads, loads issued per slot half).
+SCHEDULE = "ws"
+SCHEDULES = ("ws", "seesaw")
+
+
+def threads(schedule: str | None = None) -> int:
+    """Threads a CTA of the given (default: ``SCHEDULE``) schedule."""
+    return seesaw.THREADS if (schedule or SCHEDULE) == "seesaw" else THREADS
+
+
 #: True: warpgroup 0 runs tile j's softmax while both halves of P @ V of tile j - 1 are in flight. False (the
 #: default): QK^T, softmax and a synchronous PV in sequence. On an H200 (session 8, --diagnose, B=64 H=128 4K, call 7)
 #: the overlap without KV loads takes 115.9 us (630 TFLOP/s) against 128.7, but 148.8 with every tile re-reading one
@@ -100,6 +113,7 @@ def build_mla_decode_ws(
     overlap: bool = OVERLAP_SOFTMAX,
     load_kv: bool = True,
     prefetch_tiles: int = PREFETCH_TILES,
+    schedule: str | None = None,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
@@ -108,8 +122,14 @@ def build_mla_decode_ws(
     producer signals each slot without loading it, so the time is the warpgroups' compute and hand-offs alone.
     ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
-    the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``)."""
+    the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
+    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap or prefetch switches)."""
     assert tilelang is not None, "tilelang is not installed"
+    schedule = schedule or SCHEDULE
+    assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
+    if schedule == "seesaw":
+        assert num_stages == 2 and not overlap and not prefetch_tiles, "the seesaw schedule has no such switches"
+        return seesaw.build_mla_decode_seesaw(heads, m_tiles, num_splits, softmax_scale, load_kv=load_kv)
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
@@ -366,7 +386,6 @@ def build_mla_decode_ws(
 _compile = md.compile_sm90
 
 
-@functools.cache
 def get_kernel(
     heads: int,
     m_tiles: int,
@@ -375,12 +394,27 @@ def get_kernel(
     num_stages: int = 2,
     overlap: bool = OVERLAP_SOFTMAX,
     prefetch_tiles: int = PREFETCH_TILES,
+    schedule: str | None = None,
 ):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
+    return _get_kernel(
+        heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles, schedule or SCHEDULE
+    )
+
+
+@functools.cache
+def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles, schedule):
     return _compile(
         build_mla_decode_ws(
-            heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles=prefetch_tiles
+            heads,
+            m_tiles,
+            num_splits,
+            softmax_scale,
+            num_stages,
+            overlap,
+            prefetch_tiles=prefetch_tiles,
+            schedule=schedule,
         )
     )
 
@@ -408,10 +442,14 @@ CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite veri
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and
-    one with the variants' code paths (overlap and prefetch on)."""
-    funcs = [build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5) for h, mt, s in (configs or CI_CONFIGS)]
+    one with the variants' code paths (overlap and prefetch on), both for each schedule."""
+    funcs = [
+        build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5, schedule=sch)
+        for h, mt, s in (configs or CI_CONFIGS)
+        for sch in SCHEDULES
+    ]
     if configs is None:
-        funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4))
+        funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4, schedule="ws"))
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(_compile, funcs))
 
@@ -453,16 +491,18 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
     return out
 
 
-#: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments)
+#: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments). The ws
+#: schedule's overlap / prefetch variants (session 8, call 7: slower with real loads) are left out to save compile
+#: time; add them here to measure them again.
 VARIANTS = [
-    {"overlap": True, "prefetch_tiles": 0},
-    {"overlap": False, "prefetch_tiles": 4},
-    {"overlap": True, "prefetch_tiles": 4},
+    {"schedule": "ws", "overlap": False, "prefetch_tiles": 0},
+    {"schedule": "seesaw", "overlap": False, "prefetch_tiles": 0},
 ]
 
 
 def _default_variant() -> dict:
-    return {"overlap": OVERLAP_SOFTMAX, "prefetch_tiles": PREFETCH_TILES}
+    ws = SCHEDULE == "ws"
+    return {"schedule": SCHEDULE, "overlap": OVERLAP_SOFTMAX and ws, "prefetch_tiles": PREFETCH_TILES if ws else 0}
 
 
 def bench(copy_gbps: float, shapes=None, out=None):
@@ -486,6 +526,7 @@ def bench(copy_gbps: float, shapes=None, out=None):
                 ws_variant=None if default else variant,
             )
             r.update(
+                schedule=variant["schedule"],
                 overlap_softmax=variant["overlap"],
                 prefetch_tiles=variant["prefetch_tiles"],
                 default=default,
@@ -548,6 +589,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "batch": batch,
                 "heads": heads,
                 "seqlen_k": seqlen_k,
+                "schedule": v["schedule"],
                 "overlap_softmax": v["overlap"],
                 "prefetch_tiles": v["prefetch_tiles"],
                 "default": v == _default_variant(),
@@ -565,13 +607,17 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
 
 
 def main(argv=None):
+    global SCHEDULE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="numerics vs the fp32 reference (needs a GPU)")
     ap.add_argument("--bench", action="store_true", help="both decode kernels on the issue's shapes (needs a GPU)")
     ap.add_argument("--compile-only", action="store_true", help="compile the check and bench configurations")
     ap.add_argument("--out", help="also append the bench rows to this JSONL file")
     ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
+    ap.add_argument("--schedule", choices=SCHEDULES, help=f"the default schedule in this run (else {SCHEDULE})")
     args = ap.parse_args(argv)
+    if args.schedule:
+        SCHEDULE = args.schedule
     md._bench.exit_without_cuda(args)
     if args.check or args.bench or args.compile_only:
         cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in check_cases()]
