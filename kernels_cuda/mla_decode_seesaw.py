@@ -41,12 +41,40 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_seesaw.py
     from _pdl import pdl_enabled
 
 THREADS = 256  # two warpgroups, each a consumer and its own TMA issuer
+#: L2 prefetch distance in tiles (even; 0: none): at the start of pair p, the pages of tiles 2p + PREFETCH_TILES and
+#: the one after are asked into L2 (``cp.async.bulk.prefetch.L2``), so that their TMA loads, which can only start
+#: once a slot half is free, read L2
+PREFETCH_TILES = 0
+#: the KV loads' TMA cache hint (FlashMLA loads its KV with EVICT_FIRST)
+EVICT_FIRST = False
+#: True: slot 0's left half is reloaded as soon as P_a @ V_aL has landed; False: after warpgroup 1's softmax, where
+#: FlashMLA issues it
+EARLY_LEFT = False
+PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
+L2_PREFETCH_SOURCE = r"""
+__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
 
 
-def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, load_kv: bool = True):
+def build_mla_decode_seesaw(
+    heads: int,
+    m_tiles: int,
+    num_splits: int,
+    softmax_scale: float,
+    load_kv: bool = True,
+    prefetch_tiles: int = PREFETCH_TILES,
+    evict_first: bool = EVICT_FIRST,
+    early_left: bool = EARLY_LEFT,
+):
     """Return the TileLang PrimFunc (not compiled); arguments and tensors as ``mla_decode_ws.build_mla_decode_ws``.
-    ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output)."""
+    ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output).
+    ``prefetch_tiles`` / ``evict_first`` / ``early_left``: as ``PREFETCH_TILES`` / ``EVICT_FIRST`` / ``EARLY_LEFT``."""
     assert tilelang is not None, "tilelang is not installed"
+    PF = prefetch_tiles
+    assert PF >= 0 and PF % 2 == 0, f"prefetch_tiles {PF}: an even number of tiles (whole pairs)"
+    evict = "evict_first" if evict_first else None
     PDL = pdl_enabled()
     H, S = heads, num_splits
     DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
@@ -67,16 +95,27 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
     def load_left(KV, KV_shared, bars, page, slot):
         """Columns 0-255 of a page (V's left half and the first half of K's latent part)."""
         if load_kv:
-            T.tma_copy(KV[page, :, 0:DH], KV_shared[slot, :, 0:DH], barrier=bars[slot])
+            T.tma_copy(KV[page, :, 0:DH], KV_shared[slot, :, 0:DH], barrier=bars[slot], eviction_policy=evict)
         T.barrier_arrive(bars[slot])
 
     @T.macro
     def load_right(KV, KV_shared, K_pe_shared, bars, page, slot):
         """Columns 256-575 of a page (V's right half and K's rope part)."""
         if load_kv:
-            T.tma_copy(KV[page, :, DH:DV], KV_shared[slot, :, DH:DV], barrier=bars[slot])
-            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[slot, :, :], barrier=bars[slot])
+            T.tma_copy(KV[page, :, DH:DV], KV_shared[slot, :, DH:DV], barrier=bars[slot], eviction_policy=evict)
+            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[slot, :, :], barrier=bars[slot], eviction_policy=evict)
         T.barrier_arrive(bars[slot])
+
+    @T.macro
+    def prefetch_l2(KV, block_table, b, t0, first, last, my_tiles, tx):
+        """One thread asks for the pages of tiles first .. last - 1 (those that exist) to be brought into L2."""
+        if tx == 0:
+            for k in T.serial(first, T.min(last, my_tiles)):
+                T.evaluate(
+                    T.call_extern(
+                        "handle", "di_prefetch_l2", T.access_ptr(KV[block_table[b, t0 + k], 0, 0], "r"), PAGE_BYTES
+                    )
+                )
 
     @T.macro
     def qk_left(Q_shared, KV_shared, acc_s, bars, slot, parity):
@@ -155,6 +194,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         b,
         t0,
         first_masked,
+        my_tiles,
+        tx,
         p,
         has_b: bool,
         has_next_a: bool,
@@ -164,6 +205,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
         bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
         a = 2 * p
+        if PF > 0:
+            prefetch_l2(KV, block_table, b, t0, a + PF, a + PF + 2, my_tiles, tx)
         for i in T.Parallel(BM):
             m_prev[i] = m_b_sh[i]
         softmax(acc_s, m_prev, m_i, f_a, row_sum, lim, t0 + a, first_masked)
@@ -177,8 +220,10 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         T.copy(acc_s, p_local)
         T.wgmma_gemm(p_local, KV_shared[0, :, 0:DH], acc_o)  # P_a @ V_aL
         T.wait_wgmma(0)
+        if has_next_a and early_left:  # slot 0's left half is free: the next a's
+            load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 2], 0)
         T.barrier_wait(bar_scale_b, p & 1)
-        if has_next_a:  # slot 0's left half is free: the next a's
+        if has_next_a and not early_left:
             load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 2], 0)
         for i in T.Parallel(BM):
             f_b[i] = sc_b_sh[i]
@@ -222,6 +267,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         b,
         t0,
         first_masked,
+        my_tiles,
+        tx,
         p,
         has_b: bool,
         has_next_a: bool,
@@ -370,6 +417,9 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                 T.tma_copy(Q[qs * H + row0 : qs * H + row0 + BM, :], Q_shared, barrier=bar_q)
                 T.tma_copy(Q_pe[qs * H + row0 : qs * H + row0 + BM, :], Q_pe_shared, barrier=bar_q)
                 T.barrier_arrive(bar_q)
+                if PF > 0:
+                    T.import_source(L2_PREFETCH_SOURCE)
+                    prefetch_l2(KV, block_table, b, t0, 2, PF, my_tiles, tx)  # pair 0 asks for tiles PF, PF + 1
                 if my_tiles > 0:
                     load_left(KV, KV_shared, bar_left, block_table[b, t0], 0)
                     load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0], 0)
@@ -399,6 +449,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     b,
                     t0,
                     first_masked,
+                    my_tiles,
+                    tx,
                 )
                 for p in T.serial(n_full):
                     wg0_pair(*w0, p, True, True, True)
@@ -460,6 +512,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     b,
                     t0,
                     first_masked,
+                    my_tiles,
+                    tx,
                 )
                 for p in T.serial(n_full):
                     wg1_pair(*w1, p, True, True, True)

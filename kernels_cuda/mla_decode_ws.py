@@ -77,12 +77,8 @@ OVERLAP_SOFTMAX = False
 #: L2 prefetch distance in tiles (``build_mla_decode_ws``'s ``prefetch_tiles``). 0: on an H200 (session 8, call 7,
 #: B=64 H=128 4K) 4 tiles ahead made the real-pages time longer, 169.8 against 154.9 us (181.2 -> 184.9 overlapped)
 PREFETCH_TILES = 0
-PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
-L2_PREFETCH_SOURCE = r"""
-__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
-}
-"""
+PAGE_BYTES = seesaw.PAGE_BYTES
+L2_PREFETCH_SOURCE = seesaw.L2_PREFETCH_SOURCE
 REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
 
 
@@ -114,6 +110,8 @@ def build_mla_decode_ws(
     load_kv: bool = True,
     prefetch_tiles: int = PREFETCH_TILES,
     schedule: str | None = None,
+    evict_first: bool = False,
+    early_left: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
@@ -123,13 +121,17 @@ def build_mla_decode_ws(
     ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
     the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
-    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap or prefetch switches)."""
+    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap; ``prefetch_tiles``, ``evict_first``
+    and ``early_left`` are its switches)."""
     assert tilelang is not None, "tilelang is not installed"
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
     if schedule == "seesaw":
-        assert num_stages == 2 and not overlap and not prefetch_tiles, "the seesaw schedule has no such switches"
-        return seesaw.build_mla_decode_seesaw(heads, m_tiles, num_splits, softmax_scale, load_kv=load_kv)
+        assert num_stages == 2 and not overlap, "the seesaw schedule has two slots and no overlap switch"
+        return seesaw.build_mla_decode_seesaw(
+            heads, m_tiles, num_splits, softmax_scale, load_kv, prefetch_tiles, evict_first, early_left
+        )
+    assert not evict_first and not early_left, "evict_first / early_left are seesaw switches"
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
@@ -392,19 +394,22 @@ def get_kernel(
     num_splits: int,
     softmax_scale: float,
     num_stages: int = 2,
-    overlap: bool = OVERLAP_SOFTMAX,
-    prefetch_tiles: int = PREFETCH_TILES,
+    overlap: bool | None = None,
+    prefetch_tiles: int | None = None,
     schedule: str | None = None,
+    evict_first: bool | None = None,
+    early_left: bool | None = None,
 ):
-    """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
+    """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache). Switches left None
+    take the schedule's defaults (``schedule_switches``)."""
     assert tilelang is not None, "tilelang is not installed"
-    return _get_kernel(
-        heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles, schedule or SCHEDULE
-    )
+    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left)
+    return _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, *v.values())
 
 
 @functools.cache
-def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, prefetch_tiles, schedule):
+def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule, *switches):
+    overlap, prefetch_tiles, evict_first, early_left = switches
     return _compile(
         build_mla_decode_ws(
             heads,
@@ -415,8 +420,25 @@ def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, overlap, 
             overlap,
             prefetch_tiles=prefetch_tiles,
             schedule=schedule,
+            evict_first=evict_first,
+            early_left=early_left,
         )
     )
+
+
+def schedule_switches(schedule=None, overlap=None, prefetch_tiles=None, evict_first=None, early_left=None) -> dict:
+    """Every switch of a schedule (``get_kernel``'s keyword arguments), None replaced by its default."""
+    schedule = schedule or SCHEDULE
+    ws = schedule == "ws"
+    return {
+        "schedule": schedule,
+        "overlap": (OVERLAP_SOFTMAX if ws else False) if overlap is None else overlap,
+        "prefetch_tiles": (PREFETCH_TILES if ws else seesaw.PREFETCH_TILES)
+        if prefetch_tiles is None
+        else prefetch_tiles,
+        "evict_first": (False if ws else seesaw.EVICT_FIRST) if evict_first is None else evict_first,
+        "early_left": (False if ws else seesaw.EARLY_LEFT) if early_left is None else early_left,
+    }
 
 
 def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None, **variant):
@@ -442,7 +464,7 @@ CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite veri
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and
-    one with the variants' code paths (overlap and prefetch on), both for each schedule."""
+    one with each schedule's switches on (ws: overlap and prefetch; seesaw: prefetch, evict_first, early_left)."""
     funcs = [
         build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5, schedule=sch)
         for h, mt, s in (configs or CI_CONFIGS)
@@ -450,6 +472,11 @@ def ci_compile(configs=None):
     ]
     if configs is None:
         funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4, schedule="ws"))
+        funcs.append(
+            build_mla_decode_ws(
+                128, 2, 1, md.HEAD_DIM**-0.5, prefetch_tiles=4, schedule="seesaw", evict_first=True, early_left=True
+            )
+        )
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(_compile, funcs))
 
@@ -495,14 +522,17 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
 #: schedule's overlap / prefetch variants (session 8, call 7: slower with real loads) are left out to save compile
 #: time; add them here to measure them again.
 VARIANTS = [
-    {"schedule": "ws", "overlap": False, "prefetch_tiles": 0},
-    {"schedule": "seesaw", "overlap": False, "prefetch_tiles": 0},
+    schedule_switches("ws", False, 0),
+    schedule_switches("seesaw", False, 0, False, False),
+    schedule_switches("seesaw", False, 2, False, False),
+    schedule_switches("seesaw", False, 4, False, False),
+    schedule_switches("seesaw", False, 0, True, False),
+    schedule_switches("seesaw", False, 0, False, True),
 ]
 
 
 def _default_variant() -> dict:
-    ws = SCHEDULE == "ws"
-    return {"schedule": SCHEDULE, "overlap": OVERLAP_SOFTMAX and ws, "prefetch_tiles": PREFETCH_TILES if ws else 0}
+    return schedule_switches()
 
 
 def bench(copy_gbps: float, shapes=None, out=None):
@@ -529,6 +559,8 @@ def bench(copy_gbps: float, shapes=None, out=None):
                 schedule=variant["schedule"],
                 overlap_softmax=variant["overlap"],
                 prefetch_tiles=variant["prefetch_tiles"],
+                evict_first=variant["evict_first"],
+                early_left=variant["early_left"],
                 default=default,
                 pipelined_us=base["us"],
                 speedup=round(base["us"] / r["us"], 3),
@@ -548,7 +580,8 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
     mt = md.m_tiles_for(heads, 1)
     schedules = [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]
-    variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not v["prefetch_tiles"]]
+    load_only = ("prefetch_tiles", "evict_first", "early_left")  # switches that only change the loads
+    variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not any(v[k] for k in load_only)]
     with compile_pool(len(variants)) as ex:
         kernels = list(
             ex.map(_compile, [build_mla_decode_ws(heads, mt, 1, scale, load_kv=load, **v) for v, load in variants])
@@ -592,6 +625,8 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "schedule": v["schedule"],
                 "overlap_softmax": v["overlap"],
                 "prefetch_tiles": v["prefetch_tiles"],
+                "evict_first": v["evict_first"],
+                "early_left": v["early_left"],
                 "default": v == _default_variant(),
                 "kv": mode,
                 "us": round(us, 2),

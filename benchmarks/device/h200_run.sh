@@ -115,7 +115,7 @@ for l in open('$OUT/h200_mla_decode_ws.jsonl'):
              python3 -c "
 import json
 for l in open('$OUT/h200_mla_decode_ws_diagnose.jsonl'):
-    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
+    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r.get('evict_first'), r.get('early_left'), r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
 " ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
