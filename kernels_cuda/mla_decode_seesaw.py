@@ -47,6 +47,11 @@ THREADS = 256  # two warpgroups, each a consumer and its own TMA issuer
 PREFETCH_TILES = 0
 #: the KV loads' TMA cache hint (FlashMLA loads its KV with EVICT_FIRST)
 EVICT_FIRST = False
+#: True: the two 64-row tiles of a request (128 heads, or 16 heads x 8 query tokens) run as a cluster of two CTAs
+#: and each KV half is loaded once, multicast into both (TMA ``.multicast::cluster``): half the L2 -> SM traffic.
+#: Rank 0 issues every load once both CTAs have released the slot half (a remote mbarrier arrive from each).
+#: Only where the grid's 64-row tiles pair up (``m_tiles`` even)
+MULTICAST = False
 #: True: slot 0's left half is reloaded as soon as P_a @ V_aL has landed; False: after warpgroup 1's softmax, where
 #: FlashMLA issues it
 EARLY_LEFT = False
@@ -58,6 +63,13 @@ __device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) 
 """
 
 
+def _launch(m_tiles, batch, num_splits, multicast: bool):
+    """The kernel's launch frame: a cluster of two CTAs along the 64-row tiles where the loads are multicast."""
+    if multicast:
+        return T.ClusterKernel(m_tiles, batch, num_splits, cluster_dims=(2, 1, 1), threads=THREADS)
+    return T.Kernel(m_tiles, batch, num_splits, threads=THREADS)
+
+
 def build_mla_decode_seesaw(
     heads: int,
     m_tiles: int,
@@ -67,14 +79,17 @@ def build_mla_decode_seesaw(
     prefetch_tiles: int = PREFETCH_TILES,
     evict_first: bool = EVICT_FIRST,
     early_left: bool = EARLY_LEFT,
+    multicast: bool = MULTICAST,
 ):
     """Return the TileLang PrimFunc (not compiled); arguments and tensors as ``mla_decode_ws.build_mla_decode_ws``.
     ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output).
-    ``prefetch_tiles`` / ``evict_first`` / ``early_left``: as ``PREFETCH_TILES`` / ``EVICT_FIRST`` / ``EARLY_LEFT``."""
+    ``prefetch_tiles`` / ``evict_first`` / ``early_left`` / ``multicast``: as the module's upper-case switches
+    (``multicast`` applies where ``m_tiles`` is even)."""
     assert tilelang is not None, "tilelang is not installed"
     PF = prefetch_tiles
     assert PF >= 0 and PF % 2 == 0, f"prefetch_tiles {PF}: an even number of tiles (whole pairs)"
     evict = "evict_first" if evict_first else None
+    MC = multicast and m_tiles % 2 == 0
     PDL = pdl_enabled()
     H, S = heads, num_splits
     DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
@@ -92,16 +107,54 @@ def build_mla_decode_seesaw(
     combine = md.combine_splits(H, S, False, PDL)
 
     @T.macro
-    def load_left(KV, KV_shared, bars, page, slot):
-        """Columns 0-255 of a page (V's left half and the first half of K's latent part)."""
-        if load_kv:
+    def release(free, slot, parity, tx):
+        """Multicast: this CTA's slot half is free (one arrive on rank 0's barrier); rank 0 waits for both CTAs'."""
+        if tx % 128 == 0:
+            T.mbarrier_arrive(free[slot], 0)
+        if T.block_rank_in_cluster() == 0:
+            T.barrier_wait(free[slot], parity)
+
+    @T.macro
+    def load_left(KV, KV_shared, bars, free, page, slot, parity, tx, first: bool = False):
+        """Columns 0-255 of a page (V's left half and the first half of K's latent part). ``parity``: of the
+        multicast release (the pair index), ``first``: the slot's first load (nothing to release)."""
+        if MC:
+            if not first:
+                release(free, slot, parity, tx)
+            if load_kv:
+                T.tma_copy(
+                    KV[page, :, 0:DH],
+                    KV_shared[slot, :, 0:DH],
+                    barrier=bars[slot],
+                    cluster_mask=3,
+                    eviction_policy=evict,
+                )
+        elif load_kv:
             T.tma_copy(KV[page, :, 0:DH], KV_shared[slot, :, 0:DH], barrier=bars[slot], eviction_policy=evict)
         T.barrier_arrive(bars[slot])
 
     @T.macro
-    def load_right(KV, KV_shared, K_pe_shared, bars, page, slot):
+    def load_right(KV, KV_shared, K_pe_shared, bars, free, page, slot, parity, tx, first: bool = False):
         """Columns 256-575 of a page (V's right half and K's rope part)."""
-        if load_kv:
+        if MC:
+            if not first:
+                release(free, slot, parity, tx)
+            if load_kv:
+                T.tma_copy(
+                    KV[page, :, DH:DV],
+                    KV_shared[slot, :, DH:DV],
+                    barrier=bars[slot],
+                    cluster_mask=3,
+                    eviction_policy=evict,
+                )
+                T.tma_copy(
+                    KV[page, :, DV:HD],
+                    K_pe_shared[slot, :, :],
+                    barrier=bars[slot],
+                    cluster_mask=3,
+                    eviction_policy=evict,
+                )
+        elif load_kv:
             T.tma_copy(KV[page, :, DH:DV], KV_shared[slot, :, DH:DV], barrier=bars[slot], eviction_policy=evict)
             T.tma_copy(KV[page, :, DV:HD], K_pe_shared[slot, :, :], barrier=bars[slot], eviction_policy=evict)
         T.barrier_arrive(bars[slot])
@@ -203,7 +256,7 @@ def build_mla_decode_seesaw(
     ):
         """Pair p (S_a in acc_s): softmax a, P_a @ V_aL, P_b @ V_bL, QK^T of the next a."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
-        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
+        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right = bars
         a = 2 * p
         if PF > 0:
             prefetch_l2(KV, block_table, b, t0, a + PF, a + PF + 2, my_tiles, tx)
@@ -221,10 +274,10 @@ def build_mla_decode_seesaw(
         T.wgmma_gemm(p_local, KV_shared[0, :, 0:DH], acc_o)  # P_a @ V_aL
         T.wait_wgmma(0)
         if has_next_a and early_left:  # slot 0's left half is free: the next a's
-            load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 2], 0)
+            load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 2], 0, p & 1, tx)
         T.barrier_wait(bar_scale_b, p & 1)
         if has_next_a and not early_left:
-            load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 2], 0)
+            load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 2], 0, p & 1, tx)
         for i in T.Parallel(BM):
             f_b[i] = sc_b_sh[i]
         for i, c in T.Parallel(BM, BN):
@@ -243,7 +296,7 @@ def build_mla_decode_seesaw(
             qk_left(Q_shared, KV_shared, acc_s, bar_left, 0, (p + 1) & 1)
             if has_next_b:
                 T.wait_wgmma(1)  # P_b @ V_bL done: slot 1's left half is free
-                load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 3], 1)
+                load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 3], 1, p & 1, tx)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 0, (p + 1) & 1)
         T.wait_wgmma(0)
 
@@ -276,7 +329,7 @@ def build_mla_decode_seesaw(
     ):
         """Pair p (S_b in acc_s where there is a b): softmax b, P_b @ V_bR, P_a @ V_aR, QK^T of the next b."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
-        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
+        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right = bars
         T.barrier_wait(bar_scale_a, p & 1)
         for i in T.Parallel(BM):
             m_prev[i] = m_a_sh[i]
@@ -308,10 +361,10 @@ def build_mla_decode_seesaw(
             T.barrier_arrive(bar_p_b)
         if has_next_b:
             T.wait_wgmma(1)  # P_b @ V_bR done: slot 1's right half is free
-            load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 2 * p + 3], 1)
+            load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx)
         if has_next_a:
             T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
-            load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 2 * p + 2], 0)
+            load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx)
         if has_next_b:
             T.clear(acc_s)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 1, (p + 1) & 1)
@@ -332,7 +385,7 @@ def build_mla_decode_seesaw(
         O_part: T.Tensor([S, Tq, H, DV], acc),
         Lse_part: T.Tensor([S, Tq, H], acc),
     ):
-        with T.Kernel(m_tiles, B, S, threads=THREADS) as (mt, b, z):
+        with _launch(m_tiles, B, S, MC) as (mt, b, z):
             if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
                 T.pdl_sync()
                 T.pdl_trigger()
@@ -379,6 +432,12 @@ def build_mla_decode_seesaw(
             bar_p_a = T.alloc_barrier(arrive_count=128)  # wg0: P_a (rescaled) in shared memory
             bar_p_b = T.alloc_barrier(arrive_count=128)  # wg1: P_b in shared memory, P_a @ V_aR issued
             bar_l = T.alloc_barrier(arrive_count=256)  # both: row sums in l_shared
+            if MC:  # rank 0's: both CTAs released a slot half (one arrive each)
+                free_left = T.alloc_cluster_barrier(arrive_count=[2, 2])
+                free_right = T.alloc_cluster_barrier(arrive_count=[2, 2])
+            else:  # unused
+                free_left = T.alloc_barrier(arrive_count=[1, 1])
+                free_right = T.alloc_barrier(arrive_count=[1, 1])
 
             sq = seqlens_q[b]
             sk = seqlens_k[b]
@@ -388,7 +447,10 @@ def build_mla_decode_seesaw(
             n_tiles = T.ceildiv(sk, BN)
             per = n_tiles // S
             rem = n_tiles % S
-            my_tiles = T.if_then_else(row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
+            # a cluster's two CTAs run the same tiles (rank 1's rows may all be past the request's: computed, not
+            # stored), whether its first tile has rows of the request decides
+            lead_row0 = (mt - mt % 2) * BM if MC else row0
+            my_tiles = T.if_then_else(lead_row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
             t0 = per * z + T.min(z, rem)
             first_masked = sk - sq  # keys at positions > this are invisible to the first query row
             # pairs followed by a pair with a b (the loop body with every step), then the 1-3 tiles left
@@ -405,7 +467,9 @@ def build_mla_decode_seesaw(
                 scale_a_shared,
                 scale_b_shared,
             )
-            bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b)
+            bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right)
+            if MC:  # the partner's barriers are initialized before any multicast lands in its shared memory
+                T.cluster_sync()
             tx = T.get_thread_binding()
 
             if tx < 128:  # warpgroup 0: Q, tile 0, every S_a; O[:, :256]
@@ -421,8 +485,8 @@ def build_mla_decode_seesaw(
                     T.import_source(L2_PREFETCH_SOURCE)
                     prefetch_l2(KV, block_table, b, t0, 2, PF, my_tiles, tx)  # pair 0 asks for tiles PF, PF + 1
                 if my_tiles > 0:
-                    load_left(KV, KV_shared, bar_left, block_table[b, t0], 0)
-                    load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0], 0)
+                    load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0], 0, 0, tx, True)
+                    load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0], 0, 0, tx, True)
                 T.barrier_wait(bar_q, 0)
                 T.copy(Q_pe_shared, q_pe0)
                 if my_tiles > 0:
@@ -484,8 +548,10 @@ def build_mla_decode_seesaw(
                 for i in T.Parallel(BM):
                     lim1[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
                 if my_tiles > 1:
-                    load_left(KV, KV_shared, bar_left, block_table[b, t0 + 1], 1)
-                    load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 1], 1)
+                    load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + 1], 1, 0, tx, True)
+                    load_right(
+                        KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 1], 1, 0, tx, True
+                    )
                 T.barrier_wait(bar_q, 0)
                 T.copy(Q_pe_shared, q_pe1)
                 if my_tiles > 1:

@@ -112,6 +112,7 @@ def build_mla_decode_ws(
     schedule: str | None = None,
     evict_first: bool = False,
     early_left: bool = False,
+    multicast: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
@@ -121,17 +122,17 @@ def build_mla_decode_ws(
     ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
     the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
-    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap; ``prefetch_tiles``, ``evict_first``
-    and ``early_left`` are its switches)."""
+    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap; ``prefetch_tiles``, ``evict_first``,
+    ``early_left`` and ``multicast`` are its switches)."""
     assert tilelang is not None, "tilelang is not installed"
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
     if schedule == "seesaw":
         assert num_stages == 2 and not overlap, "the seesaw schedule has two slots and no overlap switch"
         return seesaw.build_mla_decode_seesaw(
-            heads, m_tiles, num_splits, softmax_scale, load_kv, prefetch_tiles, evict_first, early_left
+            heads, m_tiles, num_splits, softmax_scale, load_kv, prefetch_tiles, evict_first, early_left, multicast
         )
-    assert not evict_first and not early_left, "evict_first / early_left are seesaw switches"
+    assert not (evict_first or early_left or multicast), "evict_first / early_left / multicast are seesaw switches"
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
@@ -399,17 +400,18 @@ def get_kernel(
     schedule: str | None = None,
     evict_first: bool | None = None,
     early_left: bool | None = None,
+    multicast: bool | None = None,
 ):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache). Switches left None
     take the schedule's defaults (``schedule_switches``)."""
     assert tilelang is not None, "tilelang is not installed"
-    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left)
+    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left, multicast)
     return _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, *v.values())
 
 
 @functools.cache
 def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule, *switches):
-    overlap, prefetch_tiles, evict_first, early_left = switches
+    overlap, prefetch_tiles, evict_first, early_left, multicast = switches
     return _compile(
         build_mla_decode_ws(
             heads,
@@ -422,11 +424,14 @@ def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule,
             schedule=schedule,
             evict_first=evict_first,
             early_left=early_left,
+            multicast=multicast,
         )
     )
 
 
-def schedule_switches(schedule=None, overlap=None, prefetch_tiles=None, evict_first=None, early_left=None) -> dict:
+def schedule_switches(
+    schedule=None, overlap=None, prefetch_tiles=None, evict_first=None, early_left=None, multicast=None
+) -> dict:
     """Every switch of a schedule (``get_kernel``'s keyword arguments), None replaced by its default."""
     schedule = schedule or SCHEDULE
     ws = schedule == "ws"
@@ -438,6 +443,7 @@ def schedule_switches(schedule=None, overlap=None, prefetch_tiles=None, evict_fi
         else prefetch_tiles,
         "evict_first": (False if ws else seesaw.EVICT_FIRST) if evict_first is None else evict_first,
         "early_left": (False if ws else seesaw.EARLY_LEFT) if early_left is None else early_left,
+        "multicast": (False if ws else seesaw.MULTICAST) if multicast is None else multicast,
     }
 
 
@@ -474,7 +480,15 @@ def ci_compile(configs=None):
         funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4, schedule="ws"))
         funcs.append(
             build_mla_decode_ws(
-                128, 2, 1, md.HEAD_DIM**-0.5, prefetch_tiles=4, schedule="seesaw", evict_first=True, early_left=True
+                128,
+                2,
+                1,
+                md.HEAD_DIM**-0.5,
+                prefetch_tiles=4,
+                schedule="seesaw",
+                evict_first=True,
+                early_left=True,
+                multicast=True,
             )
         )
     with compile_pool(len(funcs)) as ex:
@@ -523,11 +537,9 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
 #: time; add them here to measure them again.
 VARIANTS = [
     schedule_switches("ws", False, 0),
-    schedule_switches("seesaw", False, 0, False, False),
-    schedule_switches("seesaw", False, 2, False, False),
-    schedule_switches("seesaw", False, 4, False, False),
-    schedule_switches("seesaw", False, 0, True, False),
-    schedule_switches("seesaw", False, 0, False, True),
+    schedule_switches("seesaw", False, 0, False, False, False),
+    schedule_switches("seesaw", False, 0, False, False, True),
+    schedule_switches("seesaw", False, 0, True, False, True),
 ]
 
 
@@ -561,6 +573,7 @@ def bench(copy_gbps: float, shapes=None, out=None):
                 prefetch_tiles=variant["prefetch_tiles"],
                 evict_first=variant["evict_first"],
                 early_left=variant["early_left"],
+                multicast=variant["multicast"],
                 default=default,
                 pipelined_us=base["us"],
                 speedup=round(base["us"] / r["us"], 3),
@@ -580,7 +593,8 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
     mt = md.m_tiles_for(heads, 1)
     schedules = [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]
-    load_only = ("prefetch_tiles", "evict_first", "early_left")  # switches that only change the loads
+    load_only = ("prefetch_tiles", "evict_first", "early_left")  # switches that only change the loads (multicast
+    # also couples the pair of CTAs: its no-loads row shows that cost)
     variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not any(v[k] for k in load_only)]
     with compile_pool(len(variants)) as ex:
         kernels = list(
@@ -627,6 +641,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "prefetch_tiles": v["prefetch_tiles"],
                 "evict_first": v["evict_first"],
                 "early_left": v["early_left"],
+                "multicast": v["multicast"],
                 "default": v == _default_variant(),
                 "kv": mode,
                 "us": round(us, 2),
@@ -650,9 +665,12 @@ def main(argv=None):
     ap.add_argument("--out", help="also append the bench rows to this JSONL file")
     ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
     ap.add_argument("--schedule", choices=SCHEDULES, help=f"the default schedule in this run (else {SCHEDULE})")
+    ap.add_argument("--multicast", action="store_true", help="the seesaw schedule's multicast switch on by default")
     args = ap.parse_args(argv)
     if args.schedule:
         SCHEDULE = args.schedule
+    if args.multicast:
+        seesaw.MULTICAST = True
     md._bench.exit_without_cuda(args)
     if args.check or args.bench or args.compile_only:
         cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in check_cases()]

@@ -17,7 +17,8 @@
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   mla       benchmarks/bench_mla_decode.py (MLA_ARGS: extra arguments, e.g. --warp-specialized)
 #   ws        kernels_cuda/mla_decode_ws.py --check --bench (the hand warp-specialized decode against the pipelined one;
-#             WS_SCHEDULE=seesaw: that schedule is the default of the run, checked, and the ws one a variant)
+#             WS_SCHEDULE=seesaw: that schedule is the default of the run, checked, and the ws one a variant;
+#             WS_ARGS: the arguments instead of --check --bench, e.g. "--multicast --check")
 #   wsdiag    kernels_cuda/mla_decode_ws.py --diagnose (compute vs memory split of its schedules at B=64 H=128 4K)
 #   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
@@ -103,7 +104,7 @@ for l in open('$OUT/profile.jsonl'):
              | filt | grep -v '^{' | tail -25; done ;;
     mla1) timeout $LIM python3 kernels_cuda/mla_decode.py --sweep-batch1 2>&1 | filt > "$OUT/mla1.log"
              grep '^{' "$OUT/mla1.log" > "$OUT/h200_mla_decode_batch1.jsonl"; tail -25 "$OUT/mla1.log" ;;
-    ws) timeout $LIM python3 kernels_cuda/mla_decode_ws.py ${WS_SCHEDULE:+--schedule $WS_SCHEDULE} --check --bench --out "$OUT/h200_mla_decode_ws.jsonl" 2>&1 \
+    ws) timeout $LIM python3 kernels_cuda/mla_decode_ws.py ${WS_SCHEDULE:+--schedule $WS_SCHEDULE} ${WS_ARGS:---check --bench} --out "$OUT/h200_mla_decode_ws.jsonl" 2>&1 \
              | filt > "$OUT/ws.log"; echo "ws rc=${PIPESTATUS[0]}"; grep -v '^{' "$OUT/ws.log" | tail -40
              python3 -c "
 import json
@@ -115,7 +116,7 @@ for l in open('$OUT/h200_mla_decode_ws.jsonl'):
              python3 -c "
 import json
 for l in open('$OUT/h200_mla_decode_ws_diagnose.jsonl'):
-    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r.get('evict_first'), r.get('early_left'), r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
+    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r.get('evict_first'), r.get('early_left'), r.get('multicast'), r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
 " ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
