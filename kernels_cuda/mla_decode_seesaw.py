@@ -52,6 +52,13 @@ EVICT_FIRST = False
 #: Rank 0 issues every load once both CTAs have released the slot half (a remote mbarrier arrive from each).
 #: Only where the grid's 64-row tiles pair up (``m_tiles`` even)
 MULTICAST = False
+#: True: one mbarrier per 64 columns of a slot half, QK^T issued chunk by chunk as they land (FlashMLA's
+#: fine-grained TMA / GEMM pipelining); False: one a half
+CHUNKED = False
+#: True: warpgroup 0 hands P_a over unscaled right after its softmax and warpgroup 1 multiplies it by V_aR first
+#: (O_R rescaled by a's factor, then by b's after that product lands), so slot 0's right half is free a softmax
+#: earlier; False: FlashMLA's order (softmax b first, P_a rescaled by b's factor)
+EARLY_PV = False
 #: True: slot 0's left half is reloaded as soon as P_a @ V_aL has landed; False: after warpgroup 1's softmax, where
 #: FlashMLA issues it
 EARLY_LEFT = False
@@ -80,10 +87,13 @@ def build_mla_decode_seesaw(
     evict_first: bool = EVICT_FIRST,
     early_left: bool = EARLY_LEFT,
     multicast: bool = MULTICAST,
+    chunked: bool = CHUNKED,
+    early_pv: bool = EARLY_PV,
 ):
     """Return the TileLang PrimFunc (not compiled); arguments and tensors as ``mla_decode_ws.build_mla_decode_ws``.
     ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output).
-    ``prefetch_tiles`` / ``evict_first`` / ``early_left`` / ``multicast``: as the module's upper-case switches
+    ``prefetch_tiles`` / ``evict_first`` / ``early_left`` / ``multicast`` / ``chunked`` / ``early_pv``: as the
+    module's upper-case switches
     (``multicast`` applies where ``m_tiles`` is even)."""
     assert tilelang is not None, "tilelang is not installed"
     PF = prefetch_tiles
@@ -106,6 +116,12 @@ def build_mla_decode_seesaw(
     NBT = T.dynamic("max_blocks_per_seq")
     combine = md.combine_splits(H, S, False, PDL)
 
+    # A slot half's loads and barriers: with ``chunked`` one barrier per 64 columns (QK^T starts on the first chunk
+    # that lands, FlashMLA's fine-grained pipelining), else one a half. bars[slot * n + c] is chunk c of the slot.
+    NL, NR = (4, 5) if chunked else (1, 1)
+    left_chunks = [(c * 64, c * 64 + 64) for c in range(4)] if chunked else [(0, DH)]
+    right_chunks = [(DH + c * 64, DH + c * 64 + 64) for c in range(4)] if chunked else [(DH, DV)]
+
     @T.macro
     def release(free, slot, parity, tx):
         """Multicast: this CTA's slot half is free (one arrive on rank 0's barrier); rank 0 waits for both CTAs'."""
@@ -115,49 +131,38 @@ def build_mla_decode_seesaw(
             T.barrier_wait(free[slot], parity)
 
     @T.macro
+    def tma(src, dst, bars, idx):
+        """One TMA load into bars[idx]'s transaction (multicast into both CTAs of the cluster with ``multicast``);
+        the caller arrives."""
+        if load_kv:
+            if MC:
+                T.tma_copy(src, dst, barrier=bars[idx], cluster_mask=3, eviction_policy=evict)
+            else:
+                T.tma_copy(src, dst, barrier=bars[idx], eviction_policy=evict)
+
+    @T.macro
     def load_left(KV, KV_shared, bars, free, page, slot, parity, tx, first: bool = False):
         """Columns 0-255 of a page (V's left half and the first half of K's latent part). ``parity``: of the
         multicast release (the pair index), ``first``: the slot's first load (nothing to release)."""
-        if MC:
-            if not first:
-                release(free, slot, parity, tx)
-            if load_kv:
-                T.tma_copy(
-                    KV[page, :, 0:DH],
-                    KV_shared[slot, :, 0:DH],
-                    barrier=bars[slot],
-                    cluster_mask=3,
-                    eviction_policy=evict,
-                )
-        elif load_kv:
-            T.tma_copy(KV[page, :, 0:DH], KV_shared[slot, :, 0:DH], barrier=bars[slot], eviction_policy=evict)
-        T.barrier_arrive(bars[slot])
+        if MC and not first:
+            release(free, slot, parity, tx)
+        for c in tuple(range(NL)):
+            c0, c1 = left_chunks[c]
+            tma(KV[page, :, c0:c1], KV_shared[slot, :, c0:c1], bars, slot * NL + c)
+            T.barrier_arrive(bars[slot * NL + c])
 
     @T.macro
     def load_right(KV, KV_shared, K_pe_shared, bars, free, page, slot, parity, tx, first: bool = False):
         """Columns 256-575 of a page (V's right half and K's rope part)."""
-        if MC:
-            if not first:
-                release(free, slot, parity, tx)
-            if load_kv:
-                T.tma_copy(
-                    KV[page, :, DH:DV],
-                    KV_shared[slot, :, DH:DV],
-                    barrier=bars[slot],
-                    cluster_mask=3,
-                    eviction_policy=evict,
-                )
-                T.tma_copy(
-                    KV[page, :, DV:HD],
-                    K_pe_shared[slot, :, :],
-                    barrier=bars[slot],
-                    cluster_mask=3,
-                    eviction_policy=evict,
-                )
-        elif load_kv:
-            T.tma_copy(KV[page, :, DH:DV], KV_shared[slot, :, DH:DV], barrier=bars[slot], eviction_policy=evict)
-            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[slot, :, :], barrier=bars[slot], eviction_policy=evict)
-        T.barrier_arrive(bars[slot])
+        if MC and not first:
+            release(free, slot, parity, tx)
+        for c in tuple(range(len(right_chunks))):
+            c0, c1 = right_chunks[c]
+            tma(KV[page, :, c0:c1], KV_shared[slot, :, c0:c1], bars, slot * NR + c)
+            if chunked:
+                T.barrier_arrive(bars[slot * NR + c])
+        tma(KV[page, :, DV:HD], K_pe_shared[slot, :, :], bars, slot * NR + NR - 1)
+        T.barrier_arrive(bars[slot * NR + NR - 1])
 
     @T.macro
     def prefetch_l2(KV, block_table, b, t0, first, last, my_tiles, tx):
@@ -172,13 +177,21 @@ def build_mla_decode_seesaw(
 
     @T.macro
     def qk_left(Q_shared, KV_shared, acc_s, bars, slot, parity):
-        T.barrier_wait(bars[slot], parity)
-        T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[slot, :, 0:DH], acc_s, transpose_B=True)
+        """S += Q[:, :256] K[:, :256]^T: one wgmma group a chunk, each after its chunk's barrier."""
+        for c in tuple(range(NL)):
+            c0, c1 = left_chunks[c]
+            T.barrier_wait(bars[slot * NL + c], parity)
+            T.wgmma_gemm(Q_shared[:, c0:c1], KV_shared[slot, :, c0:c1], acc_s, transpose_B=True)
 
     @T.macro
     def qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bars, slot, parity):
-        T.barrier_wait(bars[slot], parity)
-        T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[slot, :, DH:DV], acc_s, transpose_B=True)
+        """S += Q[:, 256:] K[:, 256:]^T (the rope part with Q from registers): one wgmma group a chunk."""
+        for c in tuple(range(len(right_chunks))):
+            c0, c1 = right_chunks[c]
+            T.barrier_wait(bars[slot * NR + c], parity)
+            T.wgmma_gemm(Q_shared[:, c0:c1], KV_shared[slot, :, c0:c1], acc_s, transpose_B=True)
+        if chunked:
+            T.barrier_wait(bars[slot * NR + NR - 1], parity)
         T.wgmma_gemm(q_pe, K_pe_shared[slot, :, :], acc_s, transpose_B=True)
 
     @T.macro
@@ -267,6 +280,9 @@ def build_mla_decode_seesaw(
             l_i[i] = l_i[i] * f_a[i] + row_sum[i]
             m_a_sh[i] = m_i[i]
             sc_a_sh[i] = f_a[i]
+        if early_pv:  # P_a (unscaled) with m_a and a's factor
+            T.copy(acc_s, P_a_shared)
+            T.fence_proxy_async()
         T.barrier_arrive(bar_scale_a)
         for i, d in T.Parallel(BM, DH):
             acc_o[i, d] *= f_a[i]
@@ -280,12 +296,14 @@ def build_mla_decode_seesaw(
             load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 2], 0, p & 1, tx)
         for i in T.Parallel(BM):
             f_b[i] = sc_b_sh[i]
-        for i, c in T.Parallel(BM, BN):
-            P_a_shared[i, c] = T.cast(acc_s[i, c] * f_b[i], dtype)
-        T.fence_proxy_async()  # P_a is read by warpgroup 1's wgmma (the async proxy)
-        T.barrier_arrive(bar_p_a)
+        if not early_pv:
+            for i, c in T.Parallel(BM, BN):
+                P_a_shared[i, c] = T.cast(acc_s[i, c] * f_b[i], dtype)
+            T.fence_proxy_async()  # P_a is read by warpgroup 1's wgmma (the async proxy)
+            T.barrier_arrive(bar_p_a)
         if has_b:
-            T.barrier_wait(bar_p_b, p & 1)
+            if not early_pv:  # (early_pv: P_b came with b's factor)
+                T.barrier_wait(bar_p_b, p & 1)
             for i in T.Parallel(BM):
                 l_i[i] *= f_b[i]
             for i, d in T.Parallel(BM, DH):
@@ -295,7 +313,7 @@ def build_mla_decode_seesaw(
             T.clear(acc_s)
             qk_left(Q_shared, KV_shared, acc_s, bar_left, 0, (p + 1) & 1)
             if has_next_b:
-                T.wait_wgmma(1)  # P_b @ V_bL done: slot 1's left half is free
+                T.wait_wgmma(NL)  # P_b @ V_bL done (QK^T's NL groups after it): slot 1's left half is free
                 load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 3], 1, p & 1, tx)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 0, (p + 1) & 1)
         T.wait_wgmma(0)
@@ -334,37 +352,77 @@ def build_mla_decode_seesaw(
         for i in T.Parallel(BM):
             m_prev[i] = m_a_sh[i]
             f_a[i] = sc_a_sh[i]
-        if has_b:
-            softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
-        else:
+        if early_pv:
+            # P_a @ V_aR first (O_R at m_a), softmax b while it runs, then O_R to m_b and P_b @ V_bR
+            for i, d in T.Parallel(BM, DH):
+                acc_o[i, d] *= f_a[i]
+            T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
+            if has_b:
+                softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
+            else:
+                for i in T.Parallel(BM):
+                    m_i[i] = m_prev[i]
+                    f_b[i] = 1.0
+                    row_sum[i] = 0.0
             for i in T.Parallel(BM):
-                m_i[i] = m_prev[i]
-                f_b[i] = 1.0
-                row_sum[i] = 0.0
-        for i in T.Parallel(BM):
-            m_b_sh[i] = m_i[i]
-            sc_b_sh[i] = f_b[i]
-        T.barrier_arrive(bar_scale_b)
-        for i in T.Parallel(BM):
-            f_a[i] = f_a[i] * f_b[i]
-            l_i[i] = l_i[i] * f_a[i] + row_sum[i]
-        for i, d in T.Parallel(BM, DH):
-            acc_o[i, d] *= f_a[i]
-        if has_b:
-            T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
-            T.copy(acc_s, p_local)
-            T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
-            T.fence_proxy_async()
-        T.barrier_wait(bar_p_a, p & 1)
-        T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
-        if has_b:
-            T.barrier_arrive(bar_p_b)
-        if has_next_b:
-            T.wait_wgmma(1)  # P_b @ V_bR done: slot 1's right half is free
-            load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx)
-        if has_next_a:
+                m_b_sh[i] = m_i[i]
+                sc_b_sh[i] = f_b[i]
+                l_i[i] = l_i[i] * f_a[i] * f_b[i] + row_sum[i]
+            if has_b:
+                T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
+                T.fence_proxy_async()
+            T.barrier_arrive(bar_scale_b)
             T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
-            load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx)
+            if has_next_a:
+                load_right(
+                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx
+                )
+            if has_b:
+                for i, d in T.Parallel(BM, DH):
+                    acc_o[i, d] *= f_b[i]
+                T.copy(acc_s, p_local)
+                T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
+                if has_next_b:
+                    T.wait_wgmma(0)  # P_b @ V_bR done: slot 1's right half is free
+                    load_right(
+                        KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx
+                    )
+        else:
+            if has_b:
+                softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
+            else:
+                for i in T.Parallel(BM):
+                    m_i[i] = m_prev[i]
+                    f_b[i] = 1.0
+                    row_sum[i] = 0.0
+            for i in T.Parallel(BM):
+                m_b_sh[i] = m_i[i]
+                sc_b_sh[i] = f_b[i]
+            T.barrier_arrive(bar_scale_b)
+            for i in T.Parallel(BM):
+                f_a[i] = f_a[i] * f_b[i]
+                l_i[i] = l_i[i] * f_a[i] + row_sum[i]
+            for i, d in T.Parallel(BM, DH):
+                acc_o[i, d] *= f_a[i]
+            if has_b:
+                T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
+                T.copy(acc_s, p_local)
+                T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
+                T.fence_proxy_async()
+            T.barrier_wait(bar_p_a, p & 1)
+            T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
+            if has_b:
+                T.barrier_arrive(bar_p_b)
+            if has_next_b:
+                T.wait_wgmma(1)  # P_b @ V_bR done: slot 1's right half is free
+                load_right(
+                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx
+                )
+            if has_next_a:
+                T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
+                load_right(
+                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx
+                )
         if has_next_b:
             T.clear(acc_s)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 1, (p + 1) & 1)
@@ -425,8 +483,8 @@ def build_mla_decode_seesaw(
             lim1 = T.alloc_fragment([BM], T.int32)
 
             bar_q = T.alloc_barrier(arrive_count=128)
-            bar_left = T.alloc_barrier(arrive_count=[128, 128])
-            bar_right = T.alloc_barrier(arrive_count=[128, 128])
+            bar_left = T.alloc_barrier(arrive_count=[128] * (2 * NL))  # slot s chunk c: s * NL + c
+            bar_right = T.alloc_barrier(arrive_count=[128] * (2 * NR))
             bar_scale_a = T.alloc_barrier(arrive_count=128)  # wg0: softmax a done (m_a, scale_a)
             bar_scale_b = T.alloc_barrier(arrive_count=128)  # wg1: softmax b done (m_b, scale_b)
             bar_p_a = T.alloc_barrier(arrive_count=128)  # wg0: P_a (rescaled) in shared memory

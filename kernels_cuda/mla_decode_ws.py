@@ -113,6 +113,8 @@ def build_mla_decode_ws(
     evict_first: bool = False,
     early_left: bool = False,
     multicast: bool = False,
+    chunked: bool = False,
+    early_pv: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
@@ -123,16 +125,26 @@ def build_mla_decode_ws(
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
     the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
     None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap; ``prefetch_tiles``, ``evict_first``,
-    ``early_left`` and ``multicast`` are its switches)."""
+    ``early_left``, ``multicast``, ``chunked`` and ``early_pv`` are its switches)."""
     assert tilelang is not None, "tilelang is not installed"
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
     if schedule == "seesaw":
         assert num_stages == 2 and not overlap, "the seesaw schedule has two slots and no overlap switch"
         return seesaw.build_mla_decode_seesaw(
-            heads, m_tiles, num_splits, softmax_scale, load_kv, prefetch_tiles, evict_first, early_left, multicast
+            heads,
+            m_tiles,
+            num_splits,
+            softmax_scale,
+            load_kv,
+            prefetch_tiles,
+            evict_first,
+            early_left,
+            multicast,
+            chunked,
+            early_pv,
         )
-    assert not (evict_first or early_left or multicast), "evict_first / early_left / multicast are seesaw switches"
+    assert not (evict_first or early_left or multicast or chunked or early_pv), f"{SEESAW_SWITCHES}: seesaw switches"
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
@@ -401,17 +413,19 @@ def get_kernel(
     evict_first: bool | None = None,
     early_left: bool | None = None,
     multicast: bool | None = None,
+    chunked: bool | None = None,
+    early_pv: bool | None = None,
 ):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache). Switches left None
     take the schedule's defaults (``schedule_switches``)."""
     assert tilelang is not None, "tilelang is not installed"
-    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left, multicast)
+    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left, multicast, chunked, early_pv)
     return _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, *v.values())
 
 
 @functools.cache
 def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule, *switches):
-    overlap, prefetch_tiles, evict_first, early_left, multicast = switches
+    overlap, prefetch_tiles, evict_first, early_left, multicast, chunked, early_pv = switches
     return _compile(
         build_mla_decode_ws(
             heads,
@@ -425,12 +439,24 @@ def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule,
             evict_first=evict_first,
             early_left=early_left,
             multicast=multicast,
+            chunked=chunked,
+            early_pv=early_pv,
         )
     )
 
 
+SEESAW_SWITCHES = ("evict_first", "early_left", "multicast", "chunked", "early_pv")
+
+
 def schedule_switches(
-    schedule=None, overlap=None, prefetch_tiles=None, evict_first=None, early_left=None, multicast=None
+    schedule=None,
+    overlap=None,
+    prefetch_tiles=None,
+    evict_first=None,
+    early_left=None,
+    multicast=None,
+    chunked=None,
+    early_pv=None,
 ) -> dict:
     """Every switch of a schedule (``get_kernel``'s keyword arguments), None replaced by its default."""
     schedule = schedule or SCHEDULE
@@ -441,9 +467,9 @@ def schedule_switches(
         "prefetch_tiles": (PREFETCH_TILES if ws else seesaw.PREFETCH_TILES)
         if prefetch_tiles is None
         else prefetch_tiles,
-        "evict_first": (False if ws else seesaw.EVICT_FIRST) if evict_first is None else evict_first,
-        "early_left": (False if ws else seesaw.EARLY_LEFT) if early_left is None else early_left,
-        "multicast": (False if ws else seesaw.MULTICAST) if multicast is None else multicast,
+    } | {
+        k: (False if ws else getattr(seesaw, k.upper())) if v is None else v
+        for k, v in zip(SEESAW_SWITCHES, (evict_first, early_left, multicast, chunked, early_pv))
     }
 
 
@@ -455,14 +481,15 @@ def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=No
     configs = list(dict.fromkeys(tuple(c[:3]) for c in configs))
     if not configs:
         return
-    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale), **variant) for h, mt, s in configs]
+    v = schedule_switches(**variant)  # what get_kernel will ask for (module switches read now, not at import)
+    funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale), **v) for h, mt, s in configs]
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(_compile, funcs))
     for h, mt, s in configs:
-        if not variant or {**_default_variant(), **variant} == _default_variant():
+        if v == _default_variant():
             get_kernel(h, mt, s, float(softmax_scale))
         else:
-            get_kernel(h, mt, s, float(softmax_scale), **variant)
+            get_kernel(h, mt, s, float(softmax_scale), **v)
 
 
 CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite verification (q <= 4) with the combine
@@ -470,7 +497,7 @@ CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite veri
 
 def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and
-    one with each schedule's switches on (ws: overlap and prefetch; seesaw: prefetch, evict_first, early_left)."""
+    one with each schedule's switches on (ws: overlap, prefetch; seesaw: all of SEESAW_SWITCHES, prefetch; early_pv)."""
     funcs = [
         build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5, schedule=sch)
         for h, mt, s in (configs or CI_CONFIGS)
@@ -489,8 +516,10 @@ def ci_compile(configs=None):
                 evict_first=True,
                 early_left=True,
                 multicast=True,
+                chunked=True,
             )
         )
+        funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, schedule="seesaw", early_pv=True, chunked=True))
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(_compile, funcs))
 
@@ -537,9 +566,10 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
 #: time; add them here to measure them again.
 VARIANTS = [
     schedule_switches("ws", False, 0),
-    schedule_switches("seesaw", False, 0, False, False, False),
-    schedule_switches("seesaw", False, 0, False, False, True),
-    schedule_switches("seesaw", False, 0, True, False, True),
+    schedule_switches("seesaw", False, 0, False, False, False, False, False),
+    schedule_switches("seesaw", False, 0, False, False, False, True, False),
+    schedule_switches("seesaw", False, 0, False, False, False, False, True),
+    schedule_switches("seesaw", False, 0, False, False, False, True, True),
 ]
 
 
@@ -571,9 +601,7 @@ def bench(copy_gbps: float, shapes=None, out=None):
                 schedule=variant["schedule"],
                 overlap_softmax=variant["overlap"],
                 prefetch_tiles=variant["prefetch_tiles"],
-                evict_first=variant["evict_first"],
-                early_left=variant["early_left"],
-                multicast=variant["multicast"],
+                **{k: variant[k] for k in SEESAW_SWITCHES},
                 default=default,
                 pipelined_us=base["us"],
                 speedup=round(base["us"] / r["us"], 3),
@@ -593,8 +621,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
     mt = md.m_tiles_for(heads, 1)
     schedules = [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]
-    load_only = ("prefetch_tiles", "evict_first", "early_left")  # switches that only change the loads (multicast
-    # also couples the pair of CTAs: its no-loads row shows that cost)
+    load_only = ("prefetch_tiles", "evict_first", "early_left", "chunked")  # switches that only change the loads
     variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not any(v[k] for k in load_only)]
     with compile_pool(len(variants)) as ex:
         kernels = list(
@@ -639,9 +666,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "schedule": v["schedule"],
                 "overlap_softmax": v["overlap"],
                 "prefetch_tiles": v["prefetch_tiles"],
-                "evict_first": v["evict_first"],
-                "early_left": v["early_left"],
-                "multicast": v["multicast"],
+                **{k: v[k] for k in SEESAW_SWITCHES},
                 "default": v == _default_variant(),
                 "kv": mode,
                 "us": round(us, 2),
@@ -665,12 +690,14 @@ def main(argv=None):
     ap.add_argument("--out", help="also append the bench rows to this JSONL file")
     ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
     ap.add_argument("--schedule", choices=SCHEDULES, help=f"the default schedule in this run (else {SCHEDULE})")
-    ap.add_argument("--multicast", action="store_true", help="the seesaw schedule's multicast switch on by default")
+    ap.add_argument(
+        "--switch", action="append", default=[], choices=SEESAW_SWITCHES, help="a seesaw switch on by default"
+    )
     args = ap.parse_args(argv)
     if args.schedule:
         SCHEDULE = args.schedule
-    if args.multicast:
-        seesaw.MULTICAST = True
+    for name in args.switch:
+        setattr(seesaw, name.upper(), True)
     md._bench.exit_without_cuda(args)
     if args.check or args.bench or args.compile_only:
         cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in check_cases()]

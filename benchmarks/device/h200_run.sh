@@ -18,7 +18,7 @@
 #   mla       benchmarks/bench_mla_decode.py (MLA_ARGS: extra arguments, e.g. --warp-specialized)
 #   ws        kernels_cuda/mla_decode_ws.py --check --bench (the hand warp-specialized decode against the pipelined one;
 #             WS_SCHEDULE=seesaw: that schedule is the default of the run, checked, and the ws one a variant;
-#             WS_ARGS: the arguments instead of --check --bench, e.g. "--multicast --check")
+#             WS_ARGS: the arguments instead of --check --bench, e.g. "--switch chunked --check")
 #   wsdiag    kernels_cuda/mla_decode_ws.py --diagnose (compute vs memory split of its schedules at B=64 H=128 4K)
 #   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)
@@ -116,7 +116,7 @@ for l in open('$OUT/h200_mla_decode_ws.jsonl'):
              python3 -c "
 import json
 for l in open('$OUT/h200_mla_decode_ws_diagnose.jsonl'):
-    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r.get('evict_first'), r.get('early_left'), r.get('multicast'), r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
+    r = json.loads(l); print(r.get('schedule'), r['overlap_softmax'], r['prefetch_tiles'], r.get('evict_first'), r.get('early_left'), r.get('multicast'), r.get('chunked'), r.get('early_pv'), r['kv'], r['us'], r['us_per_64_keys'], r['TFLOPs'], r['frac_of_copy'], r.get('check'))
 " ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
