@@ -35,9 +35,11 @@ except Exception:  # pragma: no cover - exercised where tilelang is absent
 
 try:
     from . import mla_decode as md
+    from ._ast_guard import compile_pool
     from ._pdl import pdl_enabled
 except ImportError:  # run as a script: python kernels_cuda/mla_decode_seesaw.py
     import mla_decode as md
+    from _ast_guard import compile_pool
     from _pdl import pdl_enabled
 
 THREADS = 256  # two warpgroups, each a consumer and its own TMA issuer
@@ -670,6 +672,21 @@ def build_mla_decode_seesaw(
             combine(Out, Lse, O_part, Lse_part, Tq)
 
     return mla_decode_seesaw
+
+
+CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # as mla_decode_ws.CI_CONFIGS: V3 decode; V2-Lite verification + combine
+
+
+def ci_compile(configs=None):
+    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and two
+    with the switches' code paths on (prefetch, evict_first, early_left, multicast, chunked; early_pv, chunked)."""
+    scale = md.HEAD_DIM**-0.5
+    funcs = [build_mla_decode_seesaw(h, mt, s, scale) for h, mt, s in (configs or CI_CONFIGS)]
+    if configs is None:
+        funcs.append(build_mla_decode_seesaw(128, 2, 1, scale, True, 4, True, True, True, True, False))
+        funcs.append(build_mla_decode_seesaw(128, 2, 1, scale, chunked=True, early_pv=True))
+    with compile_pool(len(funcs)) as ex:
+        return list(ex.map(md.compile_sm90, funcs))
 
 
 if __name__ == "__main__":

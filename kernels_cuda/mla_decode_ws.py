@@ -59,7 +59,7 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
 THREADS = 384  # two consumer warpgroups and one producer
 #: "ws": this file's schedule (above). "seesaw": ``mla_decode_seesaw.py`` (FlashMLA's schedule: both warpgroups
 #: compute QK^T and softmax of alternate tiles and half of every P @ V; 256 threads, loads issued per slot half).
-SCHEDULE = "ws"
+SCHEDULE = "seesaw"
 SCHEDULES = ("ws", "seesaw")
 
 
@@ -496,30 +496,12 @@ CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # V3 decode without splits; V2-Lite veri
 
 
 def ci_compile(configs=None):
-    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and
-    one with each schedule's switches on (ws: overlap, prefetch; seesaw: all of SEESAW_SWITCHES, prefetch; early_pv)."""
-    funcs = [
-        build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5, schedule=sch)
-        for h, mt, s in (configs or CI_CONFIGS)
-        for sch in SCHEDULES
-    ]
+    """Compile representative configurations of this file's schedule for sm_90a without a GPU
+    (tests/kernels_cuda/test_compile.py), and one with its switches on (overlap, prefetch); the seesaw schedule's:
+    ``mla_decode_seesaw.ci_compile``."""
+    funcs = [build_mla_decode_ws(h, mt, s, md.HEAD_DIM**-0.5, schedule="ws") for h, mt, s in (configs or CI_CONFIGS)]
     if configs is None:
         funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, overlap=True, prefetch_tiles=4, schedule="ws"))
-        funcs.append(
-            build_mla_decode_ws(
-                128,
-                2,
-                1,
-                md.HEAD_DIM**-0.5,
-                prefetch_tiles=4,
-                schedule="seesaw",
-                evict_first=True,
-                early_left=True,
-                multicast=True,
-                chunked=True,
-            )
-        )
-        funcs.append(build_mla_decode_ws(128, 2, 1, md.HEAD_DIM**-0.5, schedule="seesaw", early_pv=True, chunked=True))
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(_compile, funcs))
 
@@ -561,15 +543,13 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
     return out
 
 
-#: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments). The ws
-#: schedule's overlap / prefetch variants (session 8, call 7: slower with real loads) are left out to save compile
-#: time; add them here to measure them again.
+#: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments). Left out
+#: to save compile time, each measured slower with real pages (``--diagnose``, B=64 H=128 4K, H200; add them here to
+#: measure them again): the ws schedule's overlap / prefetch (session 8, call 7); the seesaw schedule's L2 prefetch
+#: 2 / 4 tiles, evict_first, early_left (session 9, call 2), multicast (call 3), chunked, early_pv (call 4).
 VARIANTS = [
     schedule_switches("ws", False, 0),
     schedule_switches("seesaw", False, 0, False, False, False, False, False),
-    schedule_switches("seesaw", False, 0, False, False, False, True, False),
-    schedule_switches("seesaw", False, 0, False, False, False, False, True),
-    schedule_switches("seesaw", False, 0, False, False, False, True, True),
 ]
 
 

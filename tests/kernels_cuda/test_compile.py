@@ -7,7 +7,8 @@ file without it fails here, so no kernel escapes the compile check. For sm_100a 
 ``target=`` when ``ci_compile`` accepts it, else it points the module's ``SM90_TARGET`` (which every module's
 ``ci_compile`` reads at call time) at sm_100a for the duration of the call.
 
-sm_100a (TileLang 0.1.15, nvcc 13.0), what compiles: every module but mla_decode_ws (Hopper-only by design,
+sm_100a (TileLang 0.1.15, nvcc 13.0), what compiles: every module but mla_decode_ws and mla_decode_seesaw
+(Hopper-only by design,
 ``SM100_SKIP``). mla_decode's ``T.gemm`` lowers to
 ``mma.sync`` (ldmatrix operands, TMA loads kept) instead of Hopper's wgmma, so it compiles but is not the
 tuned path there (TileLang would need tcgen05 / TMEM code for Blackwell's tensor cores); it is not run there.
@@ -83,7 +84,7 @@ def test_compiles_for_sm90a(name, monkeypatch, tmp_path):
 
 #: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
 PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_routing", "moe_gemm", "silu_mul",
-               "moe_gemm_swap", "mla_absorb", "mla_decode_ws"}
+               "moe_gemm_swap", "mla_absorb", "mla_decode_ws", "mla_decode_seesaw"}
 
 
 @pytest.mark.skipif(not _has_nvcc(), reason="nvcc (CUDA toolkit) not found: cannot compile for sm_90a")
@@ -107,6 +108,8 @@ SM100_SKIP: dict[str, str] = {
     "mla_decode_ws": "Hopper-only by design: T.wgmma_gemm (wgmma issued by hand) and setmaxnreg warpgroup roles have "
     "no sm_100a lowering; the engine takes it only on compute capability 9.x (kernels.is_sm90) and keeps "
     "mla_decode's pipelined kernel elsewhere",
+    "mla_decode_seesaw": "Hopper-only by design: T.wgmma_gemm (wgmma issued by hand, A from registers); built through "
+    "mla_decode_ws, which the engine takes only on compute capability 9.x",
 }
 
 
