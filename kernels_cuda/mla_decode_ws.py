@@ -33,6 +33,7 @@ Run alone:  python kernels_cuda/mla_decode_ws.py --check --bench [--diagnose]   
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 
@@ -58,9 +59,20 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_ws.py
 
 THREADS = 384  # two consumer warpgroups and one producer
 #: "ws": this file's schedule (above). "seesaw": ``mla_decode_seesaw.py`` (FlashMLA's schedule: both warpgroups
-#: compute QK^T and softmax of alternate tiles and half of every P @ V; 256 threads, loads issued per slot half).
-SCHEDULE = "seesaw"
+#: compute QK^T and softmax of alternate tiles and half of every P @ V; 256 threads, loads issued per slot half),
+#: the default since session 9 (H200, B=64 H=128 4K: 140-148 us against 152-162; kernels_cuda/NOTES.md).
+#: ``DEEPINFER_CUDA_MLA_SCHEDULE=ws`` keeps the first one (A/B runs).
 SCHEDULES = ("ws", "seesaw")
+
+
+def _schedule_from_env() -> str:
+    name = os.environ.get("DEEPINFER_CUDA_MLA_SCHEDULE", "seesaw").strip() or "seesaw"
+    if name not in SCHEDULES:
+        raise ValueError(f"DEEPINFER_CUDA_MLA_SCHEDULE={name!r}: one of {', '.join(SCHEDULES)}")
+    return name
+
+
+SCHEDULE = _schedule_from_env()
 
 
 def threads(schedule: str | None = None) -> int:
