@@ -21,6 +21,14 @@ the key tiles in pairs (a = 2p in slot 0, b = 2p + 1 in slot 1), 256 threads, no
 - Shared memory: Q 72 KB, two slots 144 KB, P_a 8 KB; P_b reuses Q's rope columns (8 KB), whose values both
   warpgroups keep in registers (wgmma with A from registers) once Q has landed. 224 KB of the 227 KB.
 
+Measured on an H200 (session 9; ``benchmarks/results/h200_mla_decode*.jsonl``, kernels_cuda/NOTES.md): ``--check``
+17 cases PASS (<= 1.67 bf16 ulp); 128 heads, batch 64 / 128 x 4K / 8K: 0.496-0.519 of the copy bandwidth (490-520
+TFLOP/s), 1.06-1.12x the ws schedule and 1.24-1.31x the pipelined kernel in the same run. ``--diagnose`` (B=64, 4K):
+105-108 us without KV loads (675-694 TFLOP/s, ~88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading
+one page, 140-148 with the real pages: the two 72 KB slots next to Q keep too few bytes in flight to hide HBM
+latency. None of the switches closes that gap (each measured slower or equal: L2 prefetch, evict_first, an earlier
+left-half load, 2-CTA multicast, a barrier per 64 columns, P_a @ V_aR before softmax b); they stay off.
+
 Run alone:  python kernels_cuda/mla_decode_seesaw.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """
 

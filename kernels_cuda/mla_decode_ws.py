@@ -25,7 +25,13 @@ Measured on an H200 (session 8, graph replays; kernels_cuda/NOTES.md): ``--check
 128 heads at batch 64 / 128 x 4K / 8K: 0.466-0.474 of the copy bandwidth, 450-475 TFLOP/s, 1.17-1.22x the pipelined
 kernel; 16 heads with 4 query tokens 1.26x. ``--diagnose`` (B=64, 4K): 129.5 us without KV loads, 150.3 with them,
 so the warpgroups' own work (2.0 us a 64-key tile against 1.49 us of tensor-core time at 790 TFLOP/s) is the bound.
-The engine takes it for every 64-row decode tile on a Hopper (``backends/cuda/kernels.py``, ``is_sm90``).
+
+Two schedules (``SCHEDULE``, ``DEEPINFER_CUDA_MLA_SCHEDULE``): "ws", the one above, and "seesaw",
+``mla_decode_seesaw.py``'s (FlashMLA's), the default since session 9: ``--check`` 17 cases PASS (<= 1.67 bf16 ulp),
+128 heads at batch 64 / 128 x 4K / 8K 148.2 / 293.6 / 298.3 / 561.7 us = 0.496-0.519 of copy (ws in the same run:
+161.7 / 315.9 / 315.1 / 627.5), 2 query tokens 265.4 against 297.6, 16 heads x 4 tokens 98.2 against 97.5 (session 9,
+call 5). The engine takes this module's ``SCHEDULE`` for every 64-row decode tile on a Hopper
+(``backends/cuda/kernels.py``, ``is_sm90``).
 
 Run alone:  python kernels_cuda/mla_decode_ws.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """

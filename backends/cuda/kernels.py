@@ -89,8 +89,9 @@ FUSED_A_PROJ = os.environ.get("DEEPINFER_CUDA_FUSED_A_PROJ", "1").strip() != "0"
 # 434.3 / 433.4 tok/s against 424.5 / 425.9 with cuBLAS); DEEPINFER_CUDA_SKINNY_W_UV=0 keeps cuBLAS. Session 6 saw
 # no gain beyond the spread of its (then host-bound, bimodal) batch-1 windows.
 SKINNY_W_UV = os.environ.get("DEEPINFER_CUDA_SKINNY_W_UV", "1").strip() != "0"
-# 64-row MLA decode tiles on kernels_cuda.mla_decode_ws (hand warp-specialized; Hopper only): 1.17-1.26x the
-# pipelined kernel on an H200 (session 8); DEEPINFER_CUDA_MLA_WS=0 keeps the pipelined one (A/B runs)
+# 64-row MLA decode tiles on kernels_cuda.mla_decode_ws (hand warp-specialized; Hopper only; its seesaw schedule
+# since session 9, DEEPINFER_CUDA_MLA_SCHEDULE=ws the first one): 1.24-1.31x the pipelined kernel at 128 heads on an
+# H200 (session 9); DEEPINFER_CUDA_MLA_WS=0 keeps the pipelined one (A/B runs)
 MLA_WS = os.environ.get("DEEPINFER_CUDA_MLA_WS", "1").strip() != "0"
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
 
