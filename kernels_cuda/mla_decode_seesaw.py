@@ -26,8 +26,9 @@ Measured on an H200 (session 9; ``benchmarks/results/h200_mla_decode*.jsonl``, k
 TFLOP/s), 1.06-1.12x the ws schedule and 1.24-1.31x the pipelined kernel in the same run. ``--diagnose`` (B=64, 4K):
 105-108 us without KV loads (675-694 TFLOP/s, ~88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading
 one page, 140-148 with the real pages: the two 72 KB slots next to Q keep too few bytes in flight to hide HBM
-latency. None of the switches closes that gap (each measured slower or equal: L2 prefetch, evict_first, an earlier
-left-half load, 2-CTA multicast, a barrier per 64 columns, P_a @ V_aR before softmax b); they stay off.
+latency. Six variants aimed at that gap were measured (session 9, calls 2-4) and none was faster: L2 prefetch 2 / 4
+tiles ahead, the evict_first cache hint, an earlier left-half load, the request's two CTAs as a cluster with
+multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their code is in commit ae3ee03 (NOTES.md).
 
 Run alone:  python kernels_cuda/mla_decode_seesaw.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """
@@ -51,65 +52,12 @@ except ImportError:  # run as a script: python kernels_cuda/mla_decode_seesaw.py
     from _pdl import pdl_enabled
 
 THREADS = 256  # two warpgroups, each a consumer and its own TMA issuer
-#: L2 prefetch distance in tiles (even; 0: none): at the start of pair p, the pages of tiles 2p + PREFETCH_TILES and
-#: the one after are asked into L2 (``cp.async.bulk.prefetch.L2``), so that their TMA loads, which can only start
-#: once a slot half is free, read L2
-PREFETCH_TILES = 0
-#: the KV loads' TMA cache hint (FlashMLA loads its KV with EVICT_FIRST)
-EVICT_FIRST = False
-#: True: the two 64-row tiles of a request (128 heads, or 16 heads x 8 query tokens) run as a cluster of two CTAs
-#: and each KV half is loaded once, multicast into both (TMA ``.multicast::cluster``): half the L2 -> SM traffic.
-#: Rank 0 issues every load once both CTAs have released the slot half (a remote mbarrier arrive from each).
-#: Only where the grid's 64-row tiles pair up (``m_tiles`` even)
-MULTICAST = False
-#: True: one mbarrier per 64 columns of a slot half, QK^T issued chunk by chunk as they land (FlashMLA's
-#: fine-grained TMA / GEMM pipelining); False: one a half
-CHUNKED = False
-#: True: warpgroup 0 hands P_a over unscaled right after its softmax and warpgroup 1 multiplies it by V_aR first
-#: (O_R rescaled by a's factor, then by b's after that product lands), so slot 0's right half is free a softmax
-#: earlier; False: FlashMLA's order (softmax b first, P_a rescaled by b's factor)
-EARLY_PV = False
-#: True: slot 0's left half is reloaded as soon as P_a @ V_aL has landed; False: after warpgroup 1's softmax, where
-#: FlashMLA issues it
-EARLY_LEFT = False
-PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
-L2_PREFETCH_SOURCE = r"""
-__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
-}
-"""
 
 
-def _launch(m_tiles, batch, num_splits, multicast: bool):
-    """The kernel's launch frame: a cluster of two CTAs along the 64-row tiles where the loads are multicast."""
-    if multicast:
-        return T.ClusterKernel(m_tiles, batch, num_splits, cluster_dims=(2, 1, 1), threads=THREADS)
-    return T.Kernel(m_tiles, batch, num_splits, threads=THREADS)
-
-
-def build_mla_decode_seesaw(
-    heads: int,
-    m_tiles: int,
-    num_splits: int,
-    softmax_scale: float,
-    load_kv: bool = True,
-    prefetch_tiles: int = PREFETCH_TILES,
-    evict_first: bool = EVICT_FIRST,
-    early_left: bool = EARLY_LEFT,
-    multicast: bool = MULTICAST,
-    chunked: bool = CHUNKED,
-    early_pv: bool = EARLY_PV,
-):
+def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, load_kv: bool = True):
     """Return the TileLang PrimFunc (not compiled); arguments and tensors as ``mla_decode_ws.build_mla_decode_ws``.
-    ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output).
-    ``prefetch_tiles`` / ``evict_first`` / ``early_left`` / ``multicast`` / ``chunked`` / ``early_pv``: as the
-    module's upper-case switches
-    (``multicast`` applies where ``m_tiles`` is even)."""
+    ``load_kv=False`` (``--diagnose`` only): no KV loads, each slot half is signalled at once (garbage output)."""
     assert tilelang is not None, "tilelang is not installed"
-    PF = prefetch_tiles
-    assert PF >= 0 and PF % 2 == 0, f"prefetch_tiles {PF}: an even number of tiles (whole pairs)"
-    evict = "evict_first" if evict_first else None
-    MC = multicast and m_tiles % 2 == 0
     PDL = pdl_enabled()
     H, S = heads, num_splits
     DV, DPE, DH = md.KV_LORA, md.ROPE, md.KV_LORA // 2
@@ -126,82 +74,30 @@ def build_mla_decode_seesaw(
     NBT = T.dynamic("max_blocks_per_seq")
     combine = md.combine_splits(H, S, False, PDL)
 
-    # A slot half's loads and barriers: with ``chunked`` one barrier per 64 columns (QK^T starts on the first chunk
-    # that lands, FlashMLA's fine-grained pipelining), else one a half. bars[slot * n + c] is chunk c of the slot.
-    NL, NR = (4, 5) if chunked else (1, 1)
-    left_chunks = [(c * 64, c * 64 + 64) for c in range(4)] if chunked else [(0, DH)]
-    right_chunks = [(DH + c * 64, DH + c * 64 + 64) for c in range(4)] if chunked else [(DH, DV)]
-
     @T.macro
-    def release(free, slot, parity, tx):
-        """Multicast: this CTA's slot half is free (one arrive on rank 0's barrier); rank 0 waits for both CTAs'."""
-        if tx % 128 == 0:
-            T.mbarrier_arrive(free[slot], 0)
-        if T.block_rank_in_cluster() == 0:
-            T.barrier_wait(free[slot], parity)
-
-    @T.macro
-    def tma(src, dst, bars, idx):
-        """One TMA load into bars[idx]'s transaction (multicast into both CTAs of the cluster with ``multicast``);
-        the caller arrives."""
+    def load_left(KV, KV_shared, bars, page, slot):
+        """Columns 0-255 of a page (V's left half and the first half of K's latent part)."""
         if load_kv:
-            if MC:
-                T.tma_copy(src, dst, barrier=bars[idx], cluster_mask=3, eviction_policy=evict)
-            else:
-                T.tma_copy(src, dst, barrier=bars[idx], eviction_policy=evict)
+            T.tma_copy(KV[page, :, 0:DH], KV_shared[slot, :, 0:DH], barrier=bars[slot])
+        T.barrier_arrive(bars[slot])
 
     @T.macro
-    def load_left(KV, KV_shared, bars, free, page, slot, parity, tx, first: bool = False):
-        """Columns 0-255 of a page (V's left half and the first half of K's latent part). ``parity``: of the
-        multicast release (the pair index), ``first``: the slot's first load (nothing to release)."""
-        if MC and not first:
-            release(free, slot, parity, tx)
-        for c in tuple(range(NL)):
-            c0, c1 = left_chunks[c]
-            tma(KV[page, :, c0:c1], KV_shared[slot, :, c0:c1], bars, slot * NL + c)
-            T.barrier_arrive(bars[slot * NL + c])
-
-    @T.macro
-    def load_right(KV, KV_shared, K_pe_shared, bars, free, page, slot, parity, tx, first: bool = False):
+    def load_right(KV, KV_shared, K_pe_shared, bars, page, slot):
         """Columns 256-575 of a page (V's right half and K's rope part)."""
-        if MC and not first:
-            release(free, slot, parity, tx)
-        for c in tuple(range(len(right_chunks))):
-            c0, c1 = right_chunks[c]
-            tma(KV[page, :, c0:c1], KV_shared[slot, :, c0:c1], bars, slot * NR + c)
-            if chunked:
-                T.barrier_arrive(bars[slot * NR + c])
-        tma(KV[page, :, DV:HD], K_pe_shared[slot, :, :], bars, slot * NR + NR - 1)
-        T.barrier_arrive(bars[slot * NR + NR - 1])
-
-    @T.macro
-    def prefetch_l2(KV, block_table, b, t0, first, last, my_tiles, tx):
-        """One thread asks for the pages of tiles first .. last - 1 (those that exist) to be brought into L2."""
-        if tx == 0:
-            for k in T.serial(first, T.min(last, my_tiles)):
-                T.evaluate(
-                    T.call_extern(
-                        "handle", "di_prefetch_l2", T.access_ptr(KV[block_table[b, t0 + k], 0, 0], "r"), PAGE_BYTES
-                    )
-                )
+        if load_kv:
+            T.tma_copy(KV[page, :, DH:DV], KV_shared[slot, :, DH:DV], barrier=bars[slot])
+            T.tma_copy(KV[page, :, DV:HD], K_pe_shared[slot, :, :], barrier=bars[slot])
+        T.barrier_arrive(bars[slot])
 
     @T.macro
     def qk_left(Q_shared, KV_shared, acc_s, bars, slot, parity):
-        """S += Q[:, :256] K[:, :256]^T: one wgmma group a chunk, each after its chunk's barrier."""
-        for c in tuple(range(NL)):
-            c0, c1 = left_chunks[c]
-            T.barrier_wait(bars[slot * NL + c], parity)
-            T.wgmma_gemm(Q_shared[:, c0:c1], KV_shared[slot, :, c0:c1], acc_s, transpose_B=True)
+        T.barrier_wait(bars[slot], parity)
+        T.wgmma_gemm(Q_shared[:, 0:DH], KV_shared[slot, :, 0:DH], acc_s, transpose_B=True)
 
     @T.macro
     def qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bars, slot, parity):
-        """S += Q[:, 256:] K[:, 256:]^T (the rope part with Q from registers): one wgmma group a chunk."""
-        for c in tuple(range(len(right_chunks))):
-            c0, c1 = right_chunks[c]
-            T.barrier_wait(bars[slot * NR + c], parity)
-            T.wgmma_gemm(Q_shared[:, c0:c1], KV_shared[slot, :, c0:c1], acc_s, transpose_B=True)
-        if chunked:
-            T.barrier_wait(bars[slot * NR + NR - 1], parity)
+        T.barrier_wait(bars[slot], parity)
+        T.wgmma_gemm(Q_shared[:, DH:DV], KV_shared[slot, :, DH:DV], acc_s, transpose_B=True)
         T.wgmma_gemm(q_pe, K_pe_shared[slot, :, :], acc_s, transpose_B=True)
 
     @T.macro
@@ -270,8 +166,6 @@ def build_mla_decode_seesaw(
         b,
         t0,
         first_masked,
-        my_tiles,
-        tx,
         p,
         has_b: bool,
         has_next_a: bool,
@@ -279,10 +173,8 @@ def build_mla_decode_seesaw(
     ):
         """Pair p (S_a in acc_s): softmax a, P_a @ V_aL, P_b @ V_bL, QK^T of the next a."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
-        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right = bars
+        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
         a = 2 * p
-        if PF > 0:
-            prefetch_l2(KV, block_table, b, t0, a + PF, a + PF + 2, my_tiles, tx)
         for i in T.Parallel(BM):
             m_prev[i] = m_b_sh[i]
         softmax(acc_s, m_prev, m_i, f_a, row_sum, lim, t0 + a, first_masked)
@@ -290,30 +182,23 @@ def build_mla_decode_seesaw(
             l_i[i] = l_i[i] * f_a[i] + row_sum[i]
             m_a_sh[i] = m_i[i]
             sc_a_sh[i] = f_a[i]
-        if early_pv:  # P_a (unscaled) with m_a and a's factor
-            T.copy(acc_s, P_a_shared)
-            T.fence_proxy_async()
         T.barrier_arrive(bar_scale_a)
         for i, d in T.Parallel(BM, DH):
             acc_o[i, d] *= f_a[i]
         T.copy(acc_s, p_local)
         T.wgmma_gemm(p_local, KV_shared[0, :, 0:DH], acc_o)  # P_a @ V_aL
         T.wait_wgmma(0)
-        if has_next_a and early_left:  # slot 0's left half is free: the next a's
-            load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 2], 0, p & 1, tx)
         T.barrier_wait(bar_scale_b, p & 1)
-        if has_next_a and not early_left:
-            load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 2], 0, p & 1, tx)
+        if has_next_a:  # slot 0's left half is free: the next a's
+            load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 2], 0)
         for i in T.Parallel(BM):
             f_b[i] = sc_b_sh[i]
-        if not early_pv:
-            for i, c in T.Parallel(BM, BN):
-                P_a_shared[i, c] = T.cast(acc_s[i, c] * f_b[i], dtype)
-            T.fence_proxy_async()  # P_a is read by warpgroup 1's wgmma (the async proxy)
-            T.barrier_arrive(bar_p_a)
+        for i, c in T.Parallel(BM, BN):
+            P_a_shared[i, c] = T.cast(acc_s[i, c] * f_b[i], dtype)
+        T.fence_proxy_async()  # P_a is read by warpgroup 1's wgmma (the async proxy)
+        T.barrier_arrive(bar_p_a)
         if has_b:
-            if not early_pv:  # (early_pv: P_b came with b's factor)
-                T.barrier_wait(bar_p_b, p & 1)
+            T.barrier_wait(bar_p_b, p & 1)
             for i in T.Parallel(BM):
                 l_i[i] *= f_b[i]
             for i, d in T.Parallel(BM, DH):
@@ -323,8 +208,8 @@ def build_mla_decode_seesaw(
             T.clear(acc_s)
             qk_left(Q_shared, KV_shared, acc_s, bar_left, 0, (p + 1) & 1)
             if has_next_b:
-                T.wait_wgmma(NL)  # P_b @ V_bL done (QK^T's NL groups after it): slot 1's left half is free
-                load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + a + 3], 1, p & 1, tx)
+                T.wait_wgmma(1)  # P_b @ V_bL done: slot 1's left half is free
+                load_left(KV, KV_shared, bar_left, block_table[b, t0 + a + 3], 1)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 0, (p + 1) & 1)
         T.wait_wgmma(0)
 
@@ -348,8 +233,6 @@ def build_mla_decode_seesaw(
         b,
         t0,
         first_masked,
-        my_tiles,
-        tx,
         p,
         has_b: bool,
         has_next_a: bool,
@@ -357,82 +240,42 @@ def build_mla_decode_seesaw(
     ):
         """Pair p (S_b in acc_s where there is a b): softmax b, P_b @ V_bR, P_a @ V_aR, QK^T of the next b."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
-        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right = bars
+        bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
         T.barrier_wait(bar_scale_a, p & 1)
         for i in T.Parallel(BM):
             m_prev[i] = m_a_sh[i]
             f_a[i] = sc_a_sh[i]
-        if early_pv:
-            # P_a @ V_aR first (O_R at m_a), softmax b while it runs, then O_R to m_b and P_b @ V_bR
-            for i, d in T.Parallel(BM, DH):
-                acc_o[i, d] *= f_a[i]
-            T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
-            if has_b:
-                softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
-            else:
-                for i in T.Parallel(BM):
-                    m_i[i] = m_prev[i]
-                    f_b[i] = 1.0
-                    row_sum[i] = 0.0
-            for i in T.Parallel(BM):
-                m_b_sh[i] = m_i[i]
-                sc_b_sh[i] = f_b[i]
-                l_i[i] = l_i[i] * f_a[i] * f_b[i] + row_sum[i]
-            if has_b:
-                T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
-                T.fence_proxy_async()
-            T.barrier_arrive(bar_scale_b)
-            T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
-            if has_next_a:
-                load_right(
-                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx
-                )
-            if has_b:
-                for i, d in T.Parallel(BM, DH):
-                    acc_o[i, d] *= f_b[i]
-                T.copy(acc_s, p_local)
-                T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
-                if has_next_b:
-                    T.wait_wgmma(0)  # P_b @ V_bR done: slot 1's right half is free
-                    load_right(
-                        KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx
-                    )
+        if has_b:
+            softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
         else:
-            if has_b:
-                softmax(acc_s, m_prev, m_i, f_b, row_sum, lim, t0 + 2 * p + 1, first_masked)
-            else:
-                for i in T.Parallel(BM):
-                    m_i[i] = m_prev[i]
-                    f_b[i] = 1.0
-                    row_sum[i] = 0.0
             for i in T.Parallel(BM):
-                m_b_sh[i] = m_i[i]
-                sc_b_sh[i] = f_b[i]
-            T.barrier_arrive(bar_scale_b)
-            for i in T.Parallel(BM):
-                f_a[i] = f_a[i] * f_b[i]
-                l_i[i] = l_i[i] * f_a[i] + row_sum[i]
-            for i, d in T.Parallel(BM, DH):
-                acc_o[i, d] *= f_a[i]
-            if has_b:
-                T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
-                T.copy(acc_s, p_local)
-                T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
-                T.fence_proxy_async()
-            T.barrier_wait(bar_p_a, p & 1)
-            T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
-            if has_b:
-                T.barrier_arrive(bar_p_b)
-            if has_next_b:
-                T.wait_wgmma(1)  # P_b @ V_bR done: slot 1's right half is free
-                load_right(
-                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 3], 1, p & 1, tx
-                )
-            if has_next_a:
-                T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
-                load_right(
-                    KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 2 * p + 2], 0, p & 1, tx
-                )
+                m_i[i] = m_prev[i]
+                f_b[i] = 1.0
+                row_sum[i] = 0.0
+        for i in T.Parallel(BM):
+            m_b_sh[i] = m_i[i]
+            sc_b_sh[i] = f_b[i]
+        T.barrier_arrive(bar_scale_b)
+        for i in T.Parallel(BM):
+            f_a[i] = f_a[i] * f_b[i]
+            l_i[i] = l_i[i] * f_a[i] + row_sum[i]
+        for i, d in T.Parallel(BM, DH):
+            acc_o[i, d] *= f_a[i]
+        if has_b:
+            T.copy(acc_s, Q_pe_shared)  # P_b for warpgroup 0 (Q's rope columns are in registers)
+            T.copy(acc_s, p_local)
+            T.wgmma_gemm(p_local, KV_shared[1, :, DH:DV], acc_o)  # P_b @ V_bR
+            T.fence_proxy_async()
+        T.barrier_wait(bar_p_a, p & 1)
+        T.wgmma_gemm(P_a_shared, KV_shared[0, :, DH:DV], acc_o)  # P_a @ V_aR
+        if has_b:
+            T.barrier_arrive(bar_p_b)
+        if has_next_b:
+            T.wait_wgmma(1)  # P_b @ V_bR done: slot 1's right half is free
+            load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 2 * p + 3], 1)
+        if has_next_a:
+            T.wait_wgmma(0)  # P_a @ V_aR done: slot 0's right half is free
+            load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 2 * p + 2], 0)
         if has_next_b:
             T.clear(acc_s)
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 1, (p + 1) & 1)
@@ -453,7 +296,7 @@ def build_mla_decode_seesaw(
         O_part: T.Tensor([S, Tq, H, DV], acc),
         Lse_part: T.Tensor([S, Tq, H], acc),
     ):
-        with _launch(m_tiles, B, S, MC) as (mt, b, z):
+        with T.Kernel(m_tiles, B, S, threads=THREADS) as (mt, b, z):
             if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
                 T.pdl_sync()
                 T.pdl_trigger()
@@ -493,19 +336,13 @@ def build_mla_decode_seesaw(
             lim1 = T.alloc_fragment([BM], T.int32)
 
             bar_q = T.alloc_barrier(arrive_count=128)
-            bar_left = T.alloc_barrier(arrive_count=[128] * (2 * NL))  # slot s chunk c: s * NL + c
-            bar_right = T.alloc_barrier(arrive_count=[128] * (2 * NR))
+            bar_left = T.alloc_barrier(arrive_count=[128, 128])
+            bar_right = T.alloc_barrier(arrive_count=[128, 128])
             bar_scale_a = T.alloc_barrier(arrive_count=128)  # wg0: softmax a done (m_a, scale_a)
             bar_scale_b = T.alloc_barrier(arrive_count=128)  # wg1: softmax b done (m_b, scale_b)
             bar_p_a = T.alloc_barrier(arrive_count=128)  # wg0: P_a (rescaled) in shared memory
             bar_p_b = T.alloc_barrier(arrive_count=128)  # wg1: P_b in shared memory, P_a @ V_aR issued
             bar_l = T.alloc_barrier(arrive_count=256)  # both: row sums in l_shared
-            if MC:  # rank 0's: both CTAs released a slot half (one arrive each)
-                free_left = T.alloc_cluster_barrier(arrive_count=[2, 2])
-                free_right = T.alloc_cluster_barrier(arrive_count=[2, 2])
-            else:  # unused
-                free_left = T.alloc_barrier(arrive_count=[1, 1])
-                free_right = T.alloc_barrier(arrive_count=[1, 1])
 
             sq = seqlens_q[b]
             sk = seqlens_k[b]
@@ -515,10 +352,7 @@ def build_mla_decode_seesaw(
             n_tiles = T.ceildiv(sk, BN)
             per = n_tiles // S
             rem = n_tiles % S
-            # a cluster's two CTAs run the same tiles (rank 1's rows may all be past the request's: computed, not
-            # stored), whether its first tile has rows of the request decides
-            lead_row0 = (mt - mt % 2) * BM if MC else row0
-            my_tiles = T.if_then_else(lead_row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
+            my_tiles = T.if_then_else(row0 < n_valid_rows, per + T.if_then_else(z < rem, 1, 0), 0)
             t0 = per * z + T.min(z, rem)
             first_masked = sk - sq  # keys at positions > this are invisible to the first query row
             # pairs followed by a pair with a b (the loop body with every step), then the 1-3 tiles left
@@ -535,9 +369,7 @@ def build_mla_decode_seesaw(
                 scale_a_shared,
                 scale_b_shared,
             )
-            bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b, free_left, free_right)
-            if MC:  # the partner's barriers are initialized before any multicast lands in its shared memory
-                T.cluster_sync()
+            bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b)
             tx = T.get_thread_binding()
 
             if tx < 128:  # warpgroup 0: Q, tile 0, every S_a; O[:, :256]
@@ -549,12 +381,9 @@ def build_mla_decode_seesaw(
                 T.tma_copy(Q[qs * H + row0 : qs * H + row0 + BM, :], Q_shared, barrier=bar_q)
                 T.tma_copy(Q_pe[qs * H + row0 : qs * H + row0 + BM, :], Q_pe_shared, barrier=bar_q)
                 T.barrier_arrive(bar_q)
-                if PF > 0:
-                    T.import_source(L2_PREFETCH_SOURCE)
-                    prefetch_l2(KV, block_table, b, t0, 2, PF, my_tiles, tx)  # pair 0 asks for tiles PF, PF + 1
                 if my_tiles > 0:
-                    load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0], 0, 0, tx, True)
-                    load_right(KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0], 0, 0, tx, True)
+                    load_left(KV, KV_shared, bar_left, block_table[b, t0], 0)
+                    load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0], 0)
                 T.barrier_wait(bar_q, 0)
                 T.copy(Q_pe_shared, q_pe0)
                 if my_tiles > 0:
@@ -581,8 +410,6 @@ def build_mla_decode_seesaw(
                     b,
                     t0,
                     first_masked,
-                    my_tiles,
-                    tx,
                 )
                 for p in T.serial(n_full):
                     wg0_pair(*w0, p, True, True, True)
@@ -616,10 +443,8 @@ def build_mla_decode_seesaw(
                 for i in T.Parallel(BM):
                     lim1[i] = T.min(sk - sq + (row0 + i) // H, sk - 1)
                 if my_tiles > 1:
-                    load_left(KV, KV_shared, bar_left, free_left, block_table[b, t0 + 1], 1, 0, tx, True)
-                    load_right(
-                        KV, KV_shared, K_pe_shared, bar_right, free_right, block_table[b, t0 + 1], 1, 0, tx, True
-                    )
+                    load_left(KV, KV_shared, bar_left, block_table[b, t0 + 1], 1)
+                    load_right(KV, KV_shared, K_pe_shared, bar_right, block_table[b, t0 + 1], 1)
                 T.barrier_wait(bar_q, 0)
                 T.copy(Q_pe_shared, q_pe1)
                 if my_tiles > 1:
@@ -646,8 +471,6 @@ def build_mla_decode_seesaw(
                     b,
                     t0,
                     first_masked,
-                    my_tiles,
-                    tx,
                 )
                 for p in T.serial(n_full):
                     wg1_pair(*w1, p, True, True, True)
@@ -686,13 +509,9 @@ CI_CONFIGS = [(128, 2, 1), (16, 4, 3)]  # as mla_decode_ws.CI_CONFIGS: V3 decode
 
 
 def ci_compile(configs=None):
-    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py), and two
-    with the switches' code paths on (prefetch, evict_first, early_left, multicast, chunked; early_pv, chunked)."""
+    """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py)."""
     scale = md.HEAD_DIM**-0.5
     funcs = [build_mla_decode_seesaw(h, mt, s, scale) for h, mt, s in (configs or CI_CONFIGS)]
-    if configs is None:
-        funcs.append(build_mla_decode_seesaw(128, 2, 1, scale, True, 4, True, True, True, True, False))
-        funcs.append(build_mla_decode_seesaw(128, 2, 1, scale, chunked=True, early_pv=True))
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(md.compile_sm90, funcs))
 

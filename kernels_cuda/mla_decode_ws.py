@@ -95,8 +95,12 @@ OVERLAP_SOFTMAX = False
 #: L2 prefetch distance in tiles (``build_mla_decode_ws``'s ``prefetch_tiles``). 0: on an H200 (session 8, call 7,
 #: B=64 H=128 4K) 4 tiles ahead made the real-pages time longer, 169.8 against 154.9 us (181.2 -> 184.9 overlapped)
 PREFETCH_TILES = 0
-PAGE_BYTES = seesaw.PAGE_BYTES
-L2_PREFETCH_SOURCE = seesaw.L2_PREFETCH_SOURCE
+PAGE_BYTES = md.PAGE * md.HEAD_DIM * 2  # one page of the latent cache, contiguous: one bulk prefetch
+L2_PREFETCH_SOURCE = r"""
+__device__ __forceinline__ void di_prefetch_l2(const void* ptr, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(ptr), "r"(bytes) : "memory");
+}
+"""
 REGS_SOFTMAX_WG, REGS_PV_WG, REGS_PRODUCER = 240, 168, 80  # setmaxnreg; 128 x (240 + 168 + 80) <= 64K registers
 
 
@@ -128,11 +132,6 @@ def build_mla_decode_ws(
     load_kv: bool = True,
     prefetch_tiles: int = PREFETCH_TILES,
     schedule: str | None = None,
-    evict_first: bool = False,
-    early_left: bool = False,
-    multicast: bool = False,
-    chunked: bool = False,
-    early_pv: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
@@ -142,27 +141,13 @@ def build_mla_decode_ws(
     ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
     the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
-    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap; ``prefetch_tiles``, ``evict_first``,
-    ``early_left``, ``multicast``, ``chunked`` and ``early_pv`` are its switches)."""
+    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap or prefetch switches)."""
     assert tilelang is not None, "tilelang is not installed"
     schedule = schedule or SCHEDULE
     assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
     if schedule == "seesaw":
-        assert num_stages == 2 and not overlap, "the seesaw schedule has two slots and no overlap switch"
-        return seesaw.build_mla_decode_seesaw(
-            heads,
-            m_tiles,
-            num_splits,
-            softmax_scale,
-            load_kv,
-            prefetch_tiles,
-            evict_first,
-            early_left,
-            multicast,
-            chunked,
-            early_pv,
-        )
-    assert not (evict_first or early_left or multicast or chunked or early_pv), f"{SEESAW_SWITCHES}: seesaw switches"
+        assert num_stages == 2 and not overlap and not prefetch_tiles, "the seesaw schedule has no such switches"
+        return seesaw.build_mla_decode_seesaw(heads, m_tiles, num_splits, softmax_scale, load_kv)
     assert num_stages >= 2, "the ring needs two slots to overlap a load with the tile before it"
     PDL = pdl_enabled()
     H, S, NS = heads, num_splits, num_stages
@@ -428,22 +413,16 @@ def get_kernel(
     overlap: bool | None = None,
     prefetch_tiles: int | None = None,
     schedule: str | None = None,
-    evict_first: bool | None = None,
-    early_left: bool | None = None,
-    multicast: bool | None = None,
-    chunked: bool | None = None,
-    early_pv: bool | None = None,
 ):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache). Switches left None
     take the schedule's defaults (``schedule_switches``)."""
     assert tilelang is not None, "tilelang is not installed"
-    v = schedule_switches(schedule, overlap, prefetch_tiles, evict_first, early_left, multicast, chunked, early_pv)
+    v = schedule_switches(schedule, overlap, prefetch_tiles)
     return _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, *v.values())
 
 
 @functools.cache
-def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule, *switches):
-    overlap, prefetch_tiles, evict_first, early_left, multicast, chunked, early_pv = switches
+def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule, overlap, prefetch_tiles):
     return _compile(
         build_mla_decode_ws(
             heads,
@@ -454,40 +433,19 @@ def _get_kernel(heads, m_tiles, num_splits, softmax_scale, num_stages, schedule,
             overlap,
             prefetch_tiles=prefetch_tiles,
             schedule=schedule,
-            evict_first=evict_first,
-            early_left=early_left,
-            multicast=multicast,
-            chunked=chunked,
-            early_pv=early_pv,
         )
     )
 
 
-SEESAW_SWITCHES = ("evict_first", "early_left", "multicast", "chunked", "early_pv")
-
-
-def schedule_switches(
-    schedule=None,
-    overlap=None,
-    prefetch_tiles=None,
-    evict_first=None,
-    early_left=None,
-    multicast=None,
-    chunked=None,
-    early_pv=None,
-) -> dict:
-    """Every switch of a schedule (``get_kernel``'s keyword arguments), None replaced by its default."""
+def schedule_switches(schedule=None, overlap=None, prefetch_tiles=None) -> dict:
+    """Every switch of a schedule (``get_kernel``'s keyword arguments), None replaced by its default (read now:
+    ``bench`` and the tests change the module's)."""
     schedule = schedule or SCHEDULE
     ws = schedule == "ws"
     return {
         "schedule": schedule,
-        "overlap": (OVERLAP_SOFTMAX if ws else False) if overlap is None else overlap,
-        "prefetch_tiles": (PREFETCH_TILES if ws else seesaw.PREFETCH_TILES)
-        if prefetch_tiles is None
-        else prefetch_tiles,
-    } | {
-        k: (False if ws else getattr(seesaw, k.upper())) if v is None else v
-        for k, v in zip(SEESAW_SWITCHES, (evict_first, early_left, multicast, chunked, early_pv))
+        "overlap": (OVERLAP_SOFTMAX and ws) if overlap is None else overlap,
+        "prefetch_tiles": (PREFETCH_TILES if ws else 0) if prefetch_tiles is None else prefetch_tiles,
     }
 
 
@@ -563,11 +521,12 @@ def bench_configs(num_sms: int = 132) -> list[tuple]:
 
 #: the schedules ``bench`` and ``diagnose`` compare with the default (``get_kernel``'s keyword arguments). Left out
 #: to save compile time, each measured slower with real pages (``--diagnose``, B=64 H=128 4K, H200; add them here to
-#: measure them again): the ws schedule's overlap / prefetch (session 8, call 7); the seesaw schedule's L2 prefetch
-#: 2 / 4 tiles, evict_first, early_left (session 9, call 2), multicast (call 3), chunked, early_pv (call 4).
+#: measure them again): the ws schedule's overlap / prefetch (session 8, call 7). The seesaw schedule's variants of
+#: session 9 (L2 prefetch, evict_first, early left load, multicast, chunked, early_pv) were removed after their
+#: calls; their code is in commit ae3ee03.
 VARIANTS = [
     schedule_switches("ws", False, 0),
-    schedule_switches("seesaw", False, 0, False, False, False, False, False),
+    schedule_switches("seesaw", False, 0),
 ]
 
 
@@ -599,7 +558,6 @@ def bench(copy_gbps: float, shapes=None, out=None):
                 schedule=variant["schedule"],
                 overlap_softmax=variant["overlap"],
                 prefetch_tiles=variant["prefetch_tiles"],
-                **{k: variant[k] for k in SEESAW_SWITCHES},
                 default=default,
                 pipelined_us=base["us"],
                 speedup=round(base["us"] / r["us"], 3),
@@ -619,8 +577,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     inp = md.make_inputs(batch, heads, seqlen_k, 1, seed=100, spare_blocks=0)
     mt = md.m_tiles_for(heads, 1)
     schedules = [_default_variant()] + [v for v in VARIANTS if v != _default_variant()]
-    load_only = ("prefetch_tiles", "evict_first", "early_left", "chunked")  # switches that only change the loads
-    variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not any(v[k] for k in load_only)]
+    variants = [(v, True) for v in schedules] + [(v, False) for v in schedules if not v["prefetch_tiles"]]
     with compile_pool(len(variants)) as ex:
         kernels = list(
             ex.map(_compile, [build_mla_decode_ws(heads, mt, 1, scale, load_kv=load, **v) for v, load in variants])
@@ -664,7 +621,6 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "schedule": v["schedule"],
                 "overlap_softmax": v["overlap"],
                 "prefetch_tiles": v["prefetch_tiles"],
-                **{k: v[k] for k in SEESAW_SWITCHES},
                 "default": v == _default_variant(),
                 "kv": mode,
                 "us": round(us, 2),
@@ -688,14 +644,9 @@ def main(argv=None):
     ap.add_argument("--out", help="also append the bench rows to this JSONL file")
     ap.add_argument("--diagnose", action="store_true", help="compute vs memory split at B=64, H=128, 4K (GPU)")
     ap.add_argument("--schedule", choices=SCHEDULES, help=f"the default schedule in this run (else {SCHEDULE})")
-    ap.add_argument(
-        "--switch", action="append", default=[], choices=SEESAW_SWITCHES, help="a seesaw switch on by default"
-    )
     args = ap.parse_args(argv)
     if args.schedule:
         SCHEDULE = args.schedule
-    for name in args.switch:
-        setattr(seesaw, name.upper(), True)
     md._bench.exit_without_cuda(args)
     if args.check or args.bench or args.compile_only:
         cfgs = [md.decode_config(h, _q_bucket(sq), s) for _, h, _, sq, s in check_cases()]

@@ -18,7 +18,7 @@
 #   mla       benchmarks/bench_mla_decode.py (MLA_ARGS: extra arguments, e.g. --warp-specialized)
 #   ws        kernels_cuda/mla_decode_ws.py --check --bench (the hand warp-specialized decode against the pipelined one;
 #             WS_SCHEDULE=seesaw: that schedule is the default of the run, checked, and the ws one a variant;
-#             WS_ARGS: the arguments instead of --check --bench, e.g. "--switch chunked --check")
+#             WS_ARGS: the arguments instead of --check --bench, e.g. "--check")
 #   wsdiag    kernels_cuda/mla_decode_ws.py --diagnose (compute vs memory split of its schedules at B=64 H=128 4K)
 #   mla1      kernels_cuda/mla_decode.py --sweep-batch1 (batch-1 latency: splits x stages x threads)
 #   kernels   every new kernels_cuda file's --check --bench (moe_gemm, silu_mul, mla_rope_cache, moe_routing)

@@ -1,7 +1,7 @@
 """mla_decode_ws's schedule switches (no GPU, no compile): the default schedule, each schedule's switch defaults
 read when a kernel is asked for, precompile building exactly the kernels get_kernel will ask for (session 9, call 3:
-with a seesaw switch turned on in the process it built the switch's default, and get_kernel's priming then compiled
-every configuration again, one at a time), and the environment switch's error."""
+with a switch turned on in the process it built the switch's import-time default, and get_kernel's priming then
+compiled every configuration again, one at a time), and the environment switch's error."""
 
 import inspect
 
@@ -19,16 +19,12 @@ def test_the_seesaw_schedule_is_the_default_with_its_own_thread_count():
 
 
 def test_switch_defaults_follow_the_schedule_and_are_read_at_call_time(monkeypatch):
-    plain = ws.schedule_switches("ws")
-    assert plain == {"schedule": "ws", "overlap": ws.OVERLAP_SOFTMAX, "prefetch_tiles": ws.PREFETCH_TILES} | {
-        k: False for k in ws.SEESAW_SWITCHES
-    }
-    monkeypatch.setattr(seesaw, "MULTICAST", True)
-    monkeypatch.setattr(seesaw, "PREFETCH_TILES", 2)
-    mine = ws.schedule_switches("seesaw")
-    assert mine["multicast"] and mine["prefetch_tiles"] == 2 and not mine["overlap"]
-    assert ws.schedule_switches("seesaw", multicast=False)["multicast"] is False  # an explicit value wins
-    assert ws.schedule_switches("ws") == plain  # the seesaw switches do not leak into the other schedule
+    assert ws.schedule_switches("seesaw") == {"schedule": "seesaw", "overlap": False, "prefetch_tiles": 0}
+    monkeypatch.setattr(ws, "PREFETCH_TILES", 4)
+    monkeypatch.setattr(ws, "OVERLAP_SOFTMAX", True)
+    assert ws.schedule_switches("ws") == {"schedule": "ws", "overlap": True, "prefetch_tiles": 4}
+    assert ws.schedule_switches("ws", prefetch_tiles=0)["prefetch_tiles"] == 0  # an explicit value wins
+    assert ws.schedule_switches("seesaw")["prefetch_tiles"] == 0  # the ws switches do not leak into the other one
 
 
 def test_precompile_builds_what_get_kernel_asks_for(monkeypatch):
@@ -43,14 +39,15 @@ def test_precompile_builds_what_get_kernel_asks_for(monkeypatch):
     built = []
     monkeypatch.setattr(ws, "build_mla_decode_ws", build)
     monkeypatch.setattr(ws, "_compile", lambda f: f)
-    monkeypatch.setattr(seesaw, "MULTICAST", True)  # as `--switch multicast` does
+    monkeypatch.setattr(ws, "SCHEDULE", "ws")  # as `--schedule ws` does
+    monkeypatch.setattr(ws, "PREFETCH_TILES", 4)  # a switch changed after import
     ws._get_kernel.cache_clear()
     try:
         ws.precompile([(128, 2, 1), (16, 1, 2)], softmax_scale=0.125)
         assert len(built) == 4  # two from precompile's pool, two from priming get_kernel's cache
         pooled, primed = built[:2], built[2:]
         assert pooled == primed, (pooled, primed)
-        assert all(k["multicast"] and k["schedule"] == "seesaw" for k in built)
+        assert all(k["prefetch_tiles"] == 4 and k["schedule"] == "ws" for k in built)
         n = len(built)
         ws.get_kernel(128, 2, 1, 0.125)  # the launcher's call: served from the cache precompile primed
         assert len(built) == n
@@ -59,14 +56,12 @@ def test_precompile_builds_what_get_kernel_asks_for(monkeypatch):
 
 
 def test_schedule_switches_are_checked():
-    with pytest.raises(AssertionError, match="seesaw switches"):
-        ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="ws", multicast=True)
-    with pytest.raises(AssertionError, match="no overlap"):
+    with pytest.raises(AssertionError, match="no such switches"):
         ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="seesaw", overlap=True)
+    with pytest.raises(AssertionError, match="no such switches"):
+        ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="seesaw", prefetch_tiles=4)
     with pytest.raises(AssertionError, match="one of"):
         ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="pingpong")
-    with pytest.raises(AssertionError, match="even number"):
-        seesaw.build_mla_decode_seesaw(128, 2, 1, 0.125, prefetch_tiles=3)
 
 
 def test_the_environment_names_a_bad_schedule(monkeypatch):
