@@ -282,6 +282,20 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
             qk_left(Q_shared, KV_shared, acc_s, bar_left, 1, (p + 1) & 1)
         T.wait_wgmma(0)
 
+    @T.macro
+    def all_pairs(pair, args, n_full, left):
+        """Every pair of a CTA's tiles through one warpgroup's ``pair`` macro: the pairs followed by a pair with a b
+        (every step), then the 1-3 tiles left (the flags say which steps exist)."""
+        for p in T.serial(n_full):
+            pair(*args, p, True, True, True)
+        if left == 3:
+            pair(*args, n_full, True, True, False)
+            pair(*args, n_full + 1, False, False, False)
+        elif left == 2:
+            pair(*args, n_full, True, False, False)
+        elif left == 1:
+            pair(*args, n_full, False, False, False)
+
     @T.prim_func
     def mla_decode_seesaw(
         Q: T.Tensor([TH, DV], dtype),
@@ -411,15 +425,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     t0,
                     first_masked,
                 )
-                for p in T.serial(n_full):
-                    wg0_pair(*w0, p, True, True, True)
-                if left == 3:
-                    wg0_pair(*w0, n_full, True, True, False)
-                    wg0_pair(*w0, n_full + 1, False, False, False)
-                elif left == 2:
-                    wg0_pair(*w0, n_full, True, False, False)
-                elif left == 1:
-                    wg0_pair(*w0, n_full, False, False, False)
+                all_pairs(wg0_pair, w0, n_full, left)
                 finish(
                     acc_o0,
                     l_i0,
@@ -472,15 +478,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     t0,
                     first_masked,
                 )
-                for p in T.serial(n_full):
-                    wg1_pair(*w1, p, True, True, True)
-                if left == 3:
-                    wg1_pair(*w1, n_full, True, True, False)
-                    wg1_pair(*w1, n_full + 1, False, False, False)
-                elif left == 2:
-                    wg1_pair(*w1, n_full, True, False, False)
-                elif left == 1:
-                    wg1_pair(*w1, n_full, False, False, False)
+                all_pairs(wg1_pair, w1, n_full, left)
                 finish(
                     acc_o1,
                     l_i1,
