@@ -147,33 +147,12 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                         Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_i[i]
 
     @T.macro
-    def wg0_pair(
-        sh,
-        acc_s,
-        p_local,
-        q_pe,
-        acc_o,
-        m_i,
-        m_prev,
-        f_a,
-        f_b,
-        row_sum,
-        l_i,
-        lim,
-        bars,
-        KV,
-        block_table,
-        b,
-        t0,
-        first_masked,
-        p,
-        has_b: bool,
-        has_next_a: bool,
-        has_next_b: bool,
-    ):
+    def wg0_pair(sh, frags, bars, ctx, p, has_b: bool, has_next_a: bool, has_next_b: bool):
         """Pair p (S_a in acc_s): softmax a, P_a @ V_aL, P_b @ V_bL, QK^T of the next a."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
+        acc_s, p_local, q_pe, acc_o, m_i, m_prev, f_a, f_b, row_sum, l_i, lim = frags
         bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
+        KV, block_table, b, t0, first_masked = ctx
         a = 2 * p
         for i in T.Parallel(BM):
             m_prev[i] = m_b_sh[i]
@@ -214,33 +193,12 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         T.wait_wgmma(0)
 
     @T.macro
-    def wg1_pair(
-        sh,
-        acc_s,
-        p_local,
-        q_pe,
-        acc_o,
-        m_i,
-        m_prev,
-        f_a,
-        f_b,
-        row_sum,
-        l_i,
-        lim,
-        bars,
-        KV,
-        block_table,
-        b,
-        t0,
-        first_masked,
-        p,
-        has_b: bool,
-        has_next_a: bool,
-        has_next_b: bool,
-    ):
+    def wg1_pair(sh, frags, bars, ctx, p, has_b: bool, has_next_a: bool, has_next_b: bool):
         """Pair p (S_b in acc_s where there is a b): softmax b, P_b @ V_bR, P_a @ V_aR, QK^T of the next b."""
         Q_shared, Q_pe_shared, KV_shared, K_pe_shared, P_a_shared, m_a_sh, m_b_sh, sc_a_sh, sc_b_sh = sh
+        acc_s, p_local, q_pe, acc_o, m_i, m_prev, f_a, f_b, row_sum, l_i, lim = frags
         bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b = bars
+        KV, block_table, b, t0, first_masked = ctx
         T.barrier_wait(bar_scale_a, p & 1)
         for i in T.Parallel(BM):
             m_prev[i] = m_a_sh[i]
@@ -281,6 +239,18 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
             qk_right(Q_shared, KV_shared, K_pe_shared, q_pe, acc_s, bar_right, 1, (p + 1) & 1)
             qk_left(Q_shared, KV_shared, acc_s, bar_left, 1, (p + 1) & 1)
         T.wait_wgmma(0)
+
+    def wg_fragments():
+        """A warpgroup's register fragments, in the order the pair macros unpack them."""
+        scalars = [T.alloc_fragment([BM], acc) for _ in range(6)]  # m_i, m_prev, f_a, f_b, row_sum, l_i
+        return (
+            T.alloc_fragment([BM, BN], acc),  # acc_s: S, then P
+            T.alloc_fragment([BM, BN], dtype),  # p_local: P as wgmma's A operand
+            T.alloc_fragment([BM, DPE], dtype),  # q_pe: Q's rope columns
+            T.alloc_fragment([BM, DH], acc),  # acc_o: this warpgroup's half of O
+            *scalars,
+            T.alloc_fragment([BM], T.int32),  # lim: a row's last visible key
+        )
 
     @T.macro
     def all_pairs(pair, args, n_full, left):
@@ -325,29 +295,12 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
             scale_b_shared = T.alloc_shared([BM], acc)  # exp2(m after a - m after b)
             l_shared = T.alloc_shared([2, BM], acc)
 
-            # each warpgroup its own fragments (a fragment's layout spans the threads of the one that uses it)
-            acc_s0 = T.alloc_fragment([BM, BN], acc)
-            p_local0 = T.alloc_fragment([BM, BN], dtype)
-            q_pe0 = T.alloc_fragment([BM, DPE], dtype)
-            acc_o0 = T.alloc_fragment([BM, DH], acc)
-            m_i0 = T.alloc_fragment([BM], acc)
-            m_prev0 = T.alloc_fragment([BM], acc)
-            f_a0 = T.alloc_fragment([BM], acc)
-            f_b0 = T.alloc_fragment([BM], acc)
-            row_sum0 = T.alloc_fragment([BM], acc)
-            l_i0 = T.alloc_fragment([BM], acc)
-            lim0 = T.alloc_fragment([BM], T.int32)
-            acc_s1 = T.alloc_fragment([BM, BN], acc)
-            p_local1 = T.alloc_fragment([BM, BN], dtype)
-            q_pe1 = T.alloc_fragment([BM, DPE], dtype)
-            acc_o1 = T.alloc_fragment([BM, DH], acc)
-            m_i1 = T.alloc_fragment([BM], acc)
-            m_prev1 = T.alloc_fragment([BM], acc)
-            f_a1 = T.alloc_fragment([BM], acc)
-            f_b1 = T.alloc_fragment([BM], acc)
-            row_sum1 = T.alloc_fragment([BM], acc)
-            l_i1 = T.alloc_fragment([BM], acc)
-            lim1 = T.alloc_fragment([BM], T.int32)
+            # each warpgroup its own fragments (a fragment's layout spans the threads of the warpgroup that uses it):
+            # acc_s, p_local, q_pe, acc_o, m_i, m_prev, f_a, f_b, row_sum, l_i, lim
+            frags0 = wg_fragments()
+            frags1 = wg_fragments()
+            acc_s0, _, q_pe0, acc_o0, m_i0, _, _, _, _, l_i0, lim0 = frags0
+            acc_s1, _, q_pe1, acc_o1, m_i1, _, _, _, _, l_i1, lim1 = frags1
 
             bar_q = T.alloc_barrier(arrive_count=128)
             bar_left = T.alloc_barrier(arrive_count=[128, 128])
@@ -384,6 +337,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                 scale_b_shared,
             )
             bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b)
+            ctx = (KV, block_table, b, t0, first_masked)
             tx = T.get_thread_binding()
 
             if tx < 128:  # warpgroup 0: Q, tile 0, every S_a; O[:, :256]
@@ -405,27 +359,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     qk_left(Q_shared, KV_shared, acc_s0, bar_left, 0, 0)
                     qk_right(Q_shared, KV_shared, K_pe_shared, q_pe0, acc_s0, bar_right, 0, 0)
                     T.wait_wgmma(0)
-                w0 = (
-                    sh,
-                    acc_s0,
-                    p_local0,
-                    q_pe0,
-                    acc_o0,
-                    m_i0,
-                    m_prev0,
-                    f_a0,
-                    f_b0,
-                    row_sum0,
-                    l_i0,
-                    lim0,
-                    bars,
-                    KV,
-                    block_table,
-                    b,
-                    t0,
-                    first_masked,
-                )
-                all_pairs(wg0_pair, w0, n_full, left)
+                all_pairs(wg0_pair, (sh, frags0, bars, ctx), n_full, left)
                 finish(
                     acc_o0,
                     l_i0,
@@ -458,27 +392,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     qk_right(Q_shared, KV_shared, K_pe_shared, q_pe1, acc_s1, bar_right, 1, 0)
                     qk_left(Q_shared, KV_shared, acc_s1, bar_left, 1, 0)
                     T.wait_wgmma(0)
-                w1 = (
-                    sh,
-                    acc_s1,
-                    p_local1,
-                    q_pe1,
-                    acc_o1,
-                    m_i1,
-                    m_prev1,
-                    f_a1,
-                    f_b1,
-                    row_sum1,
-                    l_i1,
-                    lim1,
-                    bars,
-                    KV,
-                    block_table,
-                    b,
-                    t0,
-                    first_masked,
-                )
-                all_pairs(wg1_pair, w1, n_full, left)
+                all_pairs(wg1_pair, (sh, frags1, bars, ctx), n_full, left)
                 finish(
                     acc_o1,
                     l_i1,
