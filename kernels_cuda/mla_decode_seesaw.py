@@ -117,9 +117,12 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
         T.reduce_sum(acc_s, row_sum, dim=1)
 
     @T.macro
-    def finish(acc_o, l_i, m_i, l_shared, m_b_shared, bar_l, wg, Out, Lse, O_part, Lse_part, qs, row0, n_valid, z):
+    def finish(frags, wg, out):
         """Both halves need the total row sum (each warpgroup summed its own tiles' P); the final max is m_b.
-        Rows with no visible key in this split: o = 0, lse = -inf."""
+        Rows with no visible key in this split: o = 0, lse = -inf. ``wg``: the warpgroup (0, 1), ``out``: the
+        output tensors, the row sums' shared buffer and barrier, and the CTA's rows."""
+        acc_o, m_i, l_i = frags[3], frags[4], frags[9]
+        Out, Lse, O_part, Lse_part, l_shared, m_b_shared, bar_l, qs, row0, n_valid, z = out
         for i in T.Parallel(BM):
             l_shared[wg, i] = l_i[i]
         T.barrier_arrive(bar_l)
@@ -299,8 +302,8 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
             # acc_s, p_local, q_pe, acc_o, m_i, m_prev, f_a, f_b, row_sum, l_i, lim
             frags0 = wg_fragments()
             frags1 = wg_fragments()
-            acc_s0, _, q_pe0, acc_o0, m_i0, _, _, _, _, l_i0, lim0 = frags0
-            acc_s1, _, q_pe1, acc_o1, m_i1, _, _, _, _, l_i1, lim1 = frags1
+            acc_s0, q_pe0, acc_o0, l_i0, lim0 = (frags0[k] for k in (0, 2, 3, 9, 10))
+            acc_s1, q_pe1, acc_o1, l_i1, lim1 = (frags1[k] for k in (0, 2, 3, 9, 10))
 
             bar_q = T.alloc_barrier(arrive_count=128)
             bar_left = T.alloc_barrier(arrive_count=[128, 128])
@@ -338,6 +341,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
             )
             bars = (bar_left, bar_right, bar_scale_a, bar_scale_b, bar_p_a, bar_p_b)
             ctx = (KV, block_table, b, t0, first_masked)
+            out = (Out, Lse, O_part, Lse_part, l_shared, m_b_shared, bar_l, qs, row0, n_valid_rows, z)
             tx = T.get_thread_binding()
 
             if tx < 128:  # warpgroup 0: Q, tile 0, every S_a; O[:, :256]
@@ -360,23 +364,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     qk_right(Q_shared, KV_shared, K_pe_shared, q_pe0, acc_s0, bar_right, 0, 0)
                     T.wait_wgmma(0)
                 all_pairs(wg0_pair, (sh, frags0, bars, ctx), n_full, left)
-                finish(
-                    acc_o0,
-                    l_i0,
-                    m_i0,
-                    l_shared,
-                    m_b_shared,
-                    bar_l,
-                    0,
-                    Out,
-                    Lse,
-                    O_part,
-                    Lse_part,
-                    qs,
-                    row0,
-                    n_valid_rows,
-                    z,
-                )
+                finish(frags0, 0, out)
             else:  # warpgroup 1: tile 1, every S_b; O[:, 256:]
                 T.fill(acc_o1, 0)
                 T.fill(l_i1, 0)
@@ -393,23 +381,7 @@ def build_mla_decode_seesaw(heads: int, m_tiles: int, num_splits: int, softmax_s
                     qk_left(Q_shared, KV_shared, acc_s1, bar_left, 1, 0)
                     T.wait_wgmma(0)
                 all_pairs(wg1_pair, (sh, frags1, bars, ctx), n_full, left)
-                finish(
-                    acc_o1,
-                    l_i1,
-                    m_i1,
-                    l_shared,
-                    m_b_shared,
-                    bar_l,
-                    1,
-                    Out,
-                    Lse,
-                    O_part,
-                    Lse_part,
-                    qs,
-                    row0,
-                    n_valid_rows,
-                    z,
-                )
+                finish(frags1, 1, out)
 
         if S > 1:
             combine(Out, Lse, O_part, Lse_part, Tq)
