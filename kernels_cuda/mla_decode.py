@@ -25,7 +25,8 @@ a base-2 LSE, and a second kernel combines them (skipped when num_splits == 1, w
 directly).
 
 On a Hopper the engine runs the 64-row tile on ``mla_decode_ws.py``'s hand warp-specialized kernel instead
-(``mla_decode(..., warp_specialized=True)``; the same contract, 1.17-1.26x faster on an H200, session 8).
+(``mla_decode(..., warp_specialized=True)``; the same contract; its default seesaw schedule 1.24-1.31x faster at 128
+heads on an H200, session 9 call 5).
 
 Precondition: cache slots past seqlens_k inside the last page must hold finite values (allocate the cache with
 zeros); they are masked out of the softmax, but 0 * NaN in P@V would still be NaN.

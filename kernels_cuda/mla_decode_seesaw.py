@@ -23,12 +23,14 @@ the key tiles in pairs (a = 2p in slot 0, b = 2p + 1 in slot 1), 256 threads, no
 
 Measured on an H200 (session 9; ``benchmarks/results/h200_mla_decode*.jsonl``, kernels_cuda/NOTES.md): ``--check``
 17 cases PASS (<= 1.67 bf16 ulp); 128 heads, batch 64 / 128 x 4K / 8K: 0.496-0.519 of the copy bandwidth (490-520
-TFLOP/s), 1.06-1.12x the ws schedule and 1.24-1.31x the pipelined kernel in the same run. ``--diagnose`` (B=64, 4K):
-105-108 us without KV loads (675-694 TFLOP/s, ~88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading
-one page, 140-148 with the real pages: the two 72 KB slots next to Q keep too few bytes in flight to hide HBM
-latency. Six variants aimed at that gap were measured (session 9, calls 2-4) and none was faster: L2 prefetch 2 / 4
-tiles ahead, the evict_first cache hint, an earlier left-half load, the request's two CTAs as a cluster with
-multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their code is in commit ae3ee03 (NOTES.md).
+TFLOP/s), 1.06-1.12x the ws schedule and 1.24-1.31x the pipelined kernel in the same run (call 5); 16 heads x 4
+query tokens ~1 % slower than the ws schedule (98.2 against 97.5 us). ``--diagnose`` (B=64, 4K): 105-106 us without
+KV loads (687-694 TFLOP/s, ~87-88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading one page (in
+L2), 140-148 with the real pages: the loads cost ~13-15 us even from L2 and ~35-40 from HBM; two 72 KB slots next to
+Q keep too few bytes in flight to hide HBM latency. Six variants aimed at that gap were measured (session 9, calls
+2-4) and none was faster: L2 prefetch 2 / 4 tiles ahead, the evict_first cache hint, an earlier left-half load, the
+request's two CTAs as a cluster with multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their
+code is in commit ae3ee03 (NOTES.md).
 
 Run alone:  python kernels_cuda/mla_decode_seesaw.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """

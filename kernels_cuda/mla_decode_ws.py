@@ -128,9 +128,9 @@ def build_mla_decode_ws(
     num_splits: int,
     softmax_scale: float,
     num_stages: int = 2,
-    overlap: bool = OVERLAP_SOFTMAX,
+    overlap: bool | None = None,
     load_kv: bool = True,
-    prefetch_tiles: int = PREFETCH_TILES,
+    prefetch_tiles: int | None = None,
     schedule: str | None = None,
 ):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
@@ -141,10 +141,11 @@ def build_mla_decode_ws(
     ``prefetch_tiles``: the producer asks for the page ``prefetch_tiles`` tiles ahead to be brought into L2
     (``cp.async.bulk.prefetch.L2``, one instruction a page), so that the slot's TMA load, which can only start once
     the slot is free, reads L2 instead of HBM; 0: no prefetch (``PREFETCH_TILES``). ``schedule``: ``SCHEDULE`` when
-    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap or prefetch switches)."""
+    None; "seesaw" builds ``mla_decode_seesaw``'s kernel (two slots, no overlap or prefetch switches). Switches left
+    None take the schedule's defaults (``schedule_switches``)."""
     assert tilelang is not None, "tilelang is not installed"
-    schedule = schedule or SCHEDULE
-    assert schedule in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
+    assert (schedule or SCHEDULE) in SCHEDULES, f"schedule {schedule!r}: one of {SCHEDULES}"
+    schedule, overlap, prefetch_tiles = schedule_switches(schedule, overlap, prefetch_tiles).values()
     if schedule == "seesaw":
         assert num_stages == 2 and not overlap and not prefetch_tiles, "the seesaw schedule has no such switches"
         return seesaw.build_mla_decode_seesaw(heads, m_tiles, num_splits, softmax_scale, load_kv)
@@ -451,8 +452,8 @@ def schedule_switches(schedule=None, overlap=None, prefetch_tiles=None) -> dict:
 
 def precompile(configs, softmax_scale: float = md.HEAD_DIM**-0.5, num_workers=None, **variant):
     """Compile ``(heads, m_tiles, num_splits)`` configurations ahead of use (builds on this thread, nvcc in
-    parallel), then warm ``get_kernel``'s cache with the launcher's call form. ``variant``: ``overlap`` /
-    ``prefetch_tiles`` other than the defaults (``bench``)."""
+    parallel), then warm ``get_kernel``'s cache with the launcher's call form. ``variant``: ``schedule`` /
+    ``overlap`` / ``prefetch_tiles`` other than the defaults (``bench``)."""
     assert all(len(c) == 3 or (len(c) == 6 and c[5]) for c in configs), f"not 64-row ws configurations: {configs}"
     configs = list(dict.fromkeys(tuple(c[:3]) for c in configs))
     if not configs:
@@ -671,5 +672,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.modules.setdefault("mla_decode_ws", sys.modules[__name__])  # mla_decode's import finds this module
+    # mla_decode's import must find this module (its SCHEDULE is what --schedule sets): as a script it imports
+    # `mla_decode_ws`, under `python -m kernels_cuda.mla_decode_ws` the package's name
+    sys.modules.setdefault("mla_decode_ws", sys.modules[__name__])
+    if __spec__ is not None:
+        sys.modules.setdefault(__spec__.name, sys.modules[__name__])
     sys.exit(main())

@@ -9,12 +9,14 @@ import pytest
 
 pytest.importorskip("tilelang")
 
-from kernels_cuda import mla_decode_seesaw as seesaw  # noqa: E402
-from kernels_cuda import mla_decode_ws as ws  # noqa: E402
+from deepinfer_npu.kernels_cuda import mla_decode_seesaw as seesaw  # noqa: E402
+from deepinfer_npu.kernels_cuda import mla_decode_ws as ws  # noqa: E402
 
 
-def test_the_seesaw_schedule_is_the_default_with_its_own_thread_count():
-    assert ws.SCHEDULE == "seesaw" and ws.schedule_switches()["schedule"] == "seesaw"
+def test_the_seesaw_schedule_is_the_default_with_its_own_thread_count(monkeypatch):
+    assert ws.SCHEDULE == ws._schedule_from_env()  # the module's default is the environment's
+    monkeypatch.setattr(ws, "SCHEDULE", "seesaw")
+    assert ws.schedule_switches()["schedule"] == "seesaw"
     assert ws.threads() == seesaw.THREADS == 256 and ws.threads("ws") == ws.THREADS == 384
 
 
@@ -62,6 +64,16 @@ def test_schedule_switches_are_checked():
         ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="seesaw", prefetch_tiles=4)
     with pytest.raises(AssertionError, match="one of"):
         ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="pingpong")
+
+
+def test_build_resolves_the_switches_of_its_schedule(monkeypatch):
+    """A direct build takes the schedule's defaults read now: the ws schedule's prefetch default does not reach a
+    seesaw build (which has no such switch), and a changed module default reaches a ws build."""
+    got = []
+    monkeypatch.setattr(seesaw, "build_mla_decode_seesaw", lambda *a: got.append(("seesaw", a)))
+    monkeypatch.setattr(ws, "PREFETCH_TILES", 4)
+    ws.build_mla_decode_ws(128, 2, 1, 0.125, schedule="seesaw")
+    assert got == [("seesaw", (128, 2, 1, 0.125, True))]
 
 
 def test_the_environment_names_a_bad_schedule(monkeypatch):

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-@pytest.mark.parametrize("name", ["rms_norm", "mla_decode", "skinny_gemm", "mla_decode_ws"])
+@pytest.mark.parametrize("name", ["rms_norm", "mla_decode", "skinny_gemm", "mla_decode_ws", "mla_decode_seesaw"])
 def test_gpu_flags_without_a_device(name):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "kernels_cuda", f"{name}.py"), "--check", "--bench"],
                          capture_output=True, text=True, timeout=120)
