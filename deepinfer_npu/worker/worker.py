@@ -29,6 +29,7 @@ from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, H
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
+from deepinfer_npu.worker import step_inputs
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -50,6 +51,7 @@ class Worker:
         self.k = drafter.num_speculative_tokens if drafter is not None else 0
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
+        self.pack_step_inputs = step_inputs.enabled()  # a step's host inputs in one copy (step_inputs.py)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
         self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
@@ -155,6 +157,12 @@ class Worker:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def _dev_many(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
+        """Several host arrays -> device tensors: one copy each, or one packed copy (``pack_step_inputs``)."""
+        if self.pack_step_inputs:
+            return step_inputs.to_device(arrays, self.device)
+        return [self._dev(a, dtype) for a, dtype in arrays]
+
     def _apply_state_ops(self, plan: StepPlan) -> None:
         extra = self.drafter.kv_caches if self.drafter is not None and hasattr(self.drafter, "kv_caches") else None
         self.runner.apply_block_ops(plan, extra)
@@ -175,25 +183,28 @@ class Worker:
             start_event = self.backend.create_event(enable_timing=True)
             start_event.record()
         self._apply_state_ops(plan)
-        sq, sk = self._dev(plan.seqlens_q, torch.int32), self._dev(plan.seqlens_k, torch.int32)
-        tables = self._dev(plan.block_tables, torch.int32)
-        slots = self._dev(plan.state_slots)
         max_q, max_k = int(plan.seqlens_q.max()), int(plan.seqlens_k.max())
         host_ids = plan.input_ids.astype(np.int64)
         draft_next = None
         host = HostLengths(tuple(plan.seqlens_q.tolist()), tuple(plan.seqlens_k.tolist()), True, max_q, max_k)
+        # the step's host inputs, all known here: one copy each, or one packed copy
+        inputs = [(plan.seqlens_q, torch.int32), (plan.seqlens_k, torch.int32), (plan.block_tables, torch.int32),
+                  (plan.state_slots, torch.int64)]
         if plan.is_prefill:
+            sq, sk, tables, slots, ids = self._dev_many(inputs + [(host_ids, torch.int64)])
             attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
                                                  max_q, max_k, True, host)
-            ids = self._dev(host_ids)
         else:
             first_host = host_ids[plan.row_starts]
             optimistic_host = first_host < 0
             resplit = self.varlen and bool(optimistic_host.any()) and self.backend.supports_device_resplit
+            inputs += [(optimistic_host, torch.bool), (first_host, torch.int64)]
+            sq, sk, tables, slots, optimistic, first, *caps = self._dev_many(
+                inputs + ([(reqs.draft_caps, torch.int64)] if resplit else []))
             sq, sk = self.kernels.zos_fixup(
-                sq, sk, self._dev(optimistic_host, torch.bool), slots, self.slots.correction,
+                sq, sk, optimistic, slots, self.slots.correction,
                 self.slots.draft_probs if resplit else None,
-                self._dev(reqs.draft_caps) if resplit else None,
+                caps[0] if resplit else None,
             )
             if resplit:  # a row may now verify up to k drafts (within its reservation); host q lengths unknown
                 # The previous step may have been re-split to more drafts than planned: +k there, +k here.
@@ -202,7 +213,7 @@ class Worker:
                 # at most the in-flight step's drafts (correction = planned drafts - accepted <= k)
                 host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k, max_kv_shortfall=self.k)
             # one op (a kernel on CUDA): positions, cache slots, the tokens' rows and input ids from the slot state
-            d = self.kernels.decode_inputs(sq, sk, tables, slots, self._dev(first_host), self.slots.last_token,
+            d = self.kernels.decode_inputs(sq, sk, tables, slots, first, self.slots.last_token,
                                            self.slots.drafts, self.runner.block_size, plan.num_tokens)
             attn = AttentionMetadata(seqlens_q=sq.to(torch.int32), seqlens_k=sk.to(torch.int32),
                                      cu_seqlens_q=d.cu_seqlens_q, block_tables=tables, slot_mapping=d.slot_mapping,

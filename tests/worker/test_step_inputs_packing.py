@@ -1,0 +1,79 @@
+"""worker/step_inputs.py: a step's host inputs through one buffer (DEEPINFER_PACK_STEP_INPUTS=1) give the same
+tensors as one copy each, and the engine's greedy tokens do not change with it, with speculation, ZOS and the
+varlen re-split (whose draft caps are the optional seventh input)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer_npu import LLM, SamplingParams
+from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from deepinfer_npu.worker import step_inputs
+
+CPU = torch.device("cpu")
+
+
+def test_views_keep_values_dtypes_shapes_and_aligned_offsets():
+    arrays = [
+        (np.array([3, 1, 4], dtype=np.int64), torch.int32),
+        (np.arange(6).reshape(2, 3), torch.int32),
+        (np.array([True, False, True]), torch.bool),
+        (np.array([-1, 7], dtype=np.int32), torch.int64),
+        (np.zeros((2, 0), dtype=np.int64), torch.int32),  # a batch without block-table columns
+        (np.array([], dtype=np.int64), torch.int64),
+    ]
+    out = step_inputs.to_device(arrays, CPU)
+    assert len(out) == len(arrays)
+    for (a, dtype), t in zip(arrays, out):
+        assert t.dtype == dtype and tuple(t.shape) == a.shape
+        assert t.tolist() == a.astype(t.numpy().dtype).tolist()
+        assert (t.storage_offset() * t.element_size()) % step_inputs.ALIGN == 0
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1  # one buffer, one copy
+
+
+def test_unsupported_dtype_and_bad_switch_are_named(monkeypatch):
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        step_inputs.to_device([(np.zeros(2), torch.float32)], CPU)
+    monkeypatch.setenv("DEEPINFER_PACK_STEP_INPUTS", "yes")
+    with pytest.raises(ValueError, match="DEEPINFER_PACK_STEP_INPUTS='yes': 0 or 1"):
+        step_inputs.enabled()
+    monkeypatch.setenv("DEEPINFER_PACK_STEP_INPUTS", "1")
+    assert step_inputs.enabled()
+    monkeypatch.delenv("DEEPINFER_PACK_STEP_INPUTS")
+    assert not step_inputs.enabled()
+
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for",
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+HAS_DFLASH = (REFERENCE_MODEL_DIR / "dflash" / "dflash_config.json").exists()
+
+
+@pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(), reason="the reference model is not installed")
+@pytest.mark.parametrize("method", [None, "mtp"] + (["dflash"] if HAS_DFLASH else []))
+def test_packed_inputs_give_the_same_greedy_tokens(monkeypatch, method):
+    def run():
+        spec = dict(speculative_method=method, num_speculative_tokens=4, varlen_verification=True) if method else {}
+        llm = LLM(zero_overhead_scheduling=True, **spec)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    monkeypatch.delenv("DEEPINFER_PACK_STEP_INPUTS", raising=False)
+    plain_llm, plain = run()
+    assert not plain_llm.llm_engine.worker.pack_step_inputs
+    calls = []
+    real = step_inputs.to_device
+    monkeypatch.setattr(step_inputs, "to_device", lambda arrays, dev: calls.append(len(arrays)) or real(arrays, dev))
+    monkeypatch.setenv("DEEPINFER_PACK_STEP_INPUTS", "1")
+    llm, packed = run()
+    assert llm.llm_engine.worker.pack_step_inputs and packed == plain
+    assert 5 in calls and 6 in calls  # prefill (5 inputs) and decode (6) steps took the packed path
+    if method:
+        assert llm.get_stats()["varlen_resplit_rows"] > 0 and 7 in calls  # re-split steps carry the draft caps
