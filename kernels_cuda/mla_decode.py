@@ -647,9 +647,10 @@ def compare(out, ref, name, ulps=2.0):
     return ok, dict(name=name, cos_diff=cos_diff, max_abs=err.max().item(), worst_ulps=worst)
 
 
-def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verbose=True, warp_specialized=False):
+def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verbose=True, warp_specialized=False,
+               ws_variant=None):
     """Fresh random inputs, NaN-poisoned outputs, fp32 reference; returns (ok, stats). ``warp_specialized``: the
-    kernel of ``mla_decode_ws`` (where it applies)."""
+    kernel of ``mla_decode_ws`` (where it applies), ``ws_variant`` its ``get_kernel`` switches (e.g. a schedule)."""
     inp = make_inputs(batch, heads, seqlens_k, seqlens_q, seed=seed)
     scale = HEAD_DIM**-0.5
     Tq, H = inp["q_latent"].shape[:2]
@@ -657,7 +658,7 @@ def check_case(batch, heads, seqlens_k, seqlens_q, num_splits=None, seed=0, verb
     lse = torch.full((Tq, H), float("nan"), dtype=torch.float32, device="cuda")
     max_q = max(seqlens_q) if isinstance(seqlens_q, list) else seqlens_q
     mla_decode(**inp, softmax_scale=scale, max_seqlen_q=max_q, num_splits=num_splits, out=out, lse=lse,
-               warp_specialized=warp_specialized)
+               warp_specialized=warp_specialized, ws_variant=ws_variant)
     torch.cuda.synchronize()
     ref_o, ref_l = mla_decode_ref(**inp, softmax_scale=scale)
     ok_o, so = compare(out, ref_o, "out")

@@ -176,14 +176,15 @@ MLA_CASES = [
 @gpu
 @pytest.mark.parametrize("case", MLA_CASES, ids=lambda c: f"B{c[0]}-H{c[1]}-S{c[4]}")
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("ws", [False, True], ids=["pipelined", "warp-specialized"])
+@pytest.mark.parametrize("ws", [None, "seesaw", "ws"], ids=["pipelined", "ws-seesaw", "ws-first"])
 def test_mla_decode_matches_reference_gpu(case, seed, ws):
-    """Both decode kernels (``warp_specialized``: mla_decode_ws's where the tile has 64 rows; the 16-row cases
-    keep the small pipelined tile either way)."""
+    """Both decode kernels (``warp_specialized``: mla_decode_ws's where the tile has 64 rows, with each of its
+    schedules; the 16-row cases keep the small pipelined tile either way)."""
     from kernels_cuda import mla_decode as mla
 
     b, h, sk, sq, s = case
-    ok, stats = mla.check_case(b, h, sk, sq, s, seed=1000 + seed, verbose=False, warp_specialized=ws)
+    ok, stats = mla.check_case(b, h, sk, sq, s, seed=1000 + seed, verbose=False, warp_specialized=ws is not None,
+                               ws_variant={"schedule": ws} if ws else None)
     assert ok, stats
 
 
