@@ -40,10 +40,10 @@ def to_device(arrays: list[tuple[np.ndarray, torch.dtype]], device: torch.device
         host = np.ascontiguousarray(a, dtype=_NUMPY[dtype])
         parts.append((host, dtype, offset))
         offset += -(-host.nbytes // ALIGN) * ALIGN
-    buf = torch.empty(max(offset, 1), dtype=torch.uint8)
-    view = buf.numpy()
+    raw = np.zeros(max(offset, 1), dtype=np.uint8)  # filled through numpy: no tensor read on the launch path
     for host, _, start in parts:
-        view[start : start + host.nbytes] = host.reshape(-1).view(np.uint8)
+        raw[start : start + host.nbytes] = host.reshape(-1).view(np.uint8)
+    buf = torch.from_numpy(raw)
     if device.type != "cpu":
         buf = buf.pin_memory().to(device, non_blocking=True)
     return [
