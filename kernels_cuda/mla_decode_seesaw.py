@@ -25,8 +25,8 @@ Measured on an H200 (session 9; ``benchmarks/results/h200_mla_decode*.jsonl``, k
 17 cases PASS (<= 1.67 bf16 ulp); 128 heads, batch 64 / 128 x 4K / 8K: 0.496-0.519 of the copy bandwidth (490-520
 TFLOP/s), 1.06-1.12x the ws schedule and 1.24-1.31x the pipelined kernel in the same run (call 5); 16 heads x 4
 query tokens ~1 % slower than the ws schedule (98.2 against 97.5 us). ``--diagnose`` (B=64, 4K): 105-106 us without
-KV loads (687-694 TFLOP/s, ~87-88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading one page (in
-L2), 140-148 with the real pages: the loads cost ~13-15 us even from L2 and ~35-40 from HBM; two 72 KB slots next to
+KV loads (687-693 TFLOP/s, ~87-88 % of the 790 TFLOP/s bf16 peak), 118-121 with every tile re-reading one page (in
+L2), 140-148 with the real pages: the loads cost ~12-15 us even from L2 and ~34-40 from HBM; two 72 KB slots next to
 Q keep too few bytes in flight to hide HBM latency. Six variants aimed at that gap were measured (session 9, calls
 2-4) and none was faster: L2 prefetch 2 / 4 tiles ahead, the evict_first cache hint, an earlier left-half load, the
 request's two CTAs as a cluster with multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their
