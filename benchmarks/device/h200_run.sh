@@ -120,7 +120,7 @@ for l in open('$OUT/h200_mla_decode_ws_diagnose.jsonl'):
 " ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
-    savecache) tar -cJf "$OUT/tlcache.tar.xz" -C /tmp/tlcache . ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
+    savecache) tar -cf - -C /tmp/tlcache . | xz -9e -T0 > "$OUT/tlcache.tar.xz" ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done
