@@ -30,7 +30,8 @@ L2), 140-148 with the real pages: the loads cost ~12-15 us even from L2 and ~34-
 Q keep too few bytes in flight to hide HBM latency. Six variants aimed at that gap were measured (session 9, calls
 2-4) and none was faster: L2 prefetch 2 / 4 tiles ahead, the evict_first cache hint, an earlier left-half load, the
 request's two CTAs as a cluster with multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their
-code is in commit ae3ee03 (NOTES.md).
+code is in commit ae3ee03 (NOTES.md). Session 10: the same pages in request order are no faster than shuffled ones
+(145.7 against 144.5 us), so the page scatter is not the cause either.
 
 Run alone:  python kernels_cuda/mla_decode_seesaw.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """
