@@ -31,7 +31,7 @@ Q keep too few bytes in flight to hide HBM latency. Six variants aimed at that g
 2-4) and none was faster: L2 prefetch 2 / 4 tiles ahead, the evict_first cache hint, an earlier left-half load, the
 request's two CTAs as a cluster with multicast loads, a barrier per 64 columns, P_a @ V_aR before softmax b. Their
 code is in commit ae3ee03 (NOTES.md). Session 10: the same pages in request order are no faster than shuffled ones
-(145.7 against 144.5 us), so the page scatter is not the cause either.
+(145.7 against 144.5 us): the page scatter is not shown to cost anything.
 
 Run alone:  python kernels_cuda/mla_decode_seesaw.py --check --bench [--diagnose]   (GPU; --compile-only without one)
 """

@@ -590,6 +590,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
     o_part, l_part = md._dummy_partials(out.shape[0], heads, out.device)
     one_page = inp["block_tables"][:, :1].expand_as(inp["block_tables"]).contiguous()
     # each request's pages contiguous and in order (FlashMLA's benchmark layout): random pages minus page scatter
+    assert seqlen_k % md.PAGE == 0, "in-order pages: every page of every request full (no poisoned tails)"
     in_order = torch.arange(inp["block_tables"].numel(), device=out.device, dtype=torch.int32)
     in_order = in_order.view_as(inp["block_tables"])
     ref, _ = md.mla_decode_ref(**inp, softmax_scale=scale)
@@ -633,6 +634,7 @@ def diagnose(copy_gbps: float, batch: int = 64, heads: int = 128, seqlen_k: int 
                 "us_per_64_keys": round(us / (seqlen_k // 64), 3),
                 "TFLOPs": round(flops / us / 1e6, 1),
                 "frac_of_copy": round(nbytes / us / 1e3 / copy_gbps, 3),
+                "copy_GBps": round(copy_gbps, 1),
                 "timing": timing,
             }
             if mode in ("pages", "pages_in_order"):

@@ -120,7 +120,8 @@ for l in open('$OUT/h200_mla_decode_ws_diagnose.jsonl'):
 " ;;
     mla) timeout $LIM python3 benchmarks/bench_mla_decode.py --block-m 16 64 ${MLA_ARGS:-} --out "$OUT/h200_mla_decode.jsonl" \
              2>&1 | filt > /tmp/mla.log; tail -20 /tmp/mla.log ;;
-    savecache) tar -cf - -C /tmp/tlcache . | xz -9e -T0 > "$OUT/tlcache.tar.xz" ; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
+    savecache) (set -o pipefail; tar -cf - -C /tmp/tlcache . | xz -9e > "$OUT/tlcache.tar.xz") \
+             || { echo "savecache FAILED"; rm -f "$OUT/tlcache.tar.xz"; }; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
   esac
 done

@@ -7,11 +7,12 @@ each cost host time every step, which batch-1 decode feels (kernels_cuda/NOTES.m
 256-byte-aligned offset (the alignment the device allocator gives a tensor of its own: vectorized kernel loads and
 TMA stay legal), pins it once, copies it once, and returns typed views of the device buffer; no kernel runs.
 
-Off by default (``DEEPINFER_PACK_STEP_INPUTS=1``: ``Worker``): on an H200 (session 10, V2-Lite shape) it was no
-faster, 448.4 / 1954.1 / 6298.6 tok/s at batch 1 / 16 / 64 against 443.7-444.1 / 1946.4-1948.4 / 6248.2-6257.1
-without it, and 407.0 at batch 1 when run second in a call: the batch-1 step is device-bound (the host waits for
-the device 0.3-0.4 ms of its 2.17 ms), so host time saved does not shorten it. A host with less CPU headroom may
-differ. On the CPU the views share the one host buffer, which the tests use to compare the two paths.
+Off by default (``DEEPINFER_PACK_STEP_INPUTS=1``: ``Worker``): on an H200 (session 10, V2-Lite shape) it gained
+nothing beyond the run-to-run spread: 448.4 / 1954.1 / 6298.6 tok/s at batch 1 / 16 / 64 alone in one call against
+443.7-444.1 / 1946.4-1948.4 / 6248.2-6257.1 without it in the next, and 407.0 at batch 1 when run second in that
+call. The batch-1 step is device-bound (the host waits for the device in every window, 0.31-1.00 ms of a 2.17 ms
+step), so host time saved does not shorten it; a host with less CPU headroom may differ. On the CPU the views
+share the one host buffer, which the tests use to compare the two paths.
 """
 
 from __future__ import annotations
