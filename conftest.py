@@ -1,0 +1,38 @@
+"""Hardware markers for the whole suite: ``gpu``, ``tilelang``, ``nvcc``, ``npu`` (registered in pyproject.toml).
+
+A marked test is skipped, with the missing requirement named, on a machine that lacks it, so device tests live
+beside the CPU ones without per-file ``skipif`` copies. ``pytest -m gpu`` selects the GPU tier on a GPU host.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+
+import pytest
+
+
+@functools.cache
+def _missing(marker: str) -> str | None:
+    if marker == "gpu":
+        import torch
+
+        return None if torch.cuda.is_available() else "needs a CUDA device (torch.cuda.is_available() is False)"
+    if marker == "tilelang":
+        return None if importlib.util.find_spec("tilelang") is not None else "needs tilelang==0.1.15"
+    if marker == "nvcc":
+        return None if shutil.which("nvcc") else "needs the CUDA toolkit's nvcc on PATH"
+    if marker == "npu":
+        # Never import torch_npu to find out: without CANN it breaks `import torch` for the whole process.
+        return None if importlib.util.find_spec("torch_npu") is not None and shutil.which("npu-smi") else \
+            "needs an Ascend NPU with torch_npu and CANN"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker in ("gpu", "tilelang", "nvcc", "npu"):
+            if item.get_closest_marker(marker) is not None and (why := _missing(marker)):
+                item.add_marker(pytest.mark.skip(reason=why))
+                break

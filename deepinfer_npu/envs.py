@@ -1,0 +1,99 @@
+"""Every ``DEEPINFER_*`` environment variable the engine reads, typed and documented in one place.
+
+Values are read when asked for (``envs.DISABLE_SYNC_GUARD``), not at import, so tests and launchers can set them
+late. A malformed value raises ``ValueError`` naming the variable. Nothing else in the package calls
+``os.environ`` for a ``DEEPINFER_*`` name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    parse: Callable[[str, str], Any]
+    doc: str
+
+
+def _flag(name: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _path(name: str, raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+_VARS: dict[str, EnvVar] = {
+    v.name: v
+    for v in (
+        EnvVar("DEEPINFER_DISABLE_SYNC_GUARD", "0", _flag,
+               "1 turns off the launch-path guard that makes an implicit host-device sync an error (debugging)."),
+        EnvVar("DEEPINFER_CUDA_SYNC_DEBUG", "", _choice("", "error", "warn", "off"),
+               "Overrides torch's CUDA sync-debug mode on the launch path: error | warn | off (debugging)."),
+        EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "8", _positive_int,
+               "Decode graph sizes (total query tokens): powers of two below this interval, then every interval."),
+        EnvVar("DEEPINFER_CACHE_DIR", str(Path.home() / ".cache" / "deepinfer_npu"), _path,
+               "Where the engine caches measured data (the varlen step-time curve)."),
+        EnvVar("DEEPINFER_CPU_THREADS", "1", _positive_int,
+               "Intra-op threads of the CPU backend (one is fastest for reference-sized models)."),
+        EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
+               "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
+    )
+}
+
+
+def get(name: str) -> Any:
+    """The parsed value of ``name`` (its default when unset or empty)."""
+    var = _VARS[name]
+    raw = os.environ.get(name, "")
+    return var.parse(name, raw if raw.strip() else var.default)
+
+
+def names() -> list[str]:
+    return sorted(_VARS)
+
+
+def describe() -> dict[str, str]:
+    """name -> documentation, for ``--help`` texts and docs."""
+    return {name: var.doc for name, var in sorted(_VARS.items())}
+
+
+def __getattr__(attr: str) -> Any:
+    # envs.CPU_THREADS reads DEEPINFER_CPU_THREADS now.
+    name = f"DEEPINFER_{attr}"
+    if name in _VARS:
+        return get(name)
+    raise AttributeError(f"module 'deepinfer_npu.envs' has no attribute {attr!r}")
