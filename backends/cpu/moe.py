@@ -90,5 +90,5 @@ def moe_combine(expert_out: torch.Tensor, state: DispatchState, weights: torch.T
     D]."""
     unsorted = torch.empty_like(expert_out, dtype=torch.float32)
     unsorted[state.order] = expert_out.float()
-    per_token = unsorted.view(state.num_tokens, state.top_k, -1)
+    per_token = unsorted.view(state.num_tokens, state.top_k, expert_out.shape[-1])  # also for 0 tokens
     return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
