@@ -1,0 +1,137 @@
+"""Expert-parallel dispatch / combine: latency and bandwidth against tokens per rank, and a MoE layer's time split.
+
+Spawns ``--world`` rank processes (gloo on CPU, NCCL with ``--backend cuda``, one GPU a rank) and times the
+reference ``ep_dispatch`` / ``ep_combine`` (all_to_all_single with variable splits) on DeepSeek-V2-Lite's MoE
+shape (hidden 2048, 64 routed experts, top-6, expert intermediate 1408) with random routing, then one whole
+expert-parallel MoE layer split into gating / dispatch / experts / combine. Prints JSON lines (rank 0's
+medians; bytes = the rows this rank sends, hidden-size x dtype each).
+
+    python benchmarks/bench_ep.py --world 2 --tokens 1 16 64 256
+    python benchmarks/bench_ep.py --world 8 --backend cuda --dtype bfloat16   # one GPU per rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer_npu.backends.cpu import moe as ref
+from deepinfer_npu.benchmark_meta import row_meta
+from deepinfer_npu.distributed.ep_comm import ep_combine, ep_dispatch
+from deepinfer_npu.distributed.expert_placement import ExpertPlacement
+from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
+from deepinfer_npu.hal.types import GatingParams
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, iters: int) -> tuple[float, object]:
+    out, times = None, []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times), out
+
+
+def _rank_main(rank: int, args, port: int, queue) -> None:
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}") if args.backend == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    groups = init_process_groups(DistributedConfig(rank=rank, world_size=args.world, local_rank=rank,
+                                                   master_port=port, timeout_s=args.timeout),
+                                 "nccl" if device.type == "cuda" else "gloo")
+    dtype = getattr(torch, args.dtype)
+    try:
+        placement = ExpertPlacement.contiguous(args.experts, args.world)
+        mine = placement.local_experts(rank)
+        g = torch.Generator().manual_seed(rank)
+        w13 = (torch.randn(len(mine), 2 * args.inter, args.hidden, generator=g) / args.hidden**0.5).to(device, dtype)
+        w2 = (torch.randn(len(mine), args.hidden, args.inter, generator=g) / args.inter**0.5).to(device, dtype)
+        router = torch.randn(args.experts, args.hidden, generator=g).to(device)
+        gating = GatingParams(top_k=args.top_k, num_experts=args.experts, scoring_func="softmax",
+                              topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+                              routed_scaling_factor=1.0)
+        for tokens in args.tokens:
+            hidden = torch.randn(tokens, args.hidden, generator=g).to(device, dtype)
+            for _ in range(args.warmup):
+                rows, local, handle = ep_dispatch(hidden, placement.route(
+                    torch.randint(0, args.experts, (tokens, args.top_k), generator=g).to(device)), placement,
+                    groups.device_group)
+                ep_combine(rows, handle, torch.ones(tokens, args.top_k, device=device), groups.device_group)
+            split = {"gating_us": [], "dispatch_us": [], "experts_us": [], "combine_us": []}
+
+            def gate():
+                return ref.moe_gating_topk(hidden.float() @ router.t(), None, gating)
+
+            for _ in range(args.iters):
+                t_gate, (weights, ids) = _timed(gate, device, 1)
+                slots = placement.route(ids)
+                t_disp, (rows, local, handle) = _timed(
+                    lambda: ep_dispatch(hidden, slots, placement, groups.device_group), device, 1)
+
+                def experts():
+                    srt, counts, state = ref.moe_dispatch(rows, local.view(-1, 1), len(mine))
+                    out = ref.grouped_mlp(srt, counts, w13, w2)
+                    return ref.moe_combine(out, state, torch.ones(rows.shape[0], 1, device=device))
+
+                t_exp, out = _timed(experts, device, 1)
+                t_comb, _ = _timed(lambda: ep_combine(out, handle, weights, groups.device_group), device, 1)
+                for key, t in zip(split, (t_gate, t_disp, t_exp, t_comb)):
+                    split[key].append(t)
+            sent = sum(handle.send_counts) * args.hidden * hidden.element_size()
+            med = {k: statistics.median(v) for k, v in split.items()}
+            if rank == 0:
+                queue.put({
+                    "bench": "ep_dispatch_combine", **row_meta(str(device)), "backend": args.backend,
+                    "world": args.world, "tokens_per_rank": tokens, "hidden": args.hidden, "top_k": args.top_k,
+                    "experts": args.experts, "dtype": args.dtype, "bytes_sent": sent,
+                    **{k: round(v, 1) for k, v in med.items()},
+                    "dispatch_GBps": round(sent / med["dispatch_us"] / 1e3, 3),
+                    "combine_GBps": round(sent / med["combine_us"] / 1e3, 3),
+                })
+    finally:
+        destroy_process_groups()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=1408)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=6)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_rank_main, args=(args, port, queue), nprocs=args.world, join=True, start_method="spawn")
+    while not queue.empty():
+        print(json.dumps(queue.get()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
