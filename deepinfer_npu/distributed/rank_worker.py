@@ -1,0 +1,105 @@
+"""One data-parallel rank: binds its device, joins the process groups, runs its ``LLMEngine`` loop.
+
+Messages in (from the front-end): ``("add", request_id, prompt, params)``, ``("abort", request_id)``,
+``("shutdown",)``. Messages out: ``("ready", rank, info)``, ``("ack", rank, request_id, error_or_None)``,
+``("outputs", rank, [RequestOutput])``, ``("heartbeat", rank)``, ``("fatal", rank, traceback_text)``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+
+from deepinfer_npu.config import EngineConfig
+
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    master_port: int
+    config: EngineConfig
+    heartbeat_s: float
+    timeout_s: float
+    master_addr: str = "127.0.0.1"
+
+
+def visible_device_for(local_rank: int, variable: str) -> str | None:
+    """The device this rank binds: the ``local_rank``-th entry of ``variable`` if set, else its index."""
+    visible = os.environ.get(variable)
+    if not visible:
+        return str(local_rank)
+    devices = [d.strip() for d in visible.split(",") if d.strip()]
+    if local_rank >= len(devices):
+        raise RuntimeError(f"DP rank {local_rank}: {variable}={visible!r} lists {len(devices)} devices, too few for "
+                           "this data-parallel size")
+    return devices[local_rank]
+
+
+def _bind_device(spec: RankSpec) -> None:
+    # Before any device runtime starts in this process: the rank sees exactly one device, as index 0.
+    variable = VISIBLE_DEVICES.get(spec.config.backend)
+    if variable is not None:
+        os.environ[variable] = visible_device_for(spec.rank, variable)
+
+
+def rank_main(spec: RankSpec, inbox, outbox) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front-end
+    try:
+        _bind_device(spec)
+        from deepinfer_npu.engine.llm_engine import LLMEngine
+
+        from .parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
+
+        init_process_groups(DistributedConfig(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank,
+                                              master_addr=spec.master_addr, master_port=spec.master_port,
+                                              timeout_s=spec.timeout_s))
+        engine = LLMEngine(spec.config)
+        outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
+                                         "num_kv_blocks": engine.runner.num_kv_blocks}))
+        try:
+            _serve(spec, engine, inbox, outbox)
+        finally:
+            destroy_process_groups()
+    except Exception:
+        outbox.put(("fatal", spec.rank, traceback.format_exc()))
+
+
+def _serve(spec: RankSpec, engine, inbox, outbox) -> None:
+    last_beat = time.monotonic()
+    while True:
+        idle = not engine.has_unfinished_requests()
+        try:
+            msg = inbox.get(timeout=spec.heartbeat_s) if idle else inbox.get_nowait()
+        except queue_mod.Empty:
+            msg = None
+        while msg is not None:
+            if msg[0] == "shutdown":
+                return
+            if msg[0] == "add":
+                _, request_id, prompt, params = msg
+                try:
+                    engine.add_request(request_id, prompt, params)
+                    outbox.put(("ack", spec.rank, request_id, None))
+                except (ValueError, TypeError) as exc:  # a bad request is answered; the rank keeps serving
+                    outbox.put(("ack", spec.rank, request_id, str(exc)))
+            elif msg[0] == "abort":
+                engine.abort_request(msg[1])
+            try:
+                msg = inbox.get_nowait()
+            except queue_mod.Empty:
+                msg = None
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            if outputs:
+                outbox.put(("outputs", spec.rank, outputs))
+                last_beat = time.monotonic()
+        if time.monotonic() - last_beat >= spec.heartbeat_s:
+            outbox.put(("heartbeat", spec.rank))
+            last_beat = time.monotonic()
