@@ -14,7 +14,7 @@ def _group_mask(group_scores: torch.Tensor, params: GatingParams) -> torch.Tenso
     top_groups = torch.topk(group_scores, k=params.topk_group, dim=-1, sorted=False).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
     per_group = params.num_experts // params.n_group
-    return keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(group_scores.shape[0], -1)
+    return keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(group_scores.shape[0], params.num_experts)
 
 
 def moe_gating_topk(
