@@ -1,7 +1,8 @@
 """Build script: compiles the C++ engine core (csrc/engine) into ``deepinfer_npu._core`` with pybind11.
 
-The device folders (backends/, kernels_cuda/, kernels_ascend/) are mapped into the package namespace
-(``deepinfer_npu.backends`` ...) so the repository layout shows the engine/device seam while users import one package.
+The device folders (backends/, kernels_cuda/, kernels_ascend/) and the optional-library adapters (vendor/) are mapped
+into the package namespace (``deepinfer_npu.backends``, ``deepinfer_npu.vendor`` ...) so the repository layout shows
+the engine/device seam while users import one package.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ ext_modules = [
     )
 ]
 
-DEVICE_DIRS = {"backends": "backends", "kernels_cuda": "kernels_cuda", "kernels_ascend": "kernels_ascend"}
+DEVICE_DIRS = {"backends": "backends", "kernels_cuda": "kernels_cuda", "kernels_ascend": "kernels_ascend",
+               "vendor": "vendor"}
 packages = find_packages(include=["deepinfer_npu", "deepinfer_npu.*"])
 # Data-only folders (the shipped reference model and its drafter) are namespace packages carrying package data.
 ASSET_PACKAGES = [p for p in find_namespace_packages(include=["deepinfer_npu.assets", "deepinfer_npu.assets.*"])

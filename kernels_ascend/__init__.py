@@ -7,9 +7,8 @@ host C target and compared with the reference on random inputs). None has been c
 an NPU yet.
 
 Use: ``backends/ascend/tilelang_ascend.py`` runs ``zos_seqlens_k`` + ``zos_seqlens_q`` (HAL ``zos_fixup``),
-``spec_verify_greedy`` / ``rejection_accept`` with ``sample_pieces`` (HAL ``spec_verify``), ``sample_pieces`` (HAL
-``sample``: the hash-RNG noise, temperature and Gumbel-max race, greedy argmax) and ``gating_topk`` (HAL
-``moe_gating_topk`` for configurations outside ``npu_moe_gating_top_k``'s limits) when its start-up probe finds
-tilelang, the CANN bisheng JIT path and an NPU; otherwise the torch composition runs and ``--list-ops`` says why.
-``zos_gather_inputs`` is not wired (no KernelSet op routes the worker's first-token gather).
+``spec_verify_greedy`` / ``rejection_accept`` with ``sample_pieces`` (HAL ``spec_verify``: the argmax, the hash-RNG
+noise, temperature and Gumbel-max race) and ``gating_topk`` (HAL ``moe_gating_topk`` for configurations outside
+``npu_moe_gating_top_k``'s limits) when its start-up probe finds tilelang, the CANN bisheng JIT path and an NPU;
+otherwise the torch composition runs and ``--list-ops`` says why.
 """

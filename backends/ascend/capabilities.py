@@ -17,10 +17,11 @@ profile is never chosen on hardware.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
+
+from deepinfer_npu import envs
 
 HALF = (torch.bfloat16, torch.float16)
 ANY_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
@@ -86,7 +87,7 @@ PROFILE_ENV = "DEEPINFER_ASCEND_PROFILE"
 
 def detect_profile(device_name: str | None, emulated: bool) -> Limits:
     """``DEEPINFER_ASCEND_PROFILE`` wins; else the emulation profile under emulation, else by chip name."""
-    forced = os.environ.get(PROFILE_ENV)
+    forced = envs.get(PROFILE_ENV)
     if forced:
         if forced not in PROFILES:
             raise ValueError(f"{PROFILE_ENV}={forced!r}: expected one of {sorted(PROFILES)}")

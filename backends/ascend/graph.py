@@ -53,6 +53,7 @@ import torch
 from deepinfer_npu.hal.graph_runner import GraphRunner
 
 from . import ops_mla, runtime
+from .ops_mla import FiaTask
 
 
 @dataclass(frozen=True)
@@ -124,16 +125,6 @@ class FiaStepPlan:
     kv_lens: list[int]  # actual_seq_lengths_kv (host; optimistic under ZOS)
     meta: list[int]  # [dest(S) | token_req(S) | piece_pad(S) | host key length per row(S) | piece row(P)]
     real_rows: int  # FIA rows before the dummy pieces
-
-
-@dataclass
-class FiaTask:
-    """One captured FIA call: its task-group handle, the ExternalEvent its replay waits on, and the exact call."""
-
-    handle: Any
-    event: Any
-    args: tuple
-    kwargs: dict
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""AscendKernelSet: each HAL op on its torch_npu fused op when the documented limits fit, else the reference.
+"""AscendKernelSet: each HAL op on its torch_npu fused op when the documented limits fit, else the reference
+(inherited from the CPU backend's ``CpuKernelSet``, the HAL's reference).
 
 Decisions come from :mod:`.capabilities`, are taken at an op's first call from static facts (dims, dtype,
 expert counts, block size) and memoised, so the plan is fixed by the model's first forward and never
-re-evaluated per step. The ops with no fused equivalent (``zos_fixup``, ``spec_verify``, ``sample``) and gating
+re-evaluated per step. The ops with no fused equivalent (``zos_fixup``, ``spec_verify``) and gating
 configurations outside ``npu_moe_gating_top_k``'s limits take the TileLang-Ascend kernels of ``kernels_ascend/``
 when :func:`.tilelang_ascend.probe` finds them usable — decided once, at start-up — else the torch composition.
 ``op_report`` lists the decision per op with the op or kernel used or the reason for the fallback, plus how decode
@@ -12,17 +13,18 @@ graphs run on this backend.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
 from deepinfer_npu.backends.cpu import cache_ops as ref_cache_ops
 from deepinfer_npu.backends.cpu import mla as ref_mla
 from deepinfer_npu.backends.cpu import moe as ref_moe
 from deepinfer_npu.backends.cpu import rope as ref_rope
-from torch.utils.weak import WeakIdKeyDictionary
-
-from deepinfer_npu.hal.kernel_set import KernelSet
+from deepinfer_npu.backends.cpu import spec_verify as ref_spec_verify
+from deepinfer_npu.backends.cpu import zos as ref_zos
+from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
@@ -47,9 +49,9 @@ GRAPHS_NOTE = (
 )
 
 
-class AscendKernelSet(KernelSet):
+class AscendKernelSet(CpuKernelSet):
     FALLBACK_REASONS = {
-        **KernelSet.FALLBACK_REASONS,
+        **CpuKernelSet.FALLBACK_REASONS,
         "decode_inputs": "the reference's aten ops on the NPU (backends/cpu/step_inputs.py; sync-free); no fused "
         "NPU kernel yet",
     }
@@ -65,7 +67,7 @@ class AscendKernelSet(KernelSet):
         self._memo: dict[tuple, caps.Decision] = {}
         # Caches written in the split k_nope / k_rope layout -> (L, R), so block copies use that layout.
         self._split_caches = WeakIdKeyDictionary()
-        # TileLang-Ascend kernels (zos_fixup, spec_verify, sample, gating): decided once (setup_tilelang;
+        # TileLang-Ascend kernels (zos_fixup, spec_verify, gating): decided once (setup_tilelang;
         # AscendBackend calls it at start-up), None until then.
         self.tilelang: tilelang_ascend.TileLangAscendKernels | None = None
         self.tilelang_probe: tilelang_ascend.Probe | None = None
@@ -73,7 +75,7 @@ class AscendKernelSet(KernelSet):
     # ---- TileLang-Ascend kernels ---------------------------------------------------------------------------
     def setup_tilelang(self, probe: tilelang_ascend.Probe | None = None,
                        kernels: tilelang_ascend.TileLangAscendKernels | None = None) -> tilelang_ascend.Probe:
-        """Decide once whether zos_fixup / spec_verify / sample (and gating outside the fused op's limits) run on the
+        """Decide once whether zos_fixup / spec_verify (and gating outside the fused op's limits) run on the
         TileLang-Ascend kernels (``probe``: tilelang importable, its Ascend JIT path present, an NPU present) and
         record why. Tests may pass both a probe and ``kernels`` (e.g. the host C build of the same programs)."""
         self.tilelang_probe = probe if probe is not None else tilelang_ascend.probe()
@@ -82,14 +84,13 @@ class AscendKernelSet(KernelSet):
         else:
             self.tilelang = None
         for op, what in tilelang_ascend.WIRED.items():
-            note = f"; {tilelang_ascend.NOTES[op]}" if op in tilelang_ascend.NOTES else ""
             if self.tilelang is not None:
                 where = "host C build: tests only" if self.tilelang.target == "c" else "never run on an NPU"
-                self._decisions[op] = caps.Decision(True, f"TileLang-Ascend {what} ({where}){note}")
+                self._decisions[op] = caps.Decision(True, f"TileLang-Ascend {what} ({where})")
             else:
                 self._decisions[op] = caps.Decision(
                     False, f"TileLang-Ascend {what} not usable here: {self.tilelang_probe.reason}; the torch "
-                    f"composition (reference op) runs on the device{note}")
+                    "composition (reference op) runs on the device")
         # Gating decisions already taken (plan_for_model before the probe) are redone with the new decision.
         for key in [k for k in self._memo if k[0] == "moe_gating_topk"]:
             del self._memo[key]
@@ -281,30 +282,18 @@ class AscendKernelSet(KernelSet):
         )
         return ops_moe.moe_combine(expert_out, state, weights)
 
-    def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
-        tl = self._tl()
-        if tl is not None:
-            return tl.sample(logits, sampling_tensors)
-        from deepinfer_npu.backends.cpu.sampling import sample
-
-        return sample(logits, sampling_tensors)
-
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
         tl = self._tl()
         if tl is not None:
             return tl.spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
-        from deepinfer_npu.backends.cpu.spec_verify import spec_verify
-
-        return spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
+        return ref_spec_verify.spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, ban_mask)
 
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
         tl = self._tl()
         if tl is not None:
             return tl.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
-        from deepinfer_npu.backends.cpu.zos import zos_fixup
-
-        return zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+        return ref_zos.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def _plan(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, caps.Decision]:
@@ -344,6 +333,4 @@ class AscendKernelSet(KernelSet):
                 report[op] = f"fallback ({self.FALLBACK_REASONS[op]})"
             else:
                 report[op] = "pending (decided at the op's first call from the model's shapes)"
-        for name, why in tilelang_ascend.NOT_WIRED.items():
-            report[f"tilelang:{name}"] = why
         return report

@@ -364,6 +364,16 @@ def mla_attention_fia(
     return out
 
 
+@dataclass
+class FiaTask:
+    """One captured FIA call: its task-group handle, the ExternalEvent its replay waits on, and the exact call."""
+
+    handle: Any
+    event: Any
+    args: tuple
+    kwargs: dict
+
+
 def mla_attention_fia_graph(
     graph: Any,
     q_latent: torch.Tensor,
@@ -436,8 +446,6 @@ def mla_attention_fia_graph(
         ns.graph_task_group_begin(stream)
         npu.npu_fused_infer_attention_score.out(*args, **call)
         handle = ns.graph_task_group_end(stream)
-        from .graph import FiaTask
-
         graph.tasks.append(FiaTask(handle=handle, event=event, args=args, kwargs=call))
     else:
         attn, _lse = npu.npu_fused_infer_attention_score(query, key, key, **kwargs)

@@ -5,12 +5,9 @@ Which kernels serve which op: ``zos_fixup`` <- ``zos_seqlens_k`` (the accepted-c
 ``AscendBackend.supports_device_resplit``); ``spec_verify`` <- ``spec_verify_greedy`` (all-greedy batches) and
 ``rejection_accept`` (the acceptance scan of batches with sampled rows; greedy rows enter it as ``u = 0``,
 ``p = [draft == argmax]``), with the argmax, the acceptance uniforms and the bonus / residual Gumbel draws from
-``sample_pieces``; ``sample`` <- ``sample_pieces`` (``greedy_argmax``, ``gumbel_argmax``: the hash RNG of
-deepinfer_npu/sampling/rng.py + temperature + Gumbel-max race, ``argmax_combine``) around the reference's aten
-bans, top-k / top-p mask and logprobs; ``moe_gating_topk`` <- ``gating_topk`` only for configurations outside
-``npu_moe_gating_top_k``'s documented limits (the fused op serves the rest; :func:`gating_decision`). Not wired:
-``zos_gather_inputs`` (the worker gathers each row's first token itself with ``torch.where``; no KernelSet op routes
-it).
+``sample_pieces`` (``greedy_argmax``, ``gumbel_argmax``: the hash RNG of deepinfer_npu/sampling/rng.py +
+temperature + Gumbel-max race, ``argmax_combine``); ``moe_gating_topk`` <- ``gating_topk`` only for configurations
+outside ``npu_moe_gating_top_k``'s documented limits (the fused op serves the rest; :func:`gating_decision`).
 
 :func:`probe` decides once, at start-up (``AscendBackend.__init__``), whether the kernels can be used: tilelang
 importable **and** its Ascend JIT path present (the ``bisheng`` compiler and CCE ``ld.lld`` from CANN, found the way
@@ -43,21 +40,9 @@ WIRED = {
     "zos_fixup": "kernels_ascend.zos_seqlens_k (+ zos_scores/zos_select for a varlen re-split)",
     "spec_verify": "kernels_ascend.spec_verify_greedy (all-greedy batches) / rejection_accept (sampled rows) + "
     "sample_pieces (argmax, acceptance uniforms, bonus / residual Gumbel draws)",
-    "sample": "kernels_ascend.sample_pieces greedy_argmax / gumbel_argmax (hash RNG + temperature + Gumbel-max) + "
-    "argmax_combine",
-}
-#: Stated in the report whichever way the decision goes.
-NOTES = {
-    "sample": "bans, top-k / top-p mask and logprobs are the reference's aten ops on the device either way "
-    "(npu_top_k_top_p is not used: its documentation does not pin the reference's top-p rule, mass strictly before "
-    "< p with stable ties, and seeded rows must match the CPU backend)",
 }
 #: The kernel for gating configurations npu_moe_gating_top_k does not take (decided per model shape).
 GATING = "kernels_ascend.gating_topk"
-NOT_WIRED = {
-    "zos_gather_inputs": "not wired: the worker gathers each row's first input token itself (torch.where); no "
-    "KernelSet op routes it",
-}
 
 
 @dataclass(frozen=True)
@@ -204,40 +189,6 @@ class TileLangAscendKernels:
         self._kernel("sample_pieces", "build_hash_uniform", stream)(
             seeds.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous(), u)
         return u.squeeze(1)
-
-    def sample(self, logits: torch.Tensor, t):
-        """The HAL op, line by line backends/cpu/sampling.py ``sample`` with its argmaxes and seeded Gumbel race on
-        kernels_ascend.sample_pieces; bans, the top-k / top-p mask and logprobs are the reference's aten ops. A
-        filtered token enters the kernel as a ``-inf`` logit (``-inf / T`` is the reference's ``masked_fill`` after
-        the division)."""
-        from deepinfer_npu.backends.cpu.sampling import SamplerOutput, compute_logprobs, top_k_top_p_mask
-
-        from deepinfer_npu.sampling.rng import STREAM_SAMPLE
-
-        if logits.dim() != 2 or logits.shape[0] != t.num_rows:
-            raise ValueError(f"logits must be [B, V] with B = {t.num_rows} rows, got {tuple(logits.shape)}")
-        logits = logits.float()
-        if logits.shape[0] == 0:
-            return SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64, device=logits.device), logprobs=None)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
-        if t.banned_rows is not None and t.banned_token_ids is not None:
-            logits = logits.clone()
-            logits[t.banned_rows, t.banned_token_ids] = float("-inf")
-        greedy_ids = self.argmax(logits) if not t.all_random else None
-        if t.all_greedy:
-            token_ids = greedy_ids
-        else:
-            race = logits
-            if t.need_top_k or t.need_top_p:
-                keep = top_k_top_p_mask(logits / t.temperature[:, None], t.top_k, t.top_p, t.need_top_k, t.need_top_p)
-                race = logits.masked_fill(~keep, float("-inf"))
-            random_ids = self.gumbel_argmax(race, t.temperature, t.seeds, t.offsets, STREAM_SAMPLE)
-            token_ids = random_ids if greedy_ids is None else torch.where(t.is_greedy, greedy_ids, random_ids)
-        token_ids = token_ids.to(torch.int64)
-        logprobs = None
-        if raw_logprobs is not None:
-            logprobs = compute_logprobs(raw_logprobs, token_ids, t.max_num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     # ---- moe_gating_topk (configurations outside npu_moe_gating_top_k's limits) -----------------------------------
     def moe_gating_topk(self, router_logits: torch.Tensor, bias: torch.Tensor | None, params):

@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.backend import Backend, MemoryInfo
 
 from .kernels import CpuKernelSet
@@ -23,10 +24,7 @@ class CpuBackend(Backend):
         self._stream = HostStream()
         # Intra-op threads: DEEPINFER_CPU_THREADS (default 1). Reference-sized models run fastest on one thread,
         # and spinning OpenMP workers on a busy host slowed steps ~100x in our measurements.
-        threads = os.environ.get("DEEPINFER_CPU_THREADS", "1")
-        if not threads.isdigit() or int(threads) < 1:
-            raise ValueError(f"DEEPINFER_CPU_THREADS must be a positive integer, got {threads!r}")
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(envs.CPU_THREADS)
 
     @classmethod
     def unavailable_reason(cls) -> str | None:

@@ -1,10 +1,10 @@
-"""CpuKernelSet: binds every KernelSet op to its plain-torch reference implementation (all native)."""
+"""CpuKernelSet: the HAL's reference kernel set, every KernelSet op bound to its plain-torch module in this folder.
+
+Device backends subclass it and override the ops they have native kernels for; the ops they inherit run this
+reference on their tensors and ``op_report`` lists them as fallbacks.
+"""
 
 from __future__ import annotations
-
-from typing import Any
-
-import torch
 
 from deepinfer_npu.hal.kernel_set import KernelSet
 
@@ -20,8 +20,10 @@ from . import zos as _zos
 
 
 class CpuKernelSet(KernelSet):
-    """The oracle: each op is the readable reference in this folder (norm.py, linear.py, rope.py, mla.py,
-    moe.py, cache_ops.py)."""
+    """The oracle: each op is the readable reference in norm.py, linear.py, rope.py, mla.py, moe.py,
+    spec_verify.py, zos.py, step_inputs.py and cache_ops.py."""
+
+    IS_REFERENCE = True
 
     rms_norm = staticmethod(_norm.rms_norm)
     add_rms_norm = staticmethod(_norm.add_rms_norm)
@@ -40,8 +42,3 @@ class CpuKernelSet(KernelSet):
     decode_inputs = staticmethod(_step_inputs.decode_inputs)
     copy_kv_blocks = staticmethod(_cache_ops.copy_kv_blocks)
 
-    def sample(self, logits: torch.Tensor, sampling_tensors: Any) -> Any:
-        """Delegates to ``backends/cpu/sampling.py: sample`` (imported lazily: a separate module)."""
-        from .sampling import sample
-
-        return sample(logits, sampling_tensors)

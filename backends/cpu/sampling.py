@@ -1,4 +1,7 @@
-"""Reference ``sample`` op (plain torch): greedy, temperature, top-k, top-p, seeded Gumbel-max, logprobs.
+"""Reference sampler (plain torch): greedy, temperature, top-k, top-p, seeded Gumbel-max, logprobs.
+
+``spec_verify`` builds on its pieces (the top-k / top-p mask, logprobs) and, for a row without drafts, draws exactly
+what :func:`sample` draws; :func:`sample` is the oracle the sampling tests compare against.
 
 For a random row with temperature ``T``:
 

@@ -1,4 +1,4 @@
-// Python-boundary helpers of deepinfer_npu._core: array validation (dtype kind, ndim, shape, value range, with
+// Python-boundary functions of deepinfer_npu._core: array validation (dtype kind, ndim, shape, value range, with
 // TypeError/ValueError naming the function and the argument), read-only numpy views over C++ buffers, and
 // small converters. Included by bindings.cpp only (everything is internal linkage).
 #pragma once
@@ -25,7 +25,7 @@ using namespace deepinfer;
 
 namespace {
 
-// ------------------------------------------------------------------ array validation helpers
+// ------------------------------------------------------------------ array validation
 
 std::string where(const char* fn, const char* name) { return std::string(fn) + ": " + name; }
 

@@ -1,8 +1,10 @@
 """The KernelSet contract: every device op the models call, with shapes.
 
-A backend subclasses :class:`KernelSet` and overrides the ops it has native kernels for. Every op it does not
-override runs the CPU reference implementation (``deepinfer_npu.backends.cpu``: plain, device-agnostic torch)
-and ``op_report()`` lists it as a fallback, so a backend is usable at once and honest about what is native.
+Each op is an abstract method whose docstring is its contract. The HAL's declared reference is the CPU backend's
+``CpuKernelSet`` (plain, device-agnostic torch; it sets :attr:`KernelSet.IS_REFERENCE`). A device backend
+subclasses it and overrides the ops it has native kernels for: every other op runs the reference on the device's
+tensors and ``op_report()`` lists it as a fallback, so a backend is usable at once and honest about what is
+native. The dependency runs one way: backends import the HAL, never the reverse.
 
 Notation: ``T`` tokens in the step, ``B`` requests, ``H`` heads, ``D`` hidden size, ``L`` kv_lora_rank,
 ``R`` qk_rope_head_dim, ``E`` routed experts, ``k`` experts per token, ``I`` expert intermediate size.
@@ -11,27 +13,17 @@ Tensors live on the backend's device; activations use the model dtype unless sta
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 
 from .types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
-if TYPE_CHECKING:  # the sampling types belong to the sampler (backends/cpu/sampling.py)
-    SamplingTensors = Any
-    SamplerOutput = Any
 
-
-def _ref(module: str):
-    """Lazily import a CPU reference module, e.g. ``_ref("mla")`` -> ``deepinfer_npu.backends.cpu.mla``."""
-    import importlib
-
-    return importlib.import_module(f"deepinfer_npu.backends.cpu.{module}")
-
-
-class KernelSet:
-    """Base class and contract. Subclasses override ops; unoverridden ops fall back to the CPU reference."""
+class KernelSet(abc.ABC):
+    """The op contract (abstract ops) plus composites built from the ops, warm-up and reporting hooks."""
 
     #: Op names in contract order; ``op_report`` walks this list.
     OPS: tuple[str, ...] = (
@@ -47,7 +39,6 @@ class KernelSet:
         "moe_dispatch",
         "grouped_mlp",
         "moe_combine",
-        "sample",
         "spec_verify",
         "zos_fixup",
         "decode_inputs",
@@ -55,25 +46,27 @@ class KernelSet:
     )
     #: Optional per-op reasons shown in ``op_report`` for ops a subclass deliberately leaves on the reference.
     FALLBACK_REASONS: dict[str, str] = {}
+    #: True on the reference kernel set only: its ops are native there and fallbacks in the classes inheriting them.
+    IS_REFERENCE: ClassVar[bool] = False
 
     # ---- norms / dense -------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``x`` [..., N], ``weight`` [N] -> [..., N] in ``x``'s dtype; statistics in fp32."""
-        return _ref("norm").rms_norm(x, weight, eps)
 
+    @abc.abstractmethod
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fused residual add + norm: returns ``(rms_norm(x + residual), x + residual)``; shapes [T, N]."""
-        return _ref("norm").add_rms_norm(x, residual, weight, eps)
 
+    @abc.abstractmethod
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [..., in] @ ``weight`` [out, in]^T (+ ``bias`` [out]) -> [..., out]."""
-        return _ref("linear").linear(x, weight, bias)
 
+    @abc.abstractmethod
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU activation: ``x`` [..., 2I] = [gate | up] -> ``silu(gate) * up`` [..., I]."""
-        return _ref("linear").silu_and_mul(x)
 
     def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """Composite of the ops above, the dense SwiGLU MLP: ``linear(silu_and_mul(linear(x, gate_up)), down)``
@@ -100,6 +93,7 @@ class KernelSet:
         return [main(), *(f() for f in side)]
 
     # ---- attention -----------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, interleaved: bool
     ) -> torch.Tensor:
@@ -107,8 +101,8 @@ class KernelSet:
         (cos in the first R/2 columns, sin in the last; YaRN attention factor already folded in).
         ``interleaved``: pairs ``(x[2i], x[2i+1])`` rotate by frequency i (DeepSeek layout), else halves
         ``(x[i], x[i+R/2])`` (NeoX layout). Returns a new [T, H, R] tensor in the same layout as ``x``."""
-        return _ref("rope").rope(x, positions, cos_sin_cache, interleaved)
 
+    @abc.abstractmethod
     def mla_prolog(
         self,
         hidden: torch.Tensor,
@@ -125,8 +119,8 @@ class KernelSet:
         ``rms_norm(c_kv) ‖ rope(k_pe)`` ([T, L+R]) into ``kv_cache`` [num_blocks, block_size, L+R] at
         ``slot_mapping`` [T] int64 (``block * block_size + offset``; negative slots are skipped = padding).
         """
-        return _ref("mla").mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping)
 
+    @abc.abstractmethod
     def mla_attention(
         self,
         q_latent: torch.Tensor,
@@ -153,23 +147,21 @@ class KernelSet:
         int32. Causal: query j of request b sits at position ``seqlens_k[b] - seqlens_q[b] + j`` and sees keys
         at positions <= its own. Scores ``(q_latent·c + q_rope·k_rope) * softmax_scale``; softmax in fp32.
         """
-        return _ref("mla").mla_attention(
-            q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
-        )
 
+    @abc.abstractmethod
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         """MLA back half: ``out_latent`` [T, H, L] -> values (``w_uv`` [H, V, L]) -> ``o_proj`` -> [T, D]."""
-        return _ref("mla").mla_epilogue(out_latent, w)
 
     # ---- MoE -----------------------------------------------------------------------------------------------
+    @abc.abstractmethod
     def moe_gating_topk(
         self, router_logits: torch.Tensor, bias: torch.Tensor | None, params: GatingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek gating. ``router_logits`` [T, E] fp32, ``bias`` [E] fp32 (``e_score_correction_bias``,
         noaux_tc only) -> ``(weights [T, k] fp32, ids [T, k] int32)``; weights include normalisation
         (``norm_topk_prob``) and ``routed_scaling_factor``. The order of the k choices is unspecified."""
-        return _ref("moe").moe_gating_topk(router_logits, bias, params)
 
+    @abc.abstractmethod
     def moe_dispatch(
         self, hidden: torch.Tensor, ids: torch.Tensor, num_experts: int
     ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
@@ -177,8 +169,8 @@ class KernelSet:
 
         ``hidden`` [T, D], ``ids`` [T, k] -> ``(sorted_hidden [T*k, D], tokens_per_expert [E] int64, state)``.
         """
-        return _ref("moe").moe_dispatch(hidden, ids, num_experts)
 
+    @abc.abstractmethod
     def grouped_mlp(
         self,
         sorted_hidden: torch.Tensor,
@@ -188,14 +180,13 @@ class KernelSet:
     ) -> torch.Tensor:
         """Per-expert SwiGLU MLP over contiguous row groups: ``sorted_hidden`` [M, D] -> [M, D], with
         ``w13`` [E, 2I, D] (gate rows then up rows) and ``w2`` [E, D, I]."""
-        return _ref("moe").grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
 
+    @abc.abstractmethod
     def moe_combine(
         self, expert_out: torch.Tensor, state: DispatchState, weights: torch.Tensor
     ) -> torch.Tensor:
         """Undo the permutation and sum each token's k expert outputs weighted by ``weights`` [T, k] -> [T, D]
         (accumulated in fp32, returned in ``expert_out``'s dtype)."""
-        return _ref("moe").moe_combine(expert_out, state, weights)
 
     def moe_route(self, router_logits: torch.Tensor, bias: torch.Tensor | None, params: GatingParams,
                   hidden: torch.Tensor, num_experts: int):
@@ -214,44 +205,34 @@ class KernelSet:
         rounded to the dtype before the add. A backend may fuse the add into the combine (CUDA: one kernel)."""
         return self.moe_combine(expert_out, state, weights) + addend
 
-    # ---- sampling ------------------------------------------------------------------------------------------
-    def sample(self, logits: torch.Tensor, sampling_tensors: SamplingTensors) -> SamplerOutput:
-        """``logits`` [B, V] fp32 -> ``SamplerOutput`` (greedy / temperature / top-k / top-p, per-request
-        seeds with counter-based noise so every backend draws the same numbers; optional top-n logprobs).
-        Contract and types live in ``backends/cpu/sampling.py``."""
-        from deepinfer_npu.backends.cpu.sampling import sample
-
-        return sample(logits, sampling_tensors)
-
+    # ---- speculative decoding -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
         """Verify a decode step's drafts (greedy: longest matching prefix + bonus; sampling: lossless rejection
         sampling with one-hot proposals) -> ``VerifyOutput``. Contract in ``backends/cpu/spec_verify.py``."""
-        return _ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
-                                               ban_mask)
 
+    @abc.abstractmethod
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):
         """Correct an optimistically scheduled step on the device (``seqlens_k`` by accepted counts, ``seqlens_q``
         re-split by confidences) -> ``(seqlens_q, seqlens_k)``. Contract in ``backends/cpu/zos.py``."""
-        return _ref("zos").zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
 
+    @abc.abstractmethod
     def decode_inputs(self, seqlens_q, seqlens_k, block_tables, state_slots, first_ids, last_token, drafts,
                       block_size: int, num_tokens: int):
         """A decode step's per-token inputs on the device (positions, cache slots,
         ``cu_seqlens_q``, row / offset of each token, input ids from the slot state, the next draft of each token)
         from the lengths ``zos_fixup`` corrected, with no host read -> ``DecodeInputs``. Contract and reference in
         ``backends/cpu/step_inputs.py``."""
-        return _ref("step_inputs").decode_inputs(seqlens_q, seqlens_k, block_tables, state_slots, first_ids,
-                                                 last_token, drafts, block_size, num_tokens)
 
     # ---- KV cache blocks -----------------------------------------------------------------------------------
+    @abc.abstractmethod
     def copy_kv_blocks(self, caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Fork copy-on-write: in every cache of ``caches`` (the KV caches of one layout, e.g. all main-model and
         drafter layers), block ``dst[i]`` becomes a copy of block ``src[i]``; ``src`` / ``dst`` [C] int64 on the
         device. In place; sources are all read before destinations are written. Reference: ``index_copy_`` on
         dim 0 of each ``[num_blocks, block_size, L+R]`` cache (``backends/cpu/cache_ops.py``). A backend that
         stores the cache in another layout (Ascend's split k_nope / k_rope caches) copies in that layout."""
-        return _ref("cache_ops").copy_kv_blocks(caches, src, dst)
 
     def plan_for_model(self, model_config, dtype: torch.dtype, block_size: int) -> None:
         """Decide model-dependent op choices ahead of the first forward (``--list-ops`` shows them). Backends
@@ -267,11 +248,12 @@ class KernelSet:
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:
-        """``{op: "native" | "fallback (reason)"}``: an op is native when this class (or a parent below
-        :class:`KernelSet`) overrides it."""
+        """``{op: "native" | "fallback (reason)"}``: an op is a fallback when this class inherits it from the
+        reference kernel set without being the reference itself."""
         report = {}
         for op in self.OPS:
-            if getattr(type(self), op) is not getattr(KernelSet, op):
+            owner = next(c for c in type(self).__mro__ if op in vars(c))
+            if owner is type(self) or not vars(owner).get("IS_REFERENCE", False):
                 report[op] = "native"
             else:
                 reason = self.FALLBACK_REASONS.get(op, "no native kernel; runs the CPU reference op")

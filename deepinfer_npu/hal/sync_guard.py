@@ -12,9 +12,10 @@ never asks for a sync.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
+
+from deepinfer_npu import envs
 
 _state = threading.local()
 
@@ -25,7 +26,7 @@ class SyncForbiddenError(RuntimeError):
 
 def guard_enabled() -> bool:
     """False when ``DEEPINFER_DISABLE_SYNC_GUARD=1`` (checked on every call so tests can toggle it)."""
-    return os.environ.get("DEEPINFER_DISABLE_SYNC_GUARD", "0") != "1"
+    return not envs.DISABLE_SYNC_GUARD
 
 
 def sync_forbidden() -> bool:

@@ -1,7 +1,8 @@
 """Sampling metadata and the counter-based hash RNG shared by all backends.
 
-The ``sample`` op itself is a KernelSet op (``backends/cpu/sampling.py`` is the reference); this package holds
-what every backend and the engine share: :class:`SamplingTensors` / :class:`SamplerOutput` and the RNG.
+Tokens are drawn by the ``spec_verify`` op (a row without drafts is a plain sample; the reference sampler is
+``backends/cpu/sampling.py``); this package holds what every backend and the engine share: :class:`SamplingTensors`
+/ :class:`SamplerOutput` and the RNG.
 """
 
 from deepinfer_npu.sampling.metadata import (

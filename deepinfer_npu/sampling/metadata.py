@@ -1,5 +1,5 @@
-"""Batched sampling inputs (:class:`SamplingTensors`) and outputs (:class:`SamplerOutput`) of the ``sample``
-op.
+"""Batched sampling inputs (:class:`SamplingTensors`) and outputs (:class:`SamplerOutput`) of the sampler
+(``spec_verify`` and the reference ``sample`` it reduces to without drafts).
 
 One *row* is one token to sample: a request in a normal decode step, or one verified position of a request in
 a speculative step. Each row carries its request's seed and its ``offset`` = the output position of the token

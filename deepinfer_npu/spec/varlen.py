@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.graph_sizes import graph_sizes
 
 logger = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class SamplerRuntimeEstimator:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE_DIR", Path.home() / ".cache" / "deepinfer_npu")) / "varlen"
+    return envs.CACHE_DIR / "varlen"
 
 
 def profile_step_time_curve(runner, sizes: list[int], num_drafts: int, runs: int = 5, graphs=None) -> list[float]:

@@ -29,7 +29,6 @@ from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, H
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
-from deepinfer_npu.worker import packed_inputs
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -51,7 +50,6 @@ class Worker:
         self.k = drafter.num_speculative_tokens if drafter is not None else 0
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
-        self.pack_step_inputs = packed_inputs.enabled()  # a step's host inputs in one copy (packed_inputs.py)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
         self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
@@ -158,9 +156,7 @@ class Worker:
         return host.pin_memory().to(self.device, non_blocking=True)
 
     def _dev_many(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
-        """Several host arrays -> device tensors: one copy each, or one packed copy (``pack_step_inputs``)."""
-        if self.pack_step_inputs:
-            return packed_inputs.to_device(arrays, self.device)
+        """Several host arrays -> device tensors, one copy each."""
         return [self._dev(a, dtype) for a, dtype in arrays]
 
     def _apply_state_ops(self, plan: StepPlan) -> None:
@@ -187,7 +183,7 @@ class Worker:
         host_ids = plan.input_ids.astype(np.int64)
         draft_next = None
         host = HostLengths(tuple(plan.seqlens_q.tolist()), tuple(plan.seqlens_k.tolist()), True, max_q, max_k)
-        # the step's host inputs, all known here: one copy each, or one packed copy
+        # the step's host inputs, all known here
         inputs = [(plan.seqlens_q, torch.int32), (plan.seqlens_k, torch.int32), (plan.block_tables, torch.int32),
                   (plan.state_slots, torch.int64)]
         if plan.is_prefill:

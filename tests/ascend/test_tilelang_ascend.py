@@ -2,8 +2,8 @@
 decision: on this machine (no NPU, no CANN bisheng, tilelang without its Ascend build) it must come out
 "fallback (reason)" with the reason in the op report; the compositions around the kernels are checked against the
 reference ops with the same programs built for the host C target (nothing here runs on an NPU): zos_fixup and
-spec_verify (all outputs equal), sample (tokens and logprobs equal, seeded rows included) and gating outside
-npu_moe_gating_top_k's limits (ids equal per row, weights within kernels_ascend.gating_topk's fp32 tolerance)."""
+spec_verify (all outputs equal, seeded sampled rows included) and gating outside npu_moe_gating_top_k's limits
+(ids equal per row, weights within kernels_ascend.gating_topk's fp32 tolerance)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from deepinfer_npu.backends.ascend import capabilities as caps
 from deepinfer_npu.backends.ascend import tilelang_ascend
 from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
 from deepinfer_npu.backends.cpu import moe as ref_moe
-from deepinfer_npu.backends.cpu import sampling as ref_sampling
 from deepinfer_npu.backends.cpu import spec_verify as ref_verify
 from deepinfer_npu.backends.cpu import zos as ref_zos
 
@@ -43,11 +42,10 @@ def test_decision_on_this_machine_is_fallback_with_reason():
     ks.setup_tilelang()
     assert ks.tilelang is None
     report = ks.op_report()
-    for op in ("zos_fixup", "spec_verify", "sample"):
+    for op in ("zos_fixup", "spec_verify"):
         assert report[op].startswith("fallback (TileLang-Ascend kernels_ascend."), report[op]
         assert probe.reason in report[op] and "torch composition" in report[op]
-    assert "sample_pieces" in report["sample"] and "npu_top_k_top_p is not used" in report["sample"]
-    assert report["tilelang:zos_gather_inputs"].startswith("not wired")
+    assert "sample" not in report  # the engine samples through spec_verify
     assert "emulation only" in report["decode_graphs"]
 
 
@@ -91,9 +89,6 @@ def test_forced_usable_decision_reports_native():
         "native (TileLang-Ascend kernels_ascend.spec_verify_greedy (all-greedy batches) / rejection_accept (sampled "
         "rows) + sample_pieces (argmax, acceptance uniforms, bonus / residual Gumbel draws) (host C build: tests "
         "only))")
-    assert report["sample"].startswith(
-        "native (TileLang-Ascend kernels_ascend.sample_pieces greedy_argmax / gumbel_argmax (hash RNG + temperature + "
-        "Gumbel-max) + argmax_combine (host C build: tests only); bans, top-k / top-p mask and logprobs are the")
     # Gating: the fused op where it fits, the kernel outside its limits, the reference where the kernel declines.
     assert ks._gating_decision(V3, True).report() == "native (torch_npu.npu_moe_gating_top_k)"
     wide = ks._gating_decision(WIDE_V3, True)
@@ -181,44 +176,7 @@ def test_npu_build_path_lowers_and_stops_at_bisheng(host_c_kernels, monkeypatch)
         tilelang_ascend.TileLangAscendKernels("ascend")._kernel("zos_seqlens_k", "build")
 
 
-# ---- sample and gating on the host C build -----------------------------------------------------------------------
-def _sample_case(seed: int, kinds: str, vocab: int = 500):
-    """Rows of kind g (greedy), r (seeded random), k (top-k), p (top-p), b (top-k + top-p + min_tokens bans)."""
-    g = torch.Generator().manual_seed(seed)
-    params, banned = [], []
-    for i, kind in enumerate(kinds):
-        params.append(SamplingParams(temperature=0.0 if kind == "g" else 0.5 + 0.1 * (i % 8), seed=100 * seed + i,
-                                     top_k=20 if kind in "kb" else -1, top_p=0.8 if kind in "pb" else 1.0))
-        banned.append([3, 4, int(torch.randint(0, vocab, (1,), generator=g))] if kind == "b" else [])
-    offsets = torch.randint(0, 3000, (len(kinds),), generator=g).tolist()
-    t = SamplingTensors.from_params(params, [p.seed for p in params], offsets, vocab_size=vocab,
-                                    banned_token_ids=banned if any(banned) else None)
-    t.max_num_logprobs = 4
-    logits = torch.randn(len(kinds), vocab, generator=g) * 3
-    logits[0, 1] = logits[0].max()  # an exact tie for the greedy rule (lowest id)
-    return logits, t
-
-
-@pytest.mark.parametrize("kinds", ["gggg", "rrrrrrrrrrrrrrrrrrrrrrrr", "grkpbgrkpbrrrrgg"])
-def test_sample_on_kernels_equals_reference(host_c_kernels, kinds):
-    """Greedy (tie rule), seeded random, top-k, top-p and banned rows: every sampled token and logprob equals the
-    reference sampler's; the random rows' draws come from the kernels' hash RNG (a different seed changes them)."""
-    before = dict(host_c_kernels.calls)
-    for seed in range(4):
-        logits, t = _sample_case(seed, kinds)
-        got, want = host_c_kernels.sample(logits, t), ref_sampling.sample(logits, t)
-        assert torch.equal(got.token_ids, want.token_ids), (seed, got.token_ids, want.token_ids)
-        assert torch.equal(got.logprobs.top_ids, want.logprobs.top_ids)
-        assert torch.equal(got.logprobs.sampled_logprob, want.logprobs.sampled_logprob)
-    gumbel = host_c_kernels.calls.get("sample_pieces.build_gumbel_argmax", 0) - before.get(
-        "sample_pieces.build_gumbel_argmax", 0)
-    assert gumbel == (0 if kinds == "gggg" else 4)
-    if "r" in kinds:  # control: the draws really depend on the seeds
-        logits, t = _sample_case(0, kinds)
-        t2 = replace(t, seeds=t.seeds + 1)
-        assert not torch.equal(host_c_kernels.sample(logits, t2).token_ids, host_c_kernels.sample(logits, t).token_ids)
-
-
+# ---- gating on the host C build ----------------------------------------------------------------------------------
 def test_gating_on_kernels_equals_reference(host_c_kernels):
     """Configurations npu_moe_gating_top_k rejects on A2/A3 run on kernels_ascend.gating_topk through the kernel set:
     the ids equal the reference's per token (the op's choice order is unspecified) and the weights are within the

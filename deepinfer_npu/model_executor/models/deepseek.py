@@ -18,57 +18,13 @@ from deepinfer_npu.hal.backend import Backend
 from deepinfer_npu.hal.kernel_set import KernelSet
 
 from ..attention_metadata import AttentionMetadata
+from ..dummy_weights import init_dummy_weights
 from ..layers.embedding import LMHead, VocabEmbedding
-from ..layers.mla import MLAAttention
-from ..layers.mlp import DenseMLP
-from ..layers.moe import DeepseekMoE
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..model_config import DeepseekModelConfig
-
-
-class DeepseekDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``+ mlp(norm(.))``; residual adds fused into the norms."""
-
-    def __init__(
-        self,
-        cfg: DeepseekModelConfig,
-        layer_idx: int,
-        rope: RotaryEmbedding,
-        kernels: KernelSet,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__()
-        kw = dict(dtype=dtype, device=device)
-        self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, **kw)
-        self.self_attn = MLAAttention(cfg, rope, kernels, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels, **kw)
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp: nn.Module = DeepseekMoE(cfg, kernels, **kw)
-        else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, kernels, **kw)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden`` [T, D], ``residual`` [T, D] or None (first layer) -> ``(mlp_out, residual)``; the caller
-        adds them (fused into the next norm)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, attn, kv_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+from .decoder_layer import DeepseekDecoderLayer
+from .mtp import DeepseekMTP, DeepseekMTPLayer
 
 
 class DeepseekModel(nn.Module):
@@ -78,8 +34,6 @@ class DeepseekModel(nn.Module):
         self, cfg: DeepseekModelConfig, kernels: KernelSet, *, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         super().__init__()
-        from .mtp import DeepseekMTPLayer  # mtp.py builds on this module's decoder layer
-
         kw = dict(dtype=dtype, device=device)
         self.rope = RotaryEmbedding.from_config(cfg, device)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
@@ -152,16 +106,12 @@ class DeepseekForCausalLM(nn.Module):
 
     def init_dummy_weights(self, seed: int = 0, portable: bool = False) -> None:
         """Seeded random weights (same as ``load_weights(model, load_format="dummy" | "dummy_portable")``)."""
-        from ..loader import init_dummy_weights
-
         init_dummy_weights(self, seed, portable=portable)
 
     # ---- MTP -----------------------------------------------------------------------------------------------
     @property
     def mtp(self):
         """A :class:`~.mtp.DeepseekMTP` view of this model's MTP layers, or None when there are none."""
-        from .mtp import DeepseekMTP
-
         n = self.config.num_hidden_layers
         mtp_layers = list(self.model.layers[n:])
         return DeepseekMTP(mtp_layers) if mtp_layers else None

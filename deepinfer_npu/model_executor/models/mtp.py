@@ -19,7 +19,7 @@ from ..layers.linear import Linear
 from ..layers.norm import RMSNorm
 from ..layers.rope import RotaryEmbedding
 from ..model_config import DeepseekModelConfig
-from .deepseek import DeepseekDecoderLayer
+from .decoder_layer import DeepseekDecoderLayer
 
 
 class SharedHead(nn.Module):
