@@ -37,7 +37,7 @@ def ref(module: str) -> ModuleType:
 
 
 def kernel_module(name: str) -> ModuleType:
-    """``deepinfer_npu.kernels_cuda.<name>`` for its host-side helpers (importable without tilelang)."""
+    """``deepinfer_npu.kernels_cuda.<name>`` for its host-side functions (importable without tilelang)."""
     return importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}")
 
 
