@@ -19,7 +19,7 @@ class MLAEpilogue(OpImpl):
         super().__init__(ks)
         self._head_scans: dict[tuple, torch.Tensor] = {}  # (heads, device) -> constant scan
 
-    def _head_scan(self, num_heads: int, device) -> torch.Tensor | None:
+    def head_scan(self, num_heads: int, device) -> torch.Tensor | None:
         """``moe_gemm.expert_starts``' layout for one row a head ([0 .. H], then heads 0 .. H-1), made once per
         (H, device) outside graph capture (the capture's eager warm-up run makes it); None inside a capture."""
         key = (num_heads, str(device))
@@ -29,13 +29,13 @@ class MLAEpilogue(OpImpl):
             scan = self._head_scans[key] = torch.cat([idx, idx[:-1]])
         return scan
 
-    def _w_uv_skinny(self, out_latent: torch.Tensor, w: MLAWeights):
+    def w_uv_skinny(self, out_latent: torch.Tensor, w: MLAWeights):
         """W_UV for one token through skinny_gemm's grouped mode (one row a head); None where it does not apply."""
         if not (out_latent.is_cuda and out_latent.shape[0] == 1):
             return None
         a = out_latent.reshape(out_latent.shape[1], out_latent.shape[2])  # [H, L]: one row a head, head-major
         sk, _why = self.ks.impl("linear").skinny(a, w.w_uv, grouped=True)
-        scan = self._head_scan(a.shape[0], a.device) if sk is not None and a.dtype == BF16 else None
+        scan = self.head_scan(a.shape[0], a.device) if sk is not None and a.dtype == BF16 else None
         if scan is None:
             return None
         self.note("mla_epilogue", "W_UV: kernels_cuda.skinny_gemm grouped (the heads as experts, 1 token) + "
@@ -43,7 +43,7 @@ class MLAEpilogue(OpImpl):
         return sk.skinny_gemm(a, w.w_uv, scan=scan).view(1, -1)
 
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-        values = self._w_uv_skinny(out_latent, w)
+        values = self.w_uv_skinny(out_latent, w)
         if values is None:
             self.note("mla_epilogue", "reference arithmetic: W_UV per head (cuBLAS) + linear (o_proj)", False)
             values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
