@@ -164,12 +164,13 @@ def test_listing_failure_does_not_raise(recorded, monkeypatch, v2_lite_plan, ker
 
 
 @pytest.mark.nvcc
-def test_real_compile_of_a_tiny_plan(monkeypatch, v2_lite_plan, kernel_set):
-    """End to end through the real precompile: an fp32 dense plan with spec_verify and decode_inputs left out leaves the ZOS
-    correction kernel only (a few seconds of nvcc, or TileLang's cache)."""
+def test_real_compile_of_a_tiny_plan(v2_lite_plan, kernel_set):
+    """End to end through the real precompile: an fp32 dense plan with spec_verify and decode_inputs left out leaves
+    the ZOS correction kernel only (a few seconds of nvcc, or TileLang's cache)."""
     from deepinfer_npu.kernels_cuda import zos_fixup
 
-    summary = kernel_set(skip={"spec_verify", "decode_inputs"}).warmup(v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0))
+    plan = v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0)
+    summary = kernel_set(skip={"spec_verify", "decode_inputs"}).warmup(plan)
     assert summary.startswith("1 configs in ") and "zos_fixup: 1" in summary, summary
     assert ("correct", ()) in zos_fixup._KERNELS
 

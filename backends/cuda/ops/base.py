@@ -10,6 +10,7 @@ whose remaining checks read only host-known shapes of the step, never device val
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -63,6 +64,22 @@ def current_device_is_sm90() -> bool:
 def meta(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A tensor of ``shape`` without storage, for the kernel modules' host-fact ``reason`` checks."""
     return torch.empty(shape, dtype=dtype, device="meta")
+
+
+@contextlib.contextmanager
+def known_syncing_fallback():
+    """Run a reported, knowingly syncing reference fallback (e.g. prefill attention on toy dims) with torch's sync
+    debug mode lowered from "error" to "warn": the op report already names it; the guard stays armed for the
+    rest of the launch path. (The mode is "error" when every op seen so far was sync-free, e.g. right after
+    capturing decode graphs at start-up, before the first prefill.)"""
+    previous = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if previous == 2:
+        torch.cuda.set_sync_debug_mode(1)
+    try:
+        yield
+    finally:
+        if previous == 2:
+            torch.cuda.set_sync_debug_mode(previous)
 
 
 class KernelModules:

@@ -10,9 +10,8 @@ import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
-from .base import BF16, OpImpl, kernel_module, logger, ref, step_token_bounds
+from .base import BF16, OpImpl, kernel_module, known_syncing_fallback, logger, ref, step_token_bounds
 from .linear import silu_mul_configs
-from .mla_attention import known_syncing_fallback
 
 # moe_gemm re-reads an expert's weight tile per 64-row block, so prefill-sized batches go to the library GEMM
 MOE_GEMM_MAX_ROWS = 2048

@@ -13,14 +13,12 @@ request has a query token, as the worker's rows always do):
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .. import mla_dense
-from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref
+from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref
 
 KV_LORA, ROPE, PAGE = 512, 64, 64  # what kernels_cuda.mla_decode is built for (FlashMLA layout)
 MAX_Q = 16  # query tokens per request the decode kernel handles (speculative verification)
@@ -30,6 +28,20 @@ def ws_disabled_reason(md) -> str | None:
     """Why ``kernels_cuda.mla_decode_ws`` is off in this process (its compile failed), or None. The one place that
     reads the decode module's private handle on it."""
     return md._ws_module().disabled_reason
+
+
+def mla_dims_refusal(kernel: str, cfg: OpConfig) -> str | None:
+    """Why the model's dtype / latent dims / page size rule out a TileLang MLA kernel, or None."""
+    if not cfg.known:
+        return None
+    if cfg.dtype != BF16:
+        return f"{cfg.dtype}: kernels_cuda.{kernel} is bf16-only"
+    if cfg.kv_lora_rank != KV_LORA or cfg.qk_rope_head_dim != ROPE:
+        return f"kv_lora {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}: kernel built for the DeepSeek dims " \
+            f"{KV_LORA} + {ROPE}"
+    if cfg.block_size != PAGE:
+        return f"block_size {cfg.block_size}: kernel reads pages of {PAGE}"
+    return None
 
 
 class MLAAttention(OpImpl):
@@ -45,8 +57,6 @@ class MLAAttention(OpImpl):
     SYNCING = {"mla_attention": "int(seqlens_q[b]) / int(seqlens_k[b]) per request"}
 
     def refuses(self, name: str, cfg: OpConfig) -> str | None:
-        from .mla_prolog import mla_dims_refusal
-
         if name == "mla_decode_ws" and not cfg.sm90:
             return "not a Hopper device (compute capability 9.x)"
         return mla_dims_refusal("mla_decode", cfg)
@@ -198,19 +208,3 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
             cfgs.append((h, md.m_tiles_for(h, bucket), 1, True))
             bucket *= 2
     return cfgs
-
-
-@contextlib.contextmanager
-def known_syncing_fallback():
-    """Run a reported, knowingly syncing reference fallback (e.g. prefill attention on toy dims) with torch's sync
-    debug mode lowered from "error" to "warn": the op report already names it; the guard stays armed for the
-    rest of the launch path. (The mode is "error" when every op seen so far was sync-free, e.g. right after
-    capturing decode graphs at start-up, before the first prefill.)"""
-    previous = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-    if previous == 2:
-        torch.cuda.set_sync_debug_mode(1)
-    try:
-        yield
-    finally:
-        if previous == 2:
-            torch.cuda.set_sync_debug_mode(previous)

@@ -11,22 +11,8 @@ import torch
 from deepinfer_npu.hal.types import KernelWarmupPlan, MLAWeights, RopeLike
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref
-from .mla_attention import KV_LORA, PAGE, ROPE
+from .mla_attention import KV_LORA, PAGE, ROPE, mla_dims_refusal
 from .norms import norm_configs
-
-
-def mla_dims_refusal(kernel: str, cfg: OpConfig) -> str | None:
-    """Why the model's dtype / latent dims / page size rule out a TileLang MLA kernel, or None."""
-    if not cfg.known:
-        return None
-    if cfg.dtype != BF16:
-        return f"{cfg.dtype}: kernels_cuda.{kernel} is bf16-only"
-    if cfg.kv_lora_rank != KV_LORA or cfg.qk_rope_head_dim != ROPE:
-        return f"kv_lora {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}: kernel built for the DeepSeek dims " \
-            f"{KV_LORA} + {ROPE}"
-    if cfg.block_size != PAGE:
-        return f"block_size {cfg.block_size}: kernel reads pages of {PAGE}"
-    return None
 
 
 class MLAProlog(OpImpl):

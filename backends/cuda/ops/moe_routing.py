@@ -95,8 +95,8 @@ class MoERouting(OpImpl):
         if mod is not None:
             why = mod.unpermute_reason(expert_out, state.order, weights, state.num_tokens, state.top_k)
         if why is None:
-            self.note("moe_combine", f"kernels_cuda.moe_routing unpermute ({str(expert_out.dtype).removeprefix('torch.')}"
-                      f", k={state.top_k}), sync-free", True)
+            dtype = str(expert_out.dtype).removeprefix("torch.")
+            self.note("moe_combine", f"kernels_cuda.moe_routing unpermute ({dtype}, k={state.top_k}), sync-free", True)
             return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k)
         self.note("moe_combine", f"composed torch (index_copy_ + weighted sum in fp32), sync-free ({why})", True)
         unsorted = torch.empty_like(expert_out, dtype=torch.float32)
