@@ -18,16 +18,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .ops.base import tilelang_importable
-
-if TYPE_CHECKING:
-    from .kernels import CudaKernelSet
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +33,7 @@ COMPILE_ORDER = ("rms_norm", "mla_rope_cache", "mla_decode", "mla_absorb", "skin
                  "moe_gemm", "moe_gemm_swap", "spec_verify", "zos_fixup", "decode_inputs")
 
 
-def reachable_configs(kernels: CudaKernelSet, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
+def reachable_configs(kernels: Any, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
     """``{kernels_cuda module: [config, ...]}`` the kernel set's selection reaches for ``plan``, in compile order;
     modules with nothing to compile are left out."""
     configs = kernels.warmup_configs(plan, num_sms)
@@ -94,7 +91,7 @@ def _counts(configs: dict[str, list[tuple]]) -> str:
     return ", ".join(parts)
 
 
-def warm_up(kernels: CudaKernelSet, plan: KernelWarmupPlan) -> str:
+def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     """Compile every configuration of :func:`reachable_configs`, module by module; -> ``"N configs in X s
     (module: n, ...)"`` plus the modules that failed or were skipped. A module that fails is turned off in the
     kernel set (its ops then run the reference, with this reason)."""

@@ -17,14 +17,11 @@ import importlib.util
 import logging
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
-
-if TYPE_CHECKING:
-    from ..kernels import CudaKernelSet
 
 logger = logging.getLogger("deepinfer_npu.backends.cuda")
 
@@ -184,8 +181,8 @@ class OpImpl:
     FALLBACK: dict[str, str] = {}
     SYNCING: dict[str, str] = {}
 
-    def __init__(self, ks: CudaKernelSet) -> None:
-        self.ks = ks
+    def __init__(self, ks: Any) -> None:
+        self.ks = ks  # the CudaKernelSet: its modules, its path log, its other ops
         self.refused: dict[str, str] = {}  # kernel -> why it cannot serve the configuration (selection)
         self.off: dict[str, str] = {}  # the refused ones and those whose module does not import
 
