@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal import sync_guard
 from deepinfer_npu.hal.backend import Backend, MemoryInfo
 
@@ -38,9 +39,6 @@ from .kernels import CudaKernelSet, tilelang_importable
 from .stream import CudaEvent, CudaStream
 
 logger = logging.getLogger(__name__)
-
-SYNC_DEBUG_ENV = "DEEPINFER_CUDA_SYNC_DEBUG"
-
 
 class CudaBackend(Backend):
     name = "cuda"
@@ -100,8 +98,8 @@ class CudaBackend(Backend):
         """The torch sync debug mode ``forbid_sync()`` arms now: "error", "warn" or "off" (module docstring)."""
         if not sync_guard.guard_enabled():
             return "off"
-        forced = os.environ.get(SYNC_DEBUG_ENV, "").strip().lower()
-        if forced in ("error", "warn", "off"):
+        forced = envs.CUDA_SYNC_DEBUG
+        if forced:
             return forced
         if not self.kernels.has_run() or self.kernels.syncing_ops():
             return "warn"

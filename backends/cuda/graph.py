@@ -18,16 +18,15 @@ from typing import Any
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.hal.graph_sizes import graph_sizes as _shared_graph_sizes
-
-GRAPH_INTERVAL_ENV = "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL"
 
 
 def graph_sizes(max_tokens: int, interval: int | None = None) -> list[int]:
     """Graph sizes for this backend (shared rule: ``deepinfer_npu.hal.graph_sizes``; interval from
     ``DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL``)."""
-    return _shared_graph_sizes(max_tokens, interval, env=GRAPH_INTERVAL_ENV)
+    return _shared_graph_sizes(max_tokens, interval or envs.CUDAGRAPH_BATCH_SIZE_INTERVAL)
 
 
 class CudaGraphRunner(GraphRunner):

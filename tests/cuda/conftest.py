@@ -1,11 +1,18 @@
-"""Shared by the GPU tests here: a DeepSeek-V2 model directory at the real MLA dims (random weights through
-``load_format="dummy"``) and the logprobs-close rule for greedy runs on different kernels."""
+"""Shared by the tests here: a DeepSeek-V2 model directory at the real MLA dims (random weights through
+``load_format="dummy"``), the logprobs-close rule for greedy runs on different kernels, and for the warm-up tests a
+V2-Lite plan, kernel sets with chosen kernels left out, and recorders in place of the kernel compilers."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 
 import pytest
+import torch
+
+from deepinfer_npu.hal.graph_sizes import graph_sizes
+from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan
 
 DEEPSEEK_DIMS = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 4096,
@@ -45,3 +52,86 @@ def assert_logprobs_close():
                 assert tb[first] in a.logprobs[first] and ta[first] in b.logprobs[first], (first, ta, tb)
 
     return check
+
+
+# ---- kernel warm-up without a GPU (test_kernel_warmup_configs.py, test_warmup_follows_the_selection.py) -------
+SMS = 132  # H200
+PRECOMPILED = ("rms_norm", "mla_rope_cache", "mla_decode", "silu_mul", "moe_routing", "spec_verify", "zos_fixup",
+               "skinny_gemm", "moe_gemm_swap", "decode_inputs", "mla_absorb")
+
+
+def _v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, max_num_seqs: int = 64,
+                  max_model_len: int = 4096, graphs: bool = True, **kw) -> KernelWarmupPlan:
+    """DeepSeek-V2-Lite (16 heads, vocab 102400, 64 experts top-6) in bf16, max_num_batched_tokens 4096, with the
+    decode graphs the worker would capture (worker._build_graphs / DecodeGraphs)."""
+    mml, mnbt, bs = max_model_len, 4096, kw.get("block_size", 64)
+    fields = dict(
+        dtype=torch.bfloat16, vocab_size=102400, hidden_size=2048, num_heads=16, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, kv_lora_rank=512, q_lora_rank=None, rope_interleaved=True, softmax_scale=192**-0.5,
+        rms_norm_eps=1e-6, latent_norm_eps=1e-6, mlp_intermediate_sizes=(2816, 10944),
+        moe_gating=GatingParams(top_k=6, num_experts=64), moe_intermediate_size=1408,
+        block_size=bs, max_model_len=mml, max_num_seqs=max_num_seqs, max_num_prompts=max_num_seqs,
+        max_num_batched_tokens=mnbt, num_speculative_tokens=k, speculative_method=method, varlen=varlen,
+        decode_graph_sizes=tuple(graph_sizes(min(mnbt, max_num_seqs * (k + 1)))) if graphs else (),
+        decode_graph_width=math.ceil((mml + 2 * k) / bs) + 1 if graphs else 0,
+    )
+    fields.update(kw)
+    return KernelWarmupPlan(**fields)
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Replace every compile entry point by a recorder: -> {module: [args of each call]}."""
+    calls: dict[str, list] = {}
+    for name in PRECOMPILED:
+
+        def rec(items, *args, _name=name, **kwargs):
+            calls.setdefault(_name, []).append((list(items), kwargs))
+
+        monkeypatch.setattr(importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}"), "precompile", rec)
+    from deepinfer_npu.kernels_cuda import moe_gemm
+
+    monkeypatch.setattr(moe_gemm, "get_kernel", lambda *a: calls.setdefault("moe_gemm", []).append(("gemm", a)))
+    monkeypatch.setattr(moe_gemm, "expert_starts",
+                        lambda t: calls.setdefault("moe_gemm", []).append(("expert_scan", (t.shape[0],))))
+    # the expected sets here are the pipelined kernel's on any machine (a Hopper adds mla_decode_ws' flag:
+    # test_mla_decode_ws_configs_follow_the_selection_and_the_device)
+    monkeypatch.setattr("deepinfer_npu.backends.cuda.kernels.current_device_is_sm90", lambda: False)
+    return calls
+
+
+def _kernel_set(skip=()):
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    ks = CudaKernelSet()
+    ks.num_sms = SMS
+    ks.SKIP = frozenset(skip)
+    return ks
+
+
+def _reachable(plan, sm90: bool = False, skip=()) -> dict[str, list[tuple]]:
+    """What the warm-up compiles for ``plan`` once the kernel set is selected for it."""
+    from deepinfer_npu.backends.cuda.ops import OpConfig
+    from deepinfer_npu.backends.cuda.warmup import reachable_configs
+
+    ks = _kernel_set()
+    ks.select(OpConfig.from_plan(plan, sm90, frozenset(skip)))
+    return reachable_configs(ks, plan, SMS)
+
+
+@pytest.fixture
+def v2_lite_plan():
+    """-> the DeepSeek-V2-Lite KernelWarmupPlan factory (keyword overrides)."""
+    return _v2_lite_plan
+
+
+@pytest.fixture
+def kernel_set():
+    """-> make(skip=()): a CudaKernelSet on an H200's SM count, the named kernels left out of its selection."""
+    return _kernel_set
+
+
+@pytest.fixture
+def reachable():
+    """-> reachable(plan, sm90=False, skip=()): the configurations the warm-up compiles for ``plan``."""
+    return _reachable

@@ -12,8 +12,6 @@ from deepinfer_npu.backends.cuda.mla_dense import mla_attention_dense
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
 needs_reference = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
                                      reason="the reference model is not installed")
 
@@ -45,7 +43,7 @@ def test_dense_mla_decode_matches_reference_with_padding_rows():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @needs_reference
 @pytest.mark.parametrize("method", [None, "mtp", "dflash"])
 def test_cuda_graph_decode_matches_eager(method):
@@ -87,7 +85,7 @@ def test_cuda_graph_decode_matches_eager(method):
         assert got >= 0.8 * want, (got, want)
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_cuda_graph_decode_on_deepseek_dims_matches_eager(deepseek_dims_model, assert_logprobs_close):
     """The TileLang MLA decode kernel (DeepSeek dims: kv_lora 512 + rope 64, page 64) inside captured graphs:
     random bf16 weights, greedy; graphed tokens follow eager ones (logprobs-close rule at a first difference: each
@@ -112,7 +110,7 @@ def test_cuda_graph_decode_on_deepseek_dims_matches_eager(deepseek_dims_model, a
     assert_logprobs_close(eager, graphed)
 
 
-@needs_cuda
+@pytest.mark.gpu
 @needs_reference
 def test_cuda_decodes_from_graphs_by_default():
     from deepinfer_npu import LLM, SamplingParams

@@ -1,12 +1,10 @@
-"""Engine-level check of the TileLang kernels for sampling, verification, ZOS fixups, decode inputs, routing and
-prefill attention (kernels_cuda.spec_verify, zos_fixup, sampling, decode_inputs, moe_routing.route and
-mla_decode.mla_prefill): the reference model's tokens with the kernels equal those of the reference path (the
-modules put back into ``UNVERIFIED_KERNELS``, the kernel set's gate) and the op report names the kernels. Passed
-on an H200 in session 3 (then with the kernels gated and enabled by ``DEEPINFER_CUDA_UNVERIFIED_KERNELS=1``), after
-which the gate was emptied; decode_inputs and moe_route joined in session 6 and passed here in session 7.
-W_UK of one token (kernels_cuda.mla_absorb, session 7, verified in session 8) has a batch-1 test of its own at
-DeepSeek dims (its rounding is not cuBLAS', so the tokens follow the logprobs-close rule); the other tests keep it
-gated.
+"""Engine-level check of the TileLang kernels for verification, ZOS fixups, decode inputs, routing and prefill
+attention (kernels_cuda.spec_verify, zos_fixup, decode_inputs, moe_routing.route and mla_decode.mla_prefill): the
+reference model's tokens with the kernels equal those of the reference path (the kernels left out of the kernel
+set's selection, ``CudaKernelSet.SKIP``) and the op report names the kernels. W_UK of one token
+(kernels_cuda.mla_absorb) and the warp-specialized MLA decode have tests of their own at DeepSeek dims (their
+rounding is not that of the path they replace, so the tokens follow the logprobs-close rule); the other tests
+leave them out of both runs.
 
 - MTP speculation (3 drafts), ZOS on, greedy: spec_verify's greedy kernels and zos_fixup serve every decode step
   (prefill sampling is greedy too); with fixed draft counts the tokens must be equal, with varlen verification (the
@@ -24,17 +22,7 @@ import torch
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
 
-HAS_CUDA = torch.cuda.is_available()
-
-
-def _has_tilelang() -> bool:
-    from deepinfer_npu.backends.cuda.kernels import tilelang_importable
-
-    return tilelang_importable()
-
-
-needs_cuda = pytest.mark.skipif(not (HAS_CUDA and _has_tilelang()),
-                                reason="needs a CUDA device and tilelang==0.1.15")
+pytestmark = [pytest.mark.gpu, pytest.mark.tilelang]
 needs_reference = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
                                      reason="the reference model is not installed")
 
@@ -43,19 +31,19 @@ PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n",
            "# Copyright 2001 Python Software Foundation\n"]
 
 
-# decode_inputs and moe_route (session 6) joined these: the run with them must give the reference path's tokens too
-GATED = {"spec_verify", "zos_fixup", "sampling", "mla_prefill", "decode_inputs", "moe_route"}
-# kept gated in both runs of the equal-token tests: not bit-identical to the path they replace (own tests below)
+# the kernels whose run must give the reference path's tokens exactly
+REPLACEABLE = {"spec_verify", "zos_fixup", "mla_prefill", "decode_inputs", "moe_route"}
+# left out of both runs of the equal-token tests: not bit-identical to the path they replace (own tests below)
 NOT_BIT_IDENTICAL = {"mla_absorb", "mla_decode_ws"}
 
 
-def _use_kernels(monkeypatch, enabled: bool, also_gated: set[str] = NOT_BIT_IDENTICAL) -> None:
-    """enabled: every kernel but ``also_gated``; else the GATED modules and ``also_gated`` gated (and not enabled),
-    i.e. the reference path."""
-    from deepinfer_npu.backends.cuda import kernels as ck
+def _use_kernels(monkeypatch, enabled: bool, also_skipped: set[str] = NOT_BIT_IDENTICAL) -> None:
+    """enabled: every kernel but ``also_skipped``; else the REPLACEABLE kernels and ``also_skipped`` left out of the
+    selection, i.e. the reference path."""
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 
-    monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", set(also_gated) if enabled else set(GATED) | set(also_gated))
+    skip = set(also_skipped) if enabled else REPLACEABLE | set(also_skipped)
+    monkeypatch.setattr(CudaKernelSet, "SKIP", frozenset(skip))
 
 
 def _run(monkeypatch, enabled: bool, params, **kw):
@@ -70,10 +58,9 @@ def _run(monkeypatch, enabled: bool, params, **kw):
 
 def _forget_paths(llm) -> None:
     """The op report accumulates over the process (one backend): keep only this run's generate calls."""
-    llm.llm_engine.backend.kernels._paths.clear()
+    llm.llm_engine.backend.kernels.log.paths.clear()
 
 
-@needs_cuda
 @needs_reference
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed-drafts", "varlen-resplit"])
 def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
@@ -88,12 +75,12 @@ def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
               varlen_verification=varlen)
     ref_llm, ref, ref_report = _run(monkeypatch, False, params, **kw)
     llm, got, report = _run(monkeypatch, True, params, **kw)
-    assert "not yet verified on a GPU" in ref_report["spec_verify"], ref_report["spec_verify"]
-    assert "not yet verified on a GPU" in ref_report["zos_fixup"], ref_report["zos_fixup"]
+    assert "left out of the selection" in ref_report["spec_verify"], ref_report["spec_verify"]
+    assert "left out of the selection" in ref_report["zos_fixup"], ref_report["zos_fixup"]
     assert report["spec_verify"].startswith("native (kernels_cuda.spec_verify (greedy)"), report["spec_verify"]
     assert report["zos_fixup"].startswith("native (kernels_cuda.zos_fixup"), report["zos_fixup"]
     assert report["decode_inputs"].startswith("native (kernels_cuda.decode_inputs"), report["decode_inputs"]
-    assert "not yet verified on a GPU" in ref_report["decode_inputs"], ref_report["decode_inputs"]
+    assert "left out of the selection" in ref_report["decode_inputs"], ref_report["decode_inputs"]
     stats, ref_stats = llm.get_stats(), ref_llm.get_stats()
     if not varlen:
         assert got == ref, (got, ref)
@@ -108,7 +95,6 @@ def test_mtp_zos_greedy_tokens_equal_the_reference_path(monkeypatch, varlen):
     assert exact >= len(PROMPTS) - 1, (exact, got, ref)
 
 
-@needs_cuda
 @needs_reference
 def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
     from deepinfer_npu import SamplingParams
@@ -123,7 +109,6 @@ def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
         assert a == b, (a, b)
 
 
-@needs_cuda
 def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
     """kernels_cuda.mla_decode.mla_prefill serving prefill at DeepSeek dims (random bf16 weights, 2 layers):
     greedy tokens follow the default path (the reference loop on host lengths) by the logprobs-close rule."""
@@ -148,9 +133,8 @@ def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_l
     assert_logprobs_close(off, on)
 
 
-@needs_cuda
 def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
-    """kernels_cuda.mla_absorb (W_UK of one token) at batch 1, DeepSeek dims: with its gate open every decode step
+    """kernels_cuda.mla_absorb (W_UK of one token) at batch 1, DeepSeek dims: where selected every decode step
     takes it, and the greedy tokens follow cuBLAS' path by the logprobs-close rule."""
 
     from deepinfer_npu import LLM, SamplingParams
@@ -175,14 +159,14 @@ def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logpr
 
 
 def _sm90() -> bool:
-    return HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
 needs_sm90 = pytest.mark.skipif(not _sm90(), reason="mla_decode_ws runs on Hopper (compute capability 9.x) only")
 
 
 def _ws_against_pipelined(monkeypatch, path: str, prompts, assert_logprobs_close, **llm_kw) -> None:
-    """Greedy runs with logprobs, mla_decode_ws put back into the gate and then on: the op report names the
+    """Greedy runs with logprobs, mla_decode_ws left out and then selected: the op report names the
     warp-specialized kernel only in the second, and the tokens follow the logprobs-close rule."""
     from deepinfer_npu import LLM, SamplingParams
 
@@ -203,17 +187,15 @@ def _ws_against_pipelined(monkeypatch, path: str, prompts, assert_logprobs_close
     assert_logprobs_close(off, on)
 
 
-@needs_cuda
 @needs_sm90
 def test_mla_decode_ws_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
-    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode, on by default since session 8) at 128 heads,
+    """kernels_cuda.mla_decode_ws (the hand warp-specialized decode, selected on a Hopper) at 128 heads,
     three requests: every decode step takes it, and the greedy tokens follow those of the pipelined kernel."""
     path = deepseek_dims_model(num_attention_heads=128, num_key_value_heads=128)
     prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 4000 + 5 for i in range(40 + 30 * j)]} for j in range(3)]
     _ws_against_pipelined(monkeypatch, path, prompts, assert_logprobs_close)
 
 
-@needs_cuda
 @needs_sm90
 def test_mla_decode_ws_with_mtp_drafts_at_16_heads(monkeypatch, deepseek_dims_model, assert_logprobs_close):
     """V2-Lite's 16 heads with MTP (2 drafts: 3 query tokens a request, 48 rows of a 64-row tile) on the

@@ -1,29 +1,18 @@
-"""CUDA backend (backends/cuda): availability and import hygiene everywhere; op report, sync-guard arming, kernel
-selection and numerics against the CPU reference ops on a machine with a CUDA device (skipped elsewhere)."""
+"""The CUDA kernel set's choices and fallbacks: what each op runs is chosen once (from the model and the device;
+before any plan, from the device alone at the first call) and reported; fallbacks equal the CPU reference ops and
+say why; the sync guard follows them ("warn" while a syncing fallback has run, "error" once every path taken is
+sync-free). Host-tensor checks run everywhere, kernel numerics on a CUDA device with tilelang."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from deepinfer_npu.hal import registry, sync_guard
-
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device (torch.cuda.is_available() is False)")
-
-
-def _has_tilelang() -> bool:
-    from deepinfer_npu.backends.cuda.kernels import tilelang_importable
-
-    return tilelang_importable()
-
-
-needs_tilelang = pytest.mark.skipif(
-    not (HAS_CUDA and _has_tilelang()), reason="needs a CUDA device and tilelang==0.1.15"
-)
+from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+from deepinfer_npu.backends.cuda.ops import OpConfig
+from deepinfer_npu.hal import registry
 
 
 def _attention_inputs(device, batch, heads, lrank, rdim, q_len, dtype, block=64, seed=0):
@@ -62,63 +51,8 @@ def real_attention_inputs(device, batch, heads, q_len):
 
 
 # ---- everywhere ------------------------------------------------------------------------------------------------
-def test_import_touches_neither_tilelang_nor_cuda():
-    code = (
-        "import sys, torch\n"
-        "import deepinfer_npu\n"
-        "from deepinfer_npu.backends.cuda import backend, kernels, stream, graph\n"
-        "from deepinfer_npu.hal import registry\n"
-        "registry._load_class('cuda').unavailable_reason()\n"
-        "assert 'tilelang' not in sys.modules, 'tilelang imported'\n"
-        "assert not any(m.startswith('deepinfer_npu.kernels_cuda.') for m in sys.modules), 'kernels imported'\n"
-        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_on_host_lengths_matches_reference(dtype):
-    """Prefill (q_len 40, exact host lengths) through the CUDA kernel set's host-length path, on CPU tensors:
-    identical to the CPU reference (same arithmetic, lengths from the host instead of int(tensor))."""
-    from deepinfer_npu.backends.cpu import mla as ref_mla
-    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
-
-    from deepinfer_npu.model_executor.attention_metadata import HostLengths
-
-    inp = _attention_inputs("cpu", 3, 4, 64, 32, 40, dtype)
-    inp["seqlens_q"][1] = 0  # a request with no query tokens this step (its rows are absent from q)
-    sq = [int(v) for v in inp["seqlens_q"]]
-    inp["cu_seqlens_q"] = torch.tensor([0, sq[0], sq[0] + sq[1], sum(sq)], dtype=torch.int32)
-    for key in ("q_latent", "q_rope"):
-        inp[key] = inp[key][: sum(sq)]
-    host = HostLengths(tuple(sq), tuple(int(v) for v in inp["seqlens_k"]), True, max(sq), int(inp["seqlens_k"].max()))
-    ks = CudaKernelSet()
-    out = ks.mla_attention(**inp, host=host)
-    assert torch.equal(out, ref_mla.mla_attention(**inp))
-    assert "reference arithmetic on host lengths, sync-free" in ks.op_report()["mla_attention"]
-    assert not ks.syncing_ops()
-
-
-def test_registered_with_hal_attributes():
-    cls = registry._load_class("cuda")
-    assert (cls.name, cls.device_type, cls.dist_backend) == ("cuda", "cuda", "nccl")
-    assert "cuda" in registry.registered_backends()
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA device")
-def test_unavailable_here_with_a_readable_reason():
-    cls = registry._load_class("cuda")
-    assert cls.is_available() is False
-    reason = cls.unavailable_reason()
-    assert reason and ("CUDA" in reason or "cuda" in reason)
-    with pytest.raises(RuntimeError, match=r"backend 'cuda' is not available: .*(CUDA|cuda)"):
-        registry.get_backend("cuda")
-
-
 def test_kernel_set_report_before_any_call_and_on_cpu_tensors():
-    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.backends.cpu import norm as ref_norm
 
     ks = CudaKernelSet()
     rep = ks.op_report()
@@ -127,16 +61,47 @@ def test_kernel_set_report_before_any_call_and_on_cpu_tensors():
     # On host tensors every decision is a fallback and nothing claims a sync (host reads are free there).
     x = torch.randn(3, 512)
     y = ks.rms_norm(x, torch.ones(512), 1e-6)
-    assert torch.equal(y, __import__("deepinfer_npu.backends.cpu.norm", fromlist=["x"]).rms_norm(
-        x, torch.ones(512), 1e-6))
+    assert torch.equal(y, ref_norm.rms_norm(x, torch.ones(512), 1e-6))
     assert ks.op_report()["rms_norm"].startswith("fallback (reference (tensor not on a CUDA device")
     assert ks.syncing_ops() == {}
+
+
+def test_selection_for_a_model_reports_kernels_that_cannot_serve_it():
+    """``plan_for_model`` (``--list-ops`` with a model) decides once: an fp32 model or another page size leaves the
+    MLA kernels off with the reason; the DeepSeek dims in bf16 keep them pending; a kernel left out says so."""
+    mc = SimpleNamespace(num_attention_heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, kv_lora_rank=512)
+    ks = CudaKernelSet()
+    ks.plan_for_model(mc, torch.float32, 64)
+    rep = ks.op_report()
+    assert rep["mla_attention"] == "fallback (kernels_cuda.mla_decode off: torch.float32: kernels_cuda.mla_decode " \
+        "is bf16-only)"
+    assert rep["mla_prolog"].startswith("fallback (kernels_cuda.mla_rope_cache off: torch.float32")
+    ks.select(OpConfig.from_model(mc, torch.bfloat16, 16, sm90=False))
+    assert ks.op_report()["mla_attention"] == "fallback (kernels_cuda.mla_decode off: block_size 16: kernel reads " \
+        "pages of 64)"
+    ks.select(OpConfig.from_model(mc, torch.bfloat16, 64, sm90=False, skip=frozenset({"spec_verify"})))
+    rep = ks.op_report()
+    assert rep["mla_attention"].startswith("pending (kernels_cuda.mla_decode")
+    assert rep["spec_verify"] == "fallback (kernels_cuda.spec_verify off: kernels_cuda.spec_verify left out of " \
+        "the selection)"
+    assert ks.impl("mla_attention").off.get("mla_decode_ws") == "not a Hopper device (compute capability 9.x)"
+
+
+def test_first_call_selects_from_the_device_alone_and_keeps_the_choice():
+    ks = CudaKernelSet()
+    assert ks.config is None
+    ks.rms_norm(torch.randn(2, 512), torch.ones(512), 1e-6)
+    cfg = ks.config
+    assert cfg is not None and not cfg.known and cfg.sm90 == (torch.cuda.is_available()
+                                                              and torch.cuda.get_device_capability()[0] == 9)
+    ks.linear(torch.randn(2, 8), torch.randn(8, 8))
+    assert ks.config is cfg
 
 
 def test_sync_free_rewrites_match_the_reference_on_cpu():
     """moe_dispatch / moe_combine / the mla_prolog cache write: same results as the reference ops."""
     from deepinfer_npu.backends.cpu import moe as ref_moe
-    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet, write_kv_cache_sync_free
+    from deepinfer_npu.backends.cuda.ops.mla_prolog import write_kv_cache_sync_free
 
     g = torch.Generator().manual_seed(0)
     ks = CudaKernelSet()
@@ -158,7 +123,46 @@ def test_sync_free_rewrites_match_the_reference_on_cpu():
     assert torch.equal(cache, ref_cache)
 
 
-# ---- on a CUDA device ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_on_host_lengths_matches_reference(dtype):
+    """Prefill (q_len 40, exact host lengths) through the CUDA kernel set's host-length path, on CPU tensors:
+    identical to the CPU reference (same arithmetic, lengths from the host instead of int(tensor))."""
+    from deepinfer_npu.backends.cpu import mla as ref_mla
+    from deepinfer_npu.model_executor.attention_metadata import HostLengths
+
+    inp = _attention_inputs("cpu", 3, 4, 64, 32, 40, dtype)
+    inp["seqlens_q"][1] = 0  # a request with no query tokens this step (its rows are absent from q)
+    sq = [int(v) for v in inp["seqlens_q"]]
+    inp["cu_seqlens_q"] = torch.tensor([0, sq[0], sq[0] + sq[1], sum(sq)], dtype=torch.int32)
+    for key in ("q_latent", "q_rope"):
+        inp[key] = inp[key][: sum(sq)]
+    host = HostLengths(tuple(sq), tuple(int(v) for v in inp["seqlens_k"]), True, max(sq), int(inp["seqlens_k"].max()))
+    ks = CudaKernelSet()
+    out = ks.mla_attention(**inp, host=host)
+    assert torch.equal(out, ref_mla.mla_attention(**inp))
+    assert "reference arithmetic on host lengths, sync-free" in ks.op_report()["mla_attention"]
+    assert not ks.syncing_ops()
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_absorb_heads_equals_the_reference_einsums(tokens):
+    """The per-head W_UK / W_UV matmuls of the CUDA prolog / epilogue (a direct batched GEMM for one token) equal
+    the reference's einsums, from the strided q_nope view and the transposed W_UV."""
+    from deepinfer_npu.backends.cuda.ops.mla_prolog import absorb_heads
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, 4, 48, generator=g)  # [T, H, nope + rope]
+    w_uk = torch.randn(4, 32, 64, generator=g)  # [H, nope, L]
+    got = absorb_heads(q[..., :32], w_uk)
+    assert torch.allclose(got, torch.einsum("thn,hnl->thl", q[..., :32], w_uk), atol=1e-5)
+    out_latent = torch.randn(tokens, 4, 64, generator=g)
+    w_uv = torch.randn(4, 16, 64, generator=g)  # [H, V, L]
+    got = absorb_heads(out_latent, w_uv.transpose(1, 2))
+    assert got.shape == (tokens, 4, 16)
+    assert torch.allclose(got, torch.einsum("thl,hvl->thv", out_latent, w_uv), atol=1e-5)
+
+
+# ---- on a CUDA device ------------------------------------------------------------------------------------------
 @pytest.fixture
 def cuda_backend():
     registry.clear_cache()
@@ -167,25 +171,7 @@ def cuda_backend():
     registry.clear_cache()
 
 
-@needs_cuda
-def test_backend_hooks(cuda_backend):
-    be = cuda_backend
-    assert be.device == torch.device("cuda", 0)
-    free, total = be.memory_info()
-    assert 0 < free <= total
-    s, e0, e1 = be.create_stream(), be.create_event(True), be.create_event(True)
-    e0.record(s)
-    with torch.cuda.stream(s.stream):
-        torch.ones(1 << 20, device="cuda").sum()
-    e1.record(s)
-    s.synchronize()
-    assert e0.elapsed_time(e1) >= 0.0
-    assert be.graph_runner() is not None
-    with be.forbid_sync(), pytest.raises(sync_guard.SyncForbiddenError):
-        be.synchronize()
-
-
-@needs_cuda
+@pytest.mark.gpu
 def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch):
     be = cuda_backend
     monkeypatch.delenv("DEEPINFER_CUDA_SYNC_DEBUG", raising=False)
@@ -200,8 +186,6 @@ def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch
     with be.forbid_sync():
         assert torch.cuda.get_sync_debug_mode() == 1
     # a kernel set that has only taken sync-free paths arms error
-    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
-
     be.kernels = CudaKernelSet()
     be.kernels.linear(torch.randn(4, 8, device="cuda"), torch.randn(8, 8, device="cuda"))
     with be.forbid_sync():
@@ -214,22 +198,8 @@ def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch
         assert torch.cuda.get_sync_debug_mode() == 0 and be.last_sync_mode == "off"
 
 
-@needs_cuda
-def test_worker_style_pageable_h2d_copy_is_a_sync_for_torch():
-    """Documents the engine change "error" mode needs: a blocking pageable H2D copy trips torch's checker."""
-    import numpy as np
-
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with pytest.raises(RuntimeError):
-            torch.from_numpy(np.arange(8)).to("cuda")
-        pinned = torch.arange(8).pin_memory()
-        pinned.to("cuda", non_blocking=True)  # the sync-free way
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-@needs_tilelang
+@pytest.mark.gpu
+@pytest.mark.tilelang
 def test_real_dims_select_kernels_and_match_reference(cuda_backend):
     from deepinfer_npu.backends.cpu import mla as ref_mla
     from deepinfer_npu.backends.cpu import norm as ref_norm
@@ -259,7 +229,7 @@ def test_real_dims_select_kernels_and_match_reference(cuda_backend):
     assert "mla_attention" not in ks.syncing_ops()
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_toy_dims_fall_back_with_reasons(cuda_backend):
     ks = cuda_backend.kernels
     ks.mla_attention(**toy_attention_inputs("cuda"), max_seqlen_q=17)  # prefill-sized: the reference
@@ -272,7 +242,7 @@ def test_toy_dims_fall_back_with_reasons(cuda_backend):
     assert rep["rms_norm"].startswith("fallback (reference (torch.float32")
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_grouped_mlp_bf16_matches_reference(cuda_backend):
     from deepinfer_npu.backends.cpu import moe as ref_moe
 
@@ -290,7 +260,7 @@ def test_grouped_mlp_bf16_matches_reference(cuda_backend):
     assert rel < 1e-2, (rel, ks.op_report()["grouped_mlp"])
     assert ks.op_report()["grouped_mlp"].startswith("native (kernels_cuda.moe_gemm"), ks.op_report()["grouped_mlp"]
     # a prefill-sized batch (rows > MOE_GEMM_MAX_ROWS) goes to the library grouped GEMM, same numbers
-    from deepinfer_npu.backends.cuda.kernels import MOE_GEMM_MAX_ROWS
+    from deepinfer_npu.backends.cuda.ops.grouped_mlp import MOE_GEMM_MAX_ROWS
 
     big_t = MOE_GEMM_MAX_ROWS // k + 1
     hidden = torch.randn(big_t, D, device="cuda", generator=g).to(torch.bfloat16)
@@ -301,21 +271,3 @@ def test_grouped_mlp_bf16_matches_reference(cuda_backend):
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
     assert "torch._grouped_mm" in ks.op_report()["grouped_mlp"], ks.op_report()["grouped_mlp"]
-
-
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_absorb_heads_equals_the_reference_einsums(tokens):
-    """The per-head W_UK / W_UV matmuls of the CUDA prolog / epilogue (a direct batched GEMM for one token) equal
-    the reference's einsums, from the strided q_nope view and the transposed W_UV."""
-    from deepinfer_npu.backends.cuda.kernels import absorb_heads
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(tokens, 4, 48, generator=g)  # [T, H, nope + rope]
-    w_uk = torch.randn(4, 32, 64, generator=g)  # [H, nope, L]
-    got = absorb_heads(q[..., :32], w_uk)
-    assert torch.allclose(got, torch.einsum("thn,hnl->thl", q[..., :32], w_uk), atol=1e-5)
-    out_latent = torch.randn(tokens, 4, 64, generator=g)
-    w_uv = torch.randn(4, 16, 64, generator=g)  # [H, V, L]
-    got = absorb_heads(out_latent, w_uv.transpose(1, 2))
-    assert got.shape == (tokens, 4, 16)
-    assert torch.allclose(got, torch.einsum("thl,hvl->thv", out_latent, w_uv), atol=1e-5)

@@ -1,0 +1,155 @@
+"""``grouped_mlp``: the routed experts' SwiGLU MLP over contiguous row groups, by the step's row count (tokens x
+top-k, a host int): up to ``MOE_GEMM_SWAP_MAX_ROWS`` ``kernels_cuda.moe_gemm_swap`` (weight tiles on wgmma's M side,
+the SwiGLU in the w13 epilogue); up to ``MOE_GEMM_MAX_ROWS`` ``kernels_cuda.moe_gemm`` (one CTA per expert and N
+tile streaming the hit experts' weights; at most ``MAX_EXPERTS`` experts); above, ``torch._grouped_mm`` (CUTLASS,
+device offsets); else the reference, which loops over experts after ``tokens_per_expert.tolist()`` (a sync)."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_npu.hal.types import KernelWarmupPlan
+
+from .base import BF16, OpImpl, kernel_module, known_syncing_fallback, logger, ref, step_token_bounds
+from .linear import silu_mul_configs
+
+# moe_gemm re-reads an expert's weight tile per 64-row block, so prefill-sized batches go to the library GEMM
+MOE_GEMM_MAX_ROWS = 2048
+# a few rows an expert: the weight tile as wgmma's M side, 8 or 16 token rows as its N side
+MOE_GEMM_SWAP_MAX_ROWS = 64
+
+
+class GroupedMLP(OpImpl):
+    KERNELS = ("moe_gemm", "moe_gemm_swap")
+    PRIMARY = {"grouped_mlp": "moe_gemm"}
+    PLANNED = {"grouped_mlp": f"kernels_cuda.moe_gemm for bf16 with rows <= {MOE_GEMM_MAX_ROWS}; torch._grouped_mm "
+               "for larger bf16 batches; else the reference (syncs)"}
+    SYNCING = {"grouped_mlp": "tokens_per_expert.tolist()"}
+
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self._grouped_mm_error: str | None = None
+
+    def _grouped_mm_reason(self, sorted_hidden, w13, w2) -> str | None:
+        if not sorted_hidden.is_cuda:
+            return "tensor not on a CUDA device"
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no torch._grouped_mm"
+        if self._grouped_mm_error is not None:
+            return self._grouped_mm_error
+        if sorted_hidden.dtype != BF16 or w13.dtype != BF16 or w2.dtype != BF16:
+            return f"{sorted_hidden.dtype}: torch._grouped_mm path is bf16-only"
+        d, inter = w13.shape[2], w2.shape[2]
+        if d % 8 or inter % 8:  # 16-byte row alignment of A, B and the intermediate
+            return f"D={d}, I={inter}: grouped GEMM needs multiples of 8"
+        return None
+
+    def moe_gemm_for(self, sorted_hidden, w13, w2):
+        """``kernels_cuda.moe_gemm`` when it fits (bf16 on CUDA, decode-sized row counts, tile-aligned dims)."""
+        rows = sorted_hidden.shape[0]
+        if not (sorted_hidden.is_cuda and 0 < rows <= MOE_GEMM_MAX_ROWS):
+            return None
+        if not (sorted_hidden.dtype == w13.dtype == w2.dtype == BF16):
+            return None
+        mod = self.use("moe_gemm")[0]
+        if mod is None or not (mod.supported(w13.shape[1], w13.shape[2]) and mod.supported(w2.shape[1], w2.shape[2])):
+            return None
+        if w13.shape[0] > getattr(mod, "MAX_EXPERTS", w13.shape[0]):  # expert_scan: one thread an expert
+            return None
+        return mod
+
+    def expert_starts(self, mg, tokens_per_expert):
+        """``moe_gemm.expert_starts(tokens_per_expert)``, or the scan the dispatch wrote with these very counts
+        (one launch a layer fewer)."""
+        stash, self.ks.dispatch_scan = self.ks.dispatch_scan, None  # used once: nothing kept alive past the layer
+        if stash is not None and stash[0] is tokens_per_expert:
+            return stash[1]
+        return mg.expert_starts(tokens_per_expert)
+
+    def _moe_gemm_swap_for(self, w13, w2):
+        mod = self.use("moe_gemm_swap")[0]
+        if mod is None or not (mod.supported(w13.shape[1], w13.shape[2], True)
+                               and mod.supported(w2.shape[1], w2.shape[2], False)):
+            return None
+        return mod
+
+    def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
+        rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
+        mg = self.moe_gemm_for(sorted_hidden, w13, w2)
+        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= MOE_GEMM_SWAP_MAX_ROWS else None
+        if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
+            starts = self.expert_starts(mg, tokens_per_expert)
+            h = sw.moe_gemm_swap(sorted_hidden, w13, starts, gated=True)
+            out = sw.moe_gemm_swap(h, w2, starts)
+            self.note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {MOE_GEMM_SWAP_MAX_ROWS}, SwiGLU "
+                      "in the w13 epilogue)", True)
+            return out
+        if mg is not None:
+            starts = self.expert_starts(mg, tokens_per_expert)  # once for both GEMMs
+            h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts)
+            h = self.ks.silu_and_mul(h)
+            out = mg.moe_gemm(h, w2, tokens_per_expert, starts=starts)
+            self.note("grouped_mlp", f"kernels_cuda.moe_gemm (bf16, rows <= {MOE_GEMM_MAX_ROWS})", True)
+            return out
+        why = self._grouped_mm_reason(sorted_hidden, w13, w2)
+        if why is None and rows > 0:
+            try:
+                offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+                h = torch._grouped_mm(sorted_hidden.contiguous(), w13.transpose(1, 2), offs=offs)
+                h = self.ks.silu_and_mul(h)
+                out = torch._grouped_mm(h.contiguous(), w2.transpose(1, 2), offs=offs)
+                self.note("grouped_mlp", "torch._grouped_mm (bf16 grouped GEMM, device offsets)", True)
+                return out
+            except Exception as e:  # noqa: BLE001 - disable for good, run the reference
+                self._grouped_mm_error = f"torch._grouped_mm failed: {type(e).__name__}: {str(e)[:160]}"
+                logger.warning("cuda backend: %s; grouped_mlp falls back to the reference", self._grouped_mm_error)
+                why = self._grouped_mm_error
+        self.note("grouped_mlp", f"reference ({why or 'empty'})", False, syncs=sorted_hidden.is_cuda)
+        with known_syncing_fallback():
+            return ref("moe").grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
+        """``silu_mul`` at the expert width (top_k rows a token, between the moe_gemm launches); ``moe_gemm``:
+        ``("gemm", (n, k, block_n))`` for w13 [E, 2I, D] and w2 [E, D, I] at the row counts routed to it and
+        ``("expert_scan", (E,))`` (compiled by its first launch); ``moe_gemm_swap``: w13 (gated) and w2 at the
+        row counts up to MOE_GEMM_SWAP_MAX_ROWS, where moe_gemm (whose scan it shares) applies."""
+        g = plan.moe_gating
+        out: dict[str, list[tuple]] = {}
+        if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
+            out["silu_mul"] = silu_mul_configs(plan, [(plan.moe_intermediate_size, g.top_k)])
+        gemm = self._moe_gemm_configs(plan) if self.wants("moe_gemm") else []
+        if gemm:
+            out["moe_gemm"] = gemm
+            if self.wants("moe_gemm_swap"):
+                out["moe_gemm_swap"] = self._moe_gemm_swap_configs(plan)
+        return out
+
+    @staticmethod
+    def _moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
+        g = plan.moe_gating
+        if g is None or plan.dtype != BF16 or not plan.moe_intermediate_size:
+            return []
+        mg = kernel_module("moe_gemm")
+        d, inter = plan.hidden_size, plan.moe_intermediate_size
+        if not (mg.supported(2 * inter, d) and mg.supported(d, inter)):
+            return []
+        if g.num_experts > mg.MAX_EXPERTS:  # grouped_mlp takes torch._grouped_mm (the expert scan's limit)
+            return []
+        lo, hi = step_token_bounds(plan)
+        rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_MAX_ROWS) + 1)
+        items = [("gemm", (n, kk, bn)) for n, kk in ((2 * inter, d), (d, inter))
+                 for bn in sorted({mg.pick_block_n(n, r) for r in rows})]
+        items.append(("expert_scan", (g.num_experts,)))
+        return items
+
+    @staticmethod
+    def _moe_gemm_swap_configs(plan: KernelWarmupPlan) -> list[tuple]:
+        g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
+        sw = kernel_module("moe_gemm_swap")
+        if not (sw.supported(2 * inter, d, True) and sw.supported(d, inter, False)):
+            return []
+        lo, hi = step_token_bounds(plan)
+        rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_SWAP_MAX_ROWS) + 1)
+        cfgs = [c for r in rows for c in (sw.config_for(2 * inter, d, r, True), sw.config_for(d, inter, r, False))]
+        return list(dict.fromkeys(cfgs))

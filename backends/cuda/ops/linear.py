@@ -1,0 +1,136 @@
+"""``linear`` (with the composites ``router_logits`` and ``dense_mlp``) and ``silu_and_mul``.
+
+One row (batch-1 decode; ``skinny_gemm.engine_reason``: K <= DENSE_MAX_K, no bias) runs ``kernels_cuda.skinny_gemm``
+(weights streamed by CUDA cores, one launch), the dense MLP with the SwiGLU in its gate/up GEMM's epilogue; more
+rows run cuBLAS (the reference op). ``silu_and_mul``: ``kernels_cuda.silu_mul`` for bf16 with I a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_npu.hal.types import KernelWarmupPlan
+
+from .base import BF16, NOT_ON_DEVICE, OpImpl, kernel_module, ref, step_token_bounds
+
+
+class Linear(OpImpl):
+    KERNELS = ("skinny_gemm", "silu_mul")
+    PRIMARY = {"linear": "skinny_gemm", "silu_and_mul": "silu_mul"}
+    PLANNED = {
+        "linear": "kernels_cuda.skinny_gemm for 1-row steps (K <= 8192, no bias); else F.linear on cuBLAS",
+        "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
+    }
+    FALLBACK = {"linear": "reference op on CUDA tensors: F.linear -> cuBLAS; sync-free"}
+
+    def skinny(self, x2d: torch.Tensor, weight: torch.Tensor, gated: bool = False, grouped: bool = False):
+        """(kernels_cuda.skinny_gemm, None) when it takes these operands, else (None, why); also the MLA prolog's
+        and epilogue's one-token GEMMs."""
+        if not x2d.is_cuda:
+            return None, NOT_ON_DEVICE
+        mod, why = self.use("skinny_gemm")
+        if mod is None:
+            return None, why
+        why = mod.reason(x2d, weight, gated, grouped) if grouped else mod.engine_reason(x2d, weight, gated)
+        return (mod, None) if why is None else (None, why)
+
+    def note_skinny_linear(self, mod) -> None:
+        self.note("linear", f"kernels_cuda.skinny_gemm (rows <= {mod.DENSE_MAX_ROWS})", True)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if bias is not None or x.dtype != weight.dtype:  # the reference's contract (F.linear): one dtype
+            mod = None
+        else:
+            mod, _why = self.skinny(x2d, weight)
+        if mod is None:
+            self.note("linear", "reference", False)
+            return ref("linear").linear(x, weight, bias)
+        self.note_skinny_linear(mod)
+        return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
+
+    def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """One bf16 row and an fp32 router: skinny_gemm on the bf16 row (exact fp32 conversion in the kernel, fp32
+        out), no cast launch; else ``linear(hidden.float(), weight)``."""
+        mod, _why = self.skinny(hidden, weight) if hidden.dim() == 2 else (None, "not 2-D")
+        if mod is None:
+            return self.ks.linear(hidden.float(), weight)
+        self.note_skinny_linear(mod)
+        return mod.skinny_gemm(hidden, weight)
+
+    def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        mod, _why = self.skinny(x, gate_up, gated=True) if x.dim() == 2 else (None, "not 2-D")
+        if mod is None:
+            ks = self.ks
+            return ks.linear(ks.silu_and_mul(ks.linear(x, gate_up)), down)
+        self.note("silu_and_mul", f"kernels_cuda.skinny_gemm gated (SwiGLU in the gate/up GEMM, rows <= "
+                  f"{mod.DENSE_MAX_ROWS})", True)
+        self.note_skinny_linear(mod)
+        return self.ks.linear(mod.skinny_gemm(x, gate_up, gated=True), down)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        inter = x.shape[-1] // 2
+        mod = None
+        if not x.is_cuda:
+            why = NOT_ON_DEVICE
+        elif x.dtype != BF16:
+            why = f"{x.dtype}: kernels_cuda.silu_mul is bf16-only"
+        elif x.numel() == 0:
+            why = "empty input"
+        elif (found := self.use("silu_mul"))[0] is None:
+            why = found[1]
+        elif x.shape[-1] % 2 or not found[0].supported(inter):
+            why = f"width {x.shape[-1]}: kernel needs 2*I with I a multiple of {found[0].MULT}"
+        else:
+            mod, why = found[0], None
+        if why is not None:
+            self.note("silu_and_mul", f"reference ({why})", False)
+            return ref("linear").silu_and_mul(x)
+        self.note("silu_and_mul", f"kernels_cuda.silu_mul (bf16, I={inter})", True)
+        return mod.silu_and_mul(x)
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
+        out = {}
+        if self.wants("skinny_gemm"):
+            out["skinny_gemm"] = self.skinny_configs(plan)
+        if self.wants("silu_mul"):
+            out["silu_mul"] = silu_mul_configs(plan, [(i, 1) for i in plan.mlp_intermediate_sizes])
+        return out
+
+    @staticmethod
+    def skinny_configs(plan: KernelWarmupPlan) -> list[tuple]:
+        """``linear`` on every (in_features, dtype) of the model's weights (K <= DENSE_MAX_K) at each row block up
+        to DENSE_MAX_ROWS tokens (fp32 weights: the router, fed bf16 rows); the dense MLPs' gated gate/up GEMM."""
+        sk = kernel_module("skinny_gemm")
+        lo, hi = step_token_bounds(plan)
+        blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, sk.DENSE_MAX_ROWS) + 1)})
+        name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+        cfgs = []
+        for k, dt in plan.linear_weights:
+            if dt in name and k % sk.vec_for(name[dt]) == 0 and k <= sk.DENSE_MAX_K:
+                if dt == plan.dtype:  # linear on the model's own dtype
+                    cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
+                elif dt == torch.float32 and plan.dtype == BF16:  # the fp32 router on bf16 rows (router_logits)
+                    cfgs += [sk.config_for(k, rb, False, False, BF16, dt, dt) for rb in blocks]
+        if plan.dtype == BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
+                and plan.hidden_size <= sk.DENSE_MAX_K:
+            cfgs += [sk.config_for(plan.hidden_size, rb, True, False, BF16, BF16, BF16) for rb in blocks]
+        return cfgs
+
+
+def silu_mul_configs(plan: KernelWarmupPlan, widths: list[tuple[int, int]]) -> list[tuple]:
+    """``(I, row_variant)`` for each ``(I, rows a token)``: the row variant where a step has <= SMALL_ROWS rows,
+    the tile variant where it has more."""
+    if plan.dtype != BF16:
+        return []
+    sm = kernel_module("silu_mul")
+    lo, hi = step_token_bounds(plan)
+    cfgs = []
+    for inter, per_token in widths:
+        if sm.supported(inter):
+            if lo * per_token <= sm.SMALL_ROWS:
+                cfgs.append((inter, True))
+            if hi * per_token > sm.SMALL_ROWS:
+                cfgs.append((inter, False))
+    return list(dict.fromkeys(cfgs))

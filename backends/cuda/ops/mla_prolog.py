@@ -1,0 +1,174 @@
+"""``mla_prolog``: the reference's arithmetic (``backends/cpu/mla.py``) with the projections through the kernel
+set's ``linear``; for one row the query's first projection and kv_a as one ``skinny_gemm`` launch
+(``MLAWeights.fused_a_proj``) and W_UK on ``kernels_cuda.mla_absorb``, else cuBLAS' batched GEMM. The tail (kv_a
+layernorm, both ropes, the latent-cache write) is one ``kernels_cuda.mla_rope_cache`` launch for bf16 on the DeepSeek
+dims; else composed torch with a cache write that needs no host read."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_npu.hal.types import KernelWarmupPlan, MLAWeights, RopeLike
+
+from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref
+from .mla_attention import KV_LORA, PAGE, ROPE, mla_dims_refusal
+from .norms import norm_configs
+
+
+class MLAProlog(OpImpl):
+    KERNELS = ("mla_rope_cache", "mla_absorb")
+    PRIMARY = {"mla_prolog": "mla_rope_cache"}
+    PLANNED = {
+        "mla_prolog": "kernels_cuda.mla_rope_cache (kv_a_layernorm + both ropes + cache write in one kernel) for "
+        "bf16, kv_lora 512 + rope 64, page 64; else composed torch with a sync-free cache write; for one row the "
+        "q / q_a and kv_a projections as one skinny_gemm launch (fused_a_proj) and W_UK on kernels_cuda.mla_absorb",
+    }
+    SYNCING = {"mla_prolog": "boolean-mask cache write (slot_mapping >= 0)"}
+
+    def refuses(self, name: str, cfg: OpConfig) -> str | None:
+        return mla_dims_refusal(name, cfg) if name == "mla_rope_cache" else None
+
+    def mla_prolog(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
+                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padding rows (negative slots) write nothing: the kernel skips them; the composed cache write rewrites
+        slot 0 (block 0, the reserved padding block that no sequence owns) with its own current contents."""
+        ks = self.ks
+        lin, apply_rope = ks.linear, ref("rope").rope
+        num_tokens = hidden.shape[0]
+        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+
+        def q_branch(first=None):  # first: the query's first projection, already computed
+            if w.q_proj is not None:
+                q = lin(hidden, w.q_proj) if first is None else first
+            else:
+                qa = lin(hidden, w.q_a_proj, w.q_a_bias) if first is None else first
+                q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), w.q_b_proj)
+            q = q.view(num_tokens, w.num_heads, nope + rdim)
+            return q, self.absorb_q(q, w)
+
+        fused = self.fused_a_proj(hidden, w)
+        if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)
+            first, kv = fused
+            q, q_latent = q_branch(first)
+        else:  # the latent projection does not wait for the query's GEMMs (a second stream at decode sizes)
+            (q, q_latent), kv = ks.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias),
+                                                rows=num_tokens)
+        q_pe = q[..., nope:]
+        mod = None
+        if not kv.is_cuda:
+            why = NOT_ON_DEVICE
+        elif any(t.dtype != BF16 for t in (q, kv, kv_cache, w.kv_a_layernorm)):
+            why = f"{kv.dtype} (cache {kv_cache.dtype}): kernels_cuda.mla_rope_cache is bf16-only"
+        elif lrank != KV_LORA or rdim != ROPE:
+            why = f"kv_lora {lrank} + rope {rdim}: kernel built for the DeepSeek dims {KV_LORA} + {ROPE}"
+        elif kv_cache.dim() != 3 or kv_cache.shape[1] != PAGE or not kv_cache.is_contiguous():
+            why = f"cache block {tuple(kv_cache.shape[1:])}, contiguous={kv_cache.is_contiguous()}: kernel writes " \
+                f"contiguous pages of {PAGE}"
+        elif rope.cos_sin_cache.dtype != torch.float32 or rope.cos_sin_cache.shape[-1] != rdim:
+            why = f"cos_sin_cache {rope.cos_sin_cache.dtype} width {rope.cos_sin_cache.shape[-1]}: kernel reads fp32 " \
+                f"rows of {ROPE}"
+        elif (found := self.use("mla_rope_cache"))[0] is None:
+            why = found[1]
+        elif not found[0].supported_heads(w.num_heads):
+            why = f"H={w.num_heads}: kernel rotates 16 heads a CTA (H a multiple of 16, or 1, 2, 4, 8)"
+        else:
+            mod, why = found[0], None
+        if why is None:
+            self.note("mla_prolog", f"kernels_cuda.mla_rope_cache (bf16, H={w.num_heads}, interleaved="
+                      f"{bool(rope.interleaved)}): kv_a_layernorm + ropes + sync-free cache write in one kernel", True)
+            q_rope = mod.mla_rope_cache(
+                kv, w.kv_a_layernorm, float(w.norm_eps), q, nope, positions, rope.cos_sin_cache, rope.interleaved,
+                kv_cache, slot_mapping,
+            )
+            return q_latent, q_rope
+        self.note("mla_prolog", f"composed torch, sync-free cache write ({why})", True)
+        q_rope = apply_rope(q_pe, positions, rope.cos_sin_cache, rope.interleaved)
+        c_kv, k_pe = kv.split([lrank, rdim], dim=-1)
+        c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
+        k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
+        if num_tokens:
+            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+        return q_latent, q_rope
+
+    def absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        """W_UK of the query: ``kernels_cuda.mla_absorb`` for one bf16 token (a TileLang kernel, so the
+        programmatic launch chain goes on); else cuBLAS' batched GEMM (``absorb_heads``, the reference's
+        arithmetic)."""
+        if q.shape[0] == 1:
+            mod, path = self.checked("mla_absorb", q, q, w.w_uk)
+            if mod is not None:
+                self.note("mla_prolog", "W_UK of one token: kernels_cuda.mla_absorb", True)
+                return mod.absorb_q(q, w.w_uk)
+            self.note("mla_prolog", f"W_UK of one token: cuBLAS batched GEMM ({path})", False)
+        return absorb_heads(q[..., : w.qk_nope_head_dim], w.w_uk)
+
+    def fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights):
+        """One row and ``w.fused_a_proj`` set: one ``skinny_gemm`` launch for the query's first projection and
+        kv_a (q_proj or q_a_proj, then kv_a_proj: the same input) -> (first, kv) views of its output; None where
+        it does not apply. skinny_gemm computes each output column alone (a warp per column, the same K order), so
+        the columns are bit-identical to the two separate launches."""
+        fused = w.fused_a_proj
+        if fused is None or hidden.dim() != 2 or hidden.shape[0] != 1 or \
+                hidden.dtype != fused.dtype or w.q_a_bias is not None or w.kv_a_bias is not None:
+            return None
+        linear = self.ks.impl("linear")
+        mod, _why = linear.skinny(hidden, fused)
+        if mod is None:
+            return None
+        linear.note_skinny_linear(mod)
+        self.note("mla_prolog", "q / q_a and kv_a projections: one kernels_cuda.skinny_gemm launch (fused_a_proj)",
+                  True)
+        flat, rows = mod.skinny_gemm(hidden, fused).view(-1), fused.shape[0] - w.kv_a_proj.shape[0]
+        # views with their own compact strides (a split's [1, n] views would keep the fused row stride)
+        return flat[:rows].view(1, rows), flat[rows:].view(1, w.kv_a_proj.shape[0])
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def rope_cache_applies(self, plan: KernelWarmupPlan) -> bool:
+        """The kernel's condition on the plan (the runner's caches are contiguous pages)."""
+        return (self.wants("mla_rope_cache") and plan.dtype == BF16 and plan.kv_lora_rank == KV_LORA
+                and plan.qk_rope_head_dim == ROPE and plan.block_size == PAGE
+                and kernel_module("mla_rope_cache").supported_heads(plan.num_heads))
+
+    def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
+        """``mla_rope_cache``: ``(heads, q_dim, q_off, interleaved, eps)``, q viewed as [T, H, nope + rope] with the
+        rope part last; ``mla_absorb``: one build for the model's dims (bf16; a configuration whose steps never have
+        one token, e.g. fixed-k speculation, compiles it needlessly); ``rms_norm``: the q_a layernorm (q_lora
+        models) and the kv_a one where the rope-cache kernel does not apply (the composed tail normalises c_kv)."""
+        out: dict[str, list[tuple]] = {}
+        applies = self.rope_cache_applies(plan)
+        if plan.dtype == BF16 and self.ks.impl("norms").wants("rms_norm"):
+            want = [(plan.q_lora_rank, False, plan.latent_norm_eps)] if plan.q_lora_rank else []
+            if not applies:
+                want.append((plan.kv_lora_rank, False, plan.latent_norm_eps))
+            out["rms_norm"] = norm_configs(want)
+        if applies:
+            nope = plan.qk_nope_head_dim
+            out["mla_rope_cache"] = [(plan.num_heads, nope + plan.qk_rope_head_dim, nope, bool(plan.rope_interleaved),
+                                      float(plan.latent_norm_eps))]
+        if self.wants("mla_absorb") and plan.dtype == BF16:
+            ma = kernel_module("mla_absorb")
+            h, n, lrank = plan.num_heads, plan.qk_nope_head_dim, plan.kv_lora_rank
+            qd = n + plan.qk_rope_head_dim
+            if ma.supported(h, n, lrank, qd) is None:
+                out["mla_absorb"] = [ma.config_for(h, n, lrank, qd)]
+        return out
+
+
+def absorb_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-head matmul ``out[t, h] = x[t, h] @ w[h]`` (x [T, H, K], w [H, K, N] -> [T, H, N]): the reference's
+    ``einsum("thn,hnl->thl")`` (W_UK; W_UV with ``w`` transposed). For one token as a direct cuBLAS batched GEMM
+    over the heads: the strided q_nope view and the transposed W_UV feed it without a copy, and its [H, 1, N]
+    result is already [1, H, N] in memory (einsum copied q_nope first: one more launch a layer at batch 1)."""
+    if x.shape[0] == 1:
+        return torch.bmm(x.transpose(0, 1), w).view(1, x.shape[1], w.shape[2])
+    return torch.einsum("thn,hnl->thl", x, w)
+
+
+def write_kv_cache_sync_free(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``flat[slot] = latents`` for ``slot >= 0`` without a data-dependent shape: padding rows (negative
+    slots) are sent to slot 0 carrying slot 0's current value (block 0 is reserved: never a sequence's)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    valid = slot_mapping >= 0
+    idx = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    vals = torch.where(valid.unsqueeze(-1), latents.to(kv_cache.dtype), flat[0].unsqueeze(0))
+    flat.index_copy_(0, idx, vals)

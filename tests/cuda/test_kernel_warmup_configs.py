@@ -1,0 +1,243 @@
+"""CudaKernelSet.warmup: the TileLang configurations the selected op implementations compile at start-up for an
+engine's KernelWarmupPlan, without a GPU.
+
+The modules' ``precompile`` functions (and moe_gemm's ``get_kernel`` / ``expert_starts``) are replaced by recorders,
+so these tests check exactly what would be compiled, and that a failing compile is reported and turns its module
+off instead of stopping start-up. The expected MLA decode configurations are recomputed here the slow way (every
+host max query length, not every bucket) from the launch's own heuristics. One test compiles for real (the ZOS
+correction kernel, a few seconds) when nvcc is present.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepinfer_npu.hal.types import GatingParams, KernelWarmupPlan
+from deepinfer_npu.kernels_cuda import mla_decode as md
+
+pytestmark = pytest.mark.tilelang
+
+SMS = 132  # H200
+
+
+def expected_mla_decode(plan: KernelWarmupPlan) -> set[tuple]:
+    """Independently: every host max query length 1..16 of a prefill chunk of B prompts on the scheduler's tables,
+    plus each decode graph at max_q = k + 1 on the graphs' tables."""
+    h, width = plan.num_heads, math.ceil(plan.max_model_len / plan.block_size)
+    out = set()
+    for b in range(1, plan.max_num_prompts + 1):
+        for q in range(1, 17):
+            bq = md.bucket_q(q)
+            out.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
+    bq = md.bucket_q(plan.num_speculative_tokens + 1)
+    for s in plan.decode_graph_sizes:
+        out.add(md.decode_config(h, bq, md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS)))
+    return out
+
+
+PREFILL_4096 = [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
+COMMON = {
+    "rms_norm": [(2048, False, 1e-6), (2048, True, 1e-6)],
+    "mla_rope_cache": [(16, 192, 128, True, 1e-6)],
+    "silu_mul": [(2816, True), (2816, False), (10944, True), (10944, False), (1408, True), (1408, False)],
+    "moe_routing": [("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),
+                    ("permute", (2048, 6, 64, "bfloat16")), ("permute", (2048, 6, 64, "bfloat16", 128, True)),
+                    # moe_route: the gating fused with the permute for decode sizes
+                    ("route", (2048, 6, 64, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False, "bfloat16")),
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))],
+    "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
+    # the worker samples every step through spec_verify (prefill rows too), speculation or not
+    "spec_verify": [("argmax", (102400, False)), ("accept", ()), ("argmax", (102400, True))],
+}
+
+
+def _check_common(calls, plan):
+    for name, want in COMMON.items():
+        got = calls[name]
+        if name == "moe_gemm":
+            assert got == want
+        else:
+            assert len(got) == 1, f"{name}: one precompile call"
+            assert got[0][0] == want, (name, got[0][0])
+    (mla_cfgs, mla_kw), = calls["mla_decode"]
+    assert mla_kw == {"softmax_scale": pytest.approx(192**-0.5)}
+    decode = [c for c in mla_cfgs if len(c) != 4]
+    assert len(decode) == len(set(decode))
+    assert set(decode) == expected_mla_decode(plan)
+    assert [c for c in mla_cfgs if len(c) == 4] == PREFILL_4096
+
+
+def test_v2_lite_without_speculation(recorded, v2_lite_plan, kernel_set):
+    plan = v2_lite_plan(k=0)
+    assert plan.decode_graph_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64) and plan.decode_graph_width == 65
+    summary = kernel_set().warmup(plan)
+    _check_common(recorded, plan)
+    assert recorded["zos_fixup"] == [([("correct", ())], {})]  # every decode step corrects; no re-split at k=0
+    n = sum(len(c[0][0]) for name, c in recorded.items() if name != "moe_gemm") + 3
+    assert summary.startswith(f"{n} configs in ") and "mla_decode: 69 (8 prefill)" in summary  # q = 1: the small tile
+    assert "failed" not in summary and "skipped" not in summary
+
+
+def test_v2_lite_dflash_varlen(recorded, v2_lite_plan, kernel_set):
+    plan = v2_lite_plan(k=5, varlen=True, method="dflash", drafter_rms_norm_eps=1e-5)
+    assert len(plan.decode_graph_sizes) == 51 and plan.decode_graph_sizes[-1] == 64 * 6
+    kernel_set().warmup(plan)
+    # DFlash's own (plain) norms with the drafter's eps
+    assert recorded["rms_norm"][0][0][-1] == (2048, False, 1e-5)
+    recorded["rms_norm"][0][0].pop()
+    _check_common(recorded, plan)
+    # verification at k = 5 in the graphs: bucket 8 -> 2 m-tiles at H=16
+    mla = recorded["mla_decode"][0][0]
+    assert (16, 2, md.default_num_splits(1, 16, 8, 66, SMS)) in mla and (16, 2, 1) in mla
+    assert recorded["zos_fixup"] == [([("correct", ()), ("resplit", (5, 128, 1))], {})]
+
+
+def test_resplit_launch_shapes_up_to_max_num_seqs(recorded, v2_lite_plan, kernel_set):
+    kernel_set().warmup(v2_lite_plan(k=3, varlen=True, method="dflash", max_num_seqs=300))
+    assert recorded["zos_fixup"][0][0] == [("correct", ()), ("resplit", (3, 128, 1)), ("resplit", (3, 1024, 1))]
+
+
+def test_mtp_eager_steps_and_chains(recorded, v2_lite_plan, kernel_set):
+    """MTP runs the target's MLA eagerly (catch-up on the step's metadata, chains on tables padded by k + 1 keys):
+    a short max_model_len keeps the tables under 32 blocks, where the width changes the split count."""
+    plan = v2_lite_plan(k=2, varlen=True, method="mtp", max_model_len=512, max_num_seqs=4)
+    kernel_set().warmup(plan)
+    got = {c for c in recorded["mla_decode"][0][0] if len(c) != 4}
+    widths = {8, 9}  # the scheduler's 512 / 64, and (512 + 2*2 + 2 + 1) // 64 + 1 for the padded chains
+    assert {md.decode_config(16, 1, md.default_num_splits(1, 16, 1, w, SMS)) for w in widths} <= got
+    assert md.decode_config(16, 1, 9) in got and md.decode_config(16, 1, 8) in got
+    # the chain replayed from graphs: one query a row at each propose graph size, on the chain graphs' width
+    from deepinfer_npu.spec.mtp_drafter import chain_graph_width
+
+    w = chain_graph_width(512, 2, 64)
+    assert {md.decode_config(16, 1, md.default_num_splits(b, 16, 1, w, SMS)) for b in (1, 2, 4)} <= got
+
+
+def test_not_bf16_or_off_dims_compile_what_still_applies(recorded, v2_lite_plan, kernel_set):
+    plan = v2_lite_plan(dtype=torch.float32)
+    kernel_set().warmup(plan)
+    # fp32 routing, logits, lengths; decode_inputs (integers only) whatever the dtype
+    assert set(recorded) == {"moe_routing", "spec_verify", "zos_fixup", "decode_inputs"}
+    assert ("permute", (2048, 6, 64, "float32")) in recorded["moe_routing"][0][0]
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(block_size=16, moe_gating=None, moe_intermediate_size=0))
+    assert "mla_decode" not in recorded and "mla_rope_cache" not in recorded  # the kernels read pages of 64
+    assert recorded["rms_norm"][0][0][-1] == (512, False, 1e-6)  # kv_a norm: the composed prolog's
+    assert "moe_gemm" not in recorded and "moe_routing" not in recorded
+
+
+def test_skipped_implementations_compile_nothing(recorded, v2_lite_plan, kernel_set):
+    kernel_set(skip={"spec_verify", "zos_fixup", "mla_prefill"}).warmup(v2_lite_plan(k=5, varlen=True, method="dflash"))
+    assert "spec_verify" not in recorded and "zos_fixup" not in recorded
+    assert all(len(c) != 4 for c in recorded["mla_decode"][0][0])
+
+
+def test_failing_compile_is_reported_and_falls_back(recorded, monkeypatch, v2_lite_plan, kernel_set):
+    def boom(items):
+        raise RuntimeError("nvcc exploded")
+
+    monkeypatch.setattr("deepinfer_npu.kernels_cuda.zos_fixup.precompile", boom)
+    ks = kernel_set()
+    summary = ks.warmup(v2_lite_plan(k=5, varlen=True, method="dflash"))  # does not raise
+    assert "failed: zos_fixup (warm-up compile failed: RuntimeError: nvcc exploded)" in summary
+    assert "zos_fixup:" not in summary.split(";")[0]  # not counted as compiled
+    assert "spec_verify" in recorded  # the modules after it still compiled
+    assert ks.modules.get("zos_fixup") is None
+    mod, path = ks.impl("step").checked("zos_fixup", SimpleNamespace(is_cuda=True))
+    assert mod is None and "warm-up compile failed: RuntimeError: nvcc exploded" in path
+    assert "warm-up compile failed" in ks.op_report()["zos_fixup"]  # before any call: off, with the reason
+
+
+def test_listing_failure_does_not_raise(recorded, monkeypatch, v2_lite_plan, kernel_set):
+    from deepinfer_npu.backends.cuda import warmup
+
+    def broken(*a, **k):
+        raise KeyError("bug")
+
+    monkeypatch.setattr(warmup, "reachable_configs", broken)
+    assert kernel_set().warmup(v2_lite_plan()).startswith("skipped: listing the configurations failed")
+
+
+@pytest.mark.nvcc
+def test_real_compile_of_a_tiny_plan(v2_lite_plan, kernel_set):
+    """End to end through the real precompile: an fp32 dense plan with spec_verify and decode_inputs left out leaves
+    the ZOS correction kernel only (a few seconds of nvcc, or TileLang's cache)."""
+    from deepinfer_npu.kernels_cuda import zos_fixup
+
+    plan = v2_lite_plan(dtype=torch.float32, moe_gating=None, moe_intermediate_size=0)
+    summary = kernel_set(skip={"spec_verify", "decode_inputs"}).warmup(plan)
+    assert summary.startswith("1 configs in ") and "zos_fixup: 1" in summary, summary
+    assert ("correct", ()) in zos_fixup._KERNELS
+
+
+def test_eager_decode_after_a_resplit_stays_within_k_plus_1(recorded, v2_lite_plan, kernel_set):
+    """The MLA layer passes AttentionMetadata.max_seqlen_q (k + 1 after a device re-split) to mla_attention, so
+    eager decode launches buckets up to bucket_q(k + 1) only, not those of the shape bound T - B + 1: with fewer
+    prompts than decode rows, the decode-only row counts must not compile query buckets 8 and 16 at k = 3."""
+    k = 3
+    plan = v2_lite_plan(k=k, varlen=True, method="dflash", graphs=False, max_num_prompts=2, max_model_len=256)
+    kernel_set().warmup(plan)
+    h, width = plan.num_heads, plan.block_table_width
+    want = set()
+    for b in range(1, plan.max_num_prompts + 1):  # prefill chunks of <= 16 tokens: every bucket
+        for q in range(1, 17):
+            bq = md.bucket_q(q)
+            want.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
+    for b in range(1, plan.max_num_seqs + 1):  # eager decode, re-split or not: max q <= k + 1
+        for q in range(1, k + 2):
+            bq = md.bucket_q(q)
+            want.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
+    cfgs = recorded["mla_decode"][0][0]
+    assert {c for c in cfgs if len(c) != 4} == want
+    # prefill buckets up to the longest chunk, min(max_num_batched_tokens, max_model_len) = 256
+    assert [c for c in cfgs if len(c) == 4] == [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256)]
+
+
+def test_more_experts_than_the_expert_scan_takes_use_the_library_gemm(recorded, v2_lite_plan, kernel_set):
+    """kernels_cuda.moe_gemm's expert scan runs one thread an expert (MAX_EXPERTS = 256): with more experts,
+    grouped_mlp must route to torch._grouped_mm (expert_starts would raise), and the warm-up compiles no GEMM."""
+    from deepinfer_npu.kernels_cuda import moe_gemm
+
+    bf16 = torch.bfloat16
+    ks = kernel_set()
+
+    def route(experts: int):
+        a = SimpleNamespace(is_cuda=True, shape=(6, 2048), dtype=bf16)
+        w13 = SimpleNamespace(shape=(experts, 2816, 2048), dtype=bf16)
+        w2 = SimpleNamespace(shape=(experts, 2048, 1408), dtype=bf16)
+        return ks.impl("grouped_mlp").moe_gemm_for(a, w13, w2)
+
+    assert route(moe_gemm.MAX_EXPERTS) is not None
+    assert route(moe_gemm.MAX_EXPERTS + 128) is None
+    ks.warmup(v2_lite_plan(moe_gating=GatingParams(top_k=8, num_experts=384)))
+    assert "moe_gemm" not in recorded
+
+
+def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeypatch, v2_lite_plan, kernel_set):
+    """Every (in_features, dtype) of the model's weights with K <= DENSE_MAX_K at the row blocks of 1 ..
+    DENSE_MAX_ROWS tokens, the dense MLPs' gated gate/up GEMM and W_UV at one token; nothing with skinny_gemm left
+    out."""
+    from deepinfer_npu.kernels_cuda import skinny_gemm as sk
+
+    bf, f32 = torch.bfloat16, torch.float32
+    weights = ((2048, bf), (2816, bf), (10944, bf), (2048, f32))
+    kernel_set().warmup(v2_lite_plan(k=0, linear_weights=weights))
+    got = recorded["skinny_gemm"][0][0]
+    v = sk.default_variant()
+    name = {bf: "bfloat16", f32: "float32"}
+    blocks = {sk.rows_block(m) for m in range(1, sk.DENSE_MAX_ROWS + 1)}
+    want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in blocks
+            if k <= sk.DENSE_MAX_K and dt == bf}  # fp32 x fp32 is unreachable in a bf16 model
+    want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in blocks}
+    want |= {(2048, rb, False, False, "bfloat16", "float32", "float32", *v) for rb in blocks}  # router_logits
+    want.add((512, 1, False, True, "bfloat16", "bfloat16", "bfloat16", *v))  # W_UV at one token (mla_epilogue)
+    assert (10944, 1, False, False, "bfloat16", "bfloat16", "bfloat16", *v) not in want
+    assert len(got) == len(set(got)) and set(got) == want
+    recorded.clear()
+    kernel_set(skip={"skinny_gemm"}).warmup(v2_lite_plan(k=0, linear_weights=weights))
+    assert "skinny_gemm" not in recorded

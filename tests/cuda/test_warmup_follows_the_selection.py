@@ -1,0 +1,113 @@
+"""What the warm-up compiles follows the selection: each kernel variant's configurations are there when the
+implementation serves the engine (by default) and absent when the selection leaves it out or the device cannot run
+it (mla_decode_ws: Hopper only). Recorders stand in for the compilers, as in test_kernel_warmup_configs.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_npu.hal.types import GatingParams
+from deepinfer_npu.kernels_cuda import mla_decode as md
+
+pytestmark = pytest.mark.tilelang
+
+
+def test_mla_decode_ws_configs_follow_the_selection_and_the_device(v2_lite_plan, reachable):
+    """On a Hopper device every 64-row decode configuration carries the warp-specialized flag (16-row tiles and
+    prefill do not change); left out, or on another device: none."""
+    plan = v2_lite_plan(k=3, varlen=True, method="dflash")
+    base = reachable(plan, sm90=True, skip={"mla_decode_ws"})["mla_decode"]
+    assert not any(len(c) == 6 for c in base)
+    ws = reachable(plan, sm90=True)["mla_decode"]
+    want = {c + (False, md.BLOCK_M, True) if len(c) == 3 else c for c in base}
+    assert set(ws) == want and any(len(c) == 6 for c in ws) and any(len(c) == 5 for c in ws)
+    assert reachable(plan, sm90=False)["mla_decode"] == base
+
+
+def test_warm_up_on_a_hopper_device_takes_mla_decode_ws(recorded, monkeypatch, v2_lite_plan, kernel_set, reachable):
+    """warmup asks the device: on compute capability 9.x the 64-row decode configurations carry the flag."""
+    plan = v2_lite_plan(k=3, varlen=True, method="dflash")
+    monkeypatch.setattr("deepinfer_npu.backends.cuda.kernels.current_device_is_sm90", lambda: True)
+    kernel_set().warmup(plan)
+    (cfgs, _kw), = recorded["mla_decode"]
+    assert cfgs == reachable(plan, sm90=True)["mla_decode"]
+    assert any(len(c) == 6 and c[5] for c in cfgs)
+
+
+MOE_VARIANTS = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}
+
+
+def test_moe_gemm_swap_configs(recorded, v2_lite_plan, kernel_set):
+    """w13 (gated) and w2 at the row tiles of 6 .. 64 rows (1 .. 10 tokens x top-6), and moe_gemm's own
+    configurations still (larger batches); nothing of it when left out."""
+    from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
+
+    kernel_set().warmup(v2_lite_plan(k=0))
+    (cfgs, _kw), = recorded["moe_gemm_swap"]
+    assert cfgs == [(2816, 2048, 8, True, 64), (2048, 1408, 8, False, 64),
+                    (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64)]
+    assert all(sw.config_for(*c[:2], r, c[3]) in cfgs for c in cfgs for r in (6, 64))
+    assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]
+    recorded.clear()
+    kernel_set(skip=MOE_VARIANTS).warmup(v2_lite_plan(k=0))
+    assert "moe_gemm_swap" not in recorded
+
+
+@pytest.mark.parametrize("variant, fused", [
+    ("moe_combine_add", ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))),  # shared experts added
+    ("moe_dispatch_scan", ("permute", (2048, 6, 64, "bfloat16", 128, True))),  # the expert GEMMs' scan written too
+])
+def test_fused_moe_routing_variants(recorded, variant, fused, v2_lite_plan, kernel_set):
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert fused in recorded["moe_routing"][0][0]
+    recorded.clear()
+    kernel_set(skip={variant}).warmup(v2_lite_plan(k=0))
+    assert fused not in recorded["moe_routing"][0][0]
+
+
+def test_moe_route_configs(recorded, v2_lite_plan, kernel_set):
+    """The gating fused with the permute: one build; no ("route", cfg) build when left out."""
+    from deepinfer_npu.kernels_cuda import moe_routing as mr
+
+    kernel_set(skip={"moe_route"}).warmup(v2_lite_plan(k=0))
+    assert all(kind != "route" for kind, _cfg in recorded["moe_routing"][0][0])
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0))
+    routes = [cfg for kind, cfg in recorded["moe_routing"][0][0] if kind == "route"]
+    gating = GatingParams(num_experts=64, top_k=6, scoring_func="softmax", topk_method="greedy", n_group=1,
+                          topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    assert routes == [mr._route_cfg(gating, 2048, "bfloat16", True)]
+
+
+def test_w_uv_skinny_configuration(recorded, v2_lite_plan, kernel_set):
+    """mla_epilogue's W_UV at one token: skinny_gemm's grouped configuration at K = kv_lora_rank."""
+    from deepinfer_npu.kernels_cuda import skinny_gemm as sk
+
+    want = sk.config_for(512, sk.rows_block(1), False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert want in recorded["skinny_gemm"][0][0]
+
+
+def test_decode_inputs_configs(recorded, v2_lite_plan, kernel_set):
+    """One build for the page size; nothing when left out."""
+    from deepinfer_npu.kernels_cuda import decode_inputs as di
+
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["decode_inputs"] == [([(64, di.THREADS)], {})]
+    recorded.clear()
+    kernel_set(skip={"decode_inputs"}).warmup(v2_lite_plan(k=0))
+    assert "decode_inputs" not in recorded
+
+
+def test_mla_absorb_configs(recorded, v2_lite_plan, kernel_set):
+    """W_UK of one token: one build for the model's dims; none for an fp32 model or when left out."""
+    from deepinfer_npu.kernels_cuda import mla_absorb as ma
+
+    kernel_set().warmup(v2_lite_plan(k=0))
+    assert recorded["mla_absorb"] == [([ma.config_for(16, 128, 512, 192)], {})]
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, dtype=torch.float32))
+    assert "mla_absorb" not in recorded
+    kernel_set(skip={"mla_absorb"}).warmup(v2_lite_plan(k=0))
+    assert "mla_absorb" not in recorded
