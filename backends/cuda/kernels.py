@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_npu.hal.kernel_set import KernelSet
+from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 from .branches import ParallelBranches
@@ -32,7 +32,7 @@ _FALLBACK = {
 _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 
 
-class CudaKernelSet(KernelSet):
+class CudaKernelSet(CpuKernelSet):
     #: implementations left out of every selection, by kernel name (e.g. ``{"mla_absorb"}``): tests that compare a
     #: kernel with the path it replaces set it on the class before an engine is built
     SKIP: frozenset[str] = frozenset()
