@@ -210,24 +210,27 @@ def _generate(llm, prompts, params, use_tqdm: bool):
     """``llm.generate`` on a worker thread, so Ctrl-C reaches this thread between steps: it aborts the
     unfinished requests and returns what finished. Returns ``(outputs, interrupted)``."""
     result: dict = {}
+    done = threading.Event()  # waited on instead of Thread.join, which Ctrl-C can leave inconsistent
 
     def work() -> None:
         try:
             result["outputs"] = llm.generate(prompts, params, use_tqdm=use_tqdm)
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
             result["error"] = e
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=work, name="generate", daemon=True)
-    worker.start()
+    threading.Thread(target=work, name="generate", daemon=True).start()
     interrupted = False
     try:
-        while worker.is_alive():
-            worker.join(0.1)
+        while not done.wait(0.1):
+            pass
     except KeyboardInterrupt:
         interrupted = True
         engine = llm.llm_engine
         engine.abort_request(engine.unfinished_request_ids())
-        worker.join()
+        while not done.wait(0.1):
+            pass
     if "error" in result:
         raise result["error"]
     return result["outputs"], interrupted
