@@ -179,5 +179,7 @@ class _ProgressBar:
         self.bar.refresh()
 
     def close(self, finished: int, tokens: int) -> None:
-        self.show(finished, tokens, force=True)
-        self.bar.close()
+        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{tokens} tok generated, {rate:.1f} tok/s", refresh=False)
+        self.bar.n = finished
+        self.bar.close()  # draws the final state once
