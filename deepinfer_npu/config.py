@@ -135,8 +135,7 @@ class EngineConfig:
         return Path(self.speculative_model) if self.speculative_model else self.model_dir / "dflash"
 
     def check_model_dir(self) -> None:
-        """The model directory exists and holds ``config.json`` and (``load_format="auto"``) its weights; raises
-        ``FileNotFoundError`` naming what is missing, before anything is allocated."""
+        """The model directory exists and holds ``config.json``; raises ``FileNotFoundError`` otherwise."""
         path = self.model_dir
         if path.is_file():
             raise FileNotFoundError(f"model {path} is a file, expected a directory (HF layout: config.json, "
@@ -145,6 +144,11 @@ class EngineConfig:
             raise FileNotFoundError(f"model directory not found: {path}")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model directory {path} has no config.json")
+
+    def check_weights(self) -> None:
+        """With ``load_format="auto"`` the model directory holds the weights (every shard its index lists);
+        raises ``FileNotFoundError`` naming the missing files, before anything is allocated."""
+        path = self.model_dir
         if self.load_format != "auto":
             return  # random weights: nothing to read
         index = path / WEIGHTS_INDEX

@@ -53,9 +53,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        config.check_model_dir()  # missing directory / weights: fail before any allocation
+        config.check_model_dir()
         self.backend = get_backend(config.backend)
         self.model_config = DeepseekModelConfig.from_pretrained(config.model_dir)
+        config.check_weights()  # before the runner allocates weights and KV cache
         self.generation_defaults = load_generation_defaults(config.model_dir)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
