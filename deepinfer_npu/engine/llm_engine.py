@@ -79,6 +79,7 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.lock = threading.RLock()
         self._router = OutputRouter()
+        self._stepping_thread = threading.get_ident()
 
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
@@ -321,6 +322,8 @@ class LLMEngine:
             self._router.route(self._step(), for_step_caller=False)
 
     def _step(self) -> list[RequestOutput]:
+        if threading.get_ident() != self._stepping_thread:
+            self._bind_device_to_thread()
         t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         vote = self.scheduler.prefill_vote()
@@ -344,6 +347,18 @@ class LLMEngine:
         outputs += self._apply_results(results)
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs
+
+    def _bind_device_to_thread(self) -> None:
+        """The current device is per thread (CUDA, NPU): a step run by another thread than the one that built
+        the engine selects the engine's device first."""
+        self._stepping_thread = threading.get_ident()
+        if self.backend.device_type == "cpu":
+            return
+        import torch
+
+        module = getattr(torch, self.backend.device_type, None)
+        if module is not None and hasattr(module, "set_device"):
+            module.set_device(self.backend.device_index)
 
     def _step_requests(self, plan: StepPlan) -> StepRequests:
         return build_step_requests(plan, self._by_seq, self.config.nextn, self.max_model_len, self._eos_ids)
