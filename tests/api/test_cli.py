@@ -91,3 +91,11 @@ def test_every_prompt_ignored_exits_non_zero():
 def test_graphs_on_a_backend_without_graphs_is_said(caplog):
     assert main(["--graphs", "--backend", "cpu", "--max-tokens", "2", "--prompt", "a", "--no-progress"]) == 0
     assert "no graph runner" in caplog.text
+
+
+@needs_ref
+def test_max_tokens_beyond_max_model_len_is_said(caplog):
+    assert main(["--max-model-len", "12", "--max-tokens", "1000000", "--prompt-token-ids", "1,2",
+                 "--no-progress"]) == 0
+    line = next(r.getMessage() for r in caplog.records if "max_model_len=12" in r.getMessage())
+    assert "max_tokens=1000000" in line and "finish_reason='length'" in line
