@@ -155,8 +155,8 @@ def _main(argv: list[str] | None) -> int:
         return _error("--num-speculative-tokens needs --speculative mtp|dflash")
     engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     try:
-        EngineConfig(model=args.model, **engine_args)  # every engine option checked before the model loads
-        params = _sampling_params(args, EngineConfig(model=args.model).model_dir)
+        config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
+        params = _sampling_params(args, config.model_dir)
     except (ValueError, FileNotFoundError) as e:
         return _error(e)
 
