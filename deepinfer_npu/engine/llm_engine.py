@@ -22,6 +22,7 @@ import numpy as np
 from deepinfer_npu import _core
 from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_npu.engine.engine_stats import SpecCounters, new_counters, stats_report
 from deepinfer_npu.engine.generation_config import load_generation_defaults
 from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
 from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
@@ -87,16 +88,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._step_id = 0
-        self.stats = {
-            "num_steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-            "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
-            "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0, "host_wait_ms": 0.0,
-            "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-            "spec_emitted_tokens": 0, "varlen_resplit_rows": 0,
-        }
-        k = config.nextn
-        self._pos_drafted = np.zeros(max(k, 1), dtype=np.int64)
-        self._pos_accepted = np.zeros(max(k, 1), dtype=np.int64)
+        self.stats = new_counters()
+        self.spec_counters = SpecCounters(config.nextn)
 
     def _scheduler_config(self):
         c = self.config
@@ -388,18 +381,7 @@ class LLMEngine:
 
     def _record_spec(self, res: StepResult) -> None:
         live = np.array([self._by_seq.get(int(s)) is not None for s in res.seq_ids], dtype=bool)
-        d, a = res.num_drafts[live], res.num_accepted[live]
-        st = self.stats
-        st["spec_verify_steps"] += 1
-        st["spec_verify_rows"] += int(live.sum())
-        st["spec_draft_tokens"] += int(d.sum())
-        st["spec_accepted_tokens"] += int(a.sum())
-        st["spec_emitted_tokens"] += int((a + 1).sum())
-        if res.planned_drafts is not None:  # rows whose split the device changed (ZOS + varlen, N-1 rule)
-            st["varlen_resplit_rows"] += int((res.planned_drafts[live] != d).sum())
-        for pos in range(len(self._pos_drafted)):
-            self._pos_drafted[pos] += int((d > pos).sum())
-            self._pos_accepted[pos] += int((a > pos).sum())
+        self.spec_counters.record(self.stats, res, live)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs) -> None:
         if req.first_token_time is None:
@@ -474,28 +456,4 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
         with self.lock:
-            return self._stats()
-
-    def _stats(self) -> dict:
-        s = dict(self.stats)
-        s["preemptions"] = int(self.scheduler.num_preemptions)  # finished or recomputed
-        s["kv_usage"] = float(self.scheduler.kv_usage())
-        s["num_kv_blocks"] = self.runner.num_kv_blocks
-        s["backend"] = self.backend.name
-        graphs = self.worker.graphs
-        s["graph_steps"] = self.worker.graph_steps  # decode steps replayed from captured graphs
-        if graphs is not None:
-            s["graphs_captured"] = sorted(graphs.graphs.static_out)
-            s["graphs_disabled"] = graphs.disabled
-        if self.config.nextn:
-            rows = max(s["spec_verify_rows"], 1)
-            s["speculative_method"] = self.config.speculative_method
-            s["num_speculative_tokens"] = self.config.nextn
-            s["mean_accepted_length"] = s["spec_emitted_tokens"] / rows
-            s["mean_verify_length"] = s["spec_draft_tokens"] / rows
-            s["draft_acceptance_rate"] = s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)
-            s["per_position_acceptance"] = [
-                float(acc / dr) if dr else None for acc, dr in zip(self._pos_accepted, self._pos_drafted)
-            ]
-            s["varlen_verification"] = self.varlen is not None
-        return s
+            return stats_report(self)
