@@ -6,6 +6,7 @@ or device work starts.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,9 @@ from pathlib import Path
 REFERENCE_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "reference"
 
 _DTYPES = ("auto", "float32", "bfloat16")
+# drafts + 1 <= 16: the Ascend fused attention takes at most 16 query tokens per request.
+MAX_SPECULATIVE_TOKENS = 15
+WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -95,10 +99,13 @@ class EngineConfig:
             raise ValueError(f"state_slot_ratio must be >= 1.0, got {self.state_slot_ratio}")
         if self.speculative_method not in (None, "mtp", "dflash"):
             raise ValueError(f"speculative_method must be None, 'mtp' or 'dflash', got {self.speculative_method!r}")
-        positive("num_speculative_tokens")
-        if self.num_speculative_tokens > 15:
-            # drafts + 1 <= 16: the Ascend fused attention takes at most 16 query tokens per request.
-            raise ValueError(f"num_speculative_tokens must be <= 15, got {self.num_speculative_tokens}")
+        if self.speculative_model is not None and self.speculative_method != "dflash":
+            raise ValueError(f"speculative_model={str(self.speculative_model)!r} is only used by "
+                             f"speculative_method='dflash', got speculative_method={self.speculative_method!r}")
+        limit, why = self.speculative_token_limit()
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= limit:
+            raise ValueError(f"num_speculative_tokens must be in [1, {limit}] ({why}), got {k!r}")
         if self.enable_graphs is not None and not isinstance(self.enable_graphs, bool):
             raise ValueError(f"enable_graphs must be True, False or None (the backend's default), "
                              f"got {self.enable_graphs!r}")
@@ -108,6 +115,57 @@ class EngineConfig:
             raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
+
+    def speculative_token_limit(self) -> tuple[int, str]:
+        """The most drafts per step this configuration allows, and why (one statement of every limit)."""
+        why = "drafts + 1 <= 16 query tokens per request; the limit of the Ascend fused attention"
+        if self.speculative_method != "dflash":
+            return MAX_SPECULATIVE_TOKENS, why
+        drafter_config = self.drafter_dir / "dflash_config.json"
+        try:
+            trained = int(json.loads(drafter_config.read_text(encoding="utf-8"))["num_speculative_tokens"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return MAX_SPECULATIVE_TOKENS, why  # a missing/broken drafter is reported when it is loaded
+        if trained < MAX_SPECULATIVE_TOKENS:
+            return trained, f"the DFlash drafter's trained block, {drafter_config}"
+        return MAX_SPECULATIVE_TOKENS, why
+
+    @property
+    def drafter_dir(self) -> Path:
+        return Path(self.speculative_model) if self.speculative_model else self.model_dir / "dflash"
+
+    def check_model_dir(self) -> None:
+        """The model directory exists and holds ``config.json``; raises ``FileNotFoundError`` otherwise."""
+        path = self.model_dir
+        if path.is_file():
+            raise FileNotFoundError(f"model {path} is a file, expected a directory (HF layout: config.json, "
+                                    "*.safetensors, tokenizer.json)")
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory not found: {path}")
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+
+    def check_weights(self) -> None:
+        """With ``load_format="auto"`` the model directory holds the weights (every shard its index lists);
+        raises ``FileNotFoundError`` naming the missing files, before anything is allocated."""
+        path = self.model_dir
+        if self.load_format != "auto":
+            return  # random weights: nothing to read
+        index = path / WEIGHTS_INDEX
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return  # a malformed index is reported by the loader, with its details
+            missing = [f for f in shards if not (path / f).is_file()]
+            if missing:
+                raise FileNotFoundError(f"model directory {path} lacks {len(missing)} weight shard(s) listed in "
+                                        f"{WEIGHTS_INDEX}: {', '.join(missing[:5])}")
+        elif not any(path.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"model directory {path} has no weights: expected model.safetensors (or *.safetensors shards with "
+                f"{WEIGHTS_INDEX}); found {', '.join(sorted(p.name for p in path.iterdir())) or 'nothing'}. "
+                "load_format='dummy' runs with random weights")
 
     @property
     def model_dir(self) -> Path:

@@ -6,8 +6,11 @@ With no ``--model`` it runs the reference model shipped in the package on a few 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import sys
+import threading
 import time
 
 DEFAULT_PROMPTS = [
@@ -19,43 +22,94 @@ DEFAULT_PROMPTS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m deepinfer_npu.run", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="model directory (HF layout); default: the shipped reference model")
-    p.add_argument("--backend", default="auto", help="auto | cpu | cuda | ascend (default: auto)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
-    p.add_argument("--prompt-token-ids", action="append", default=None,
-                   help="comma-separated token ids (repeatable), for models without a tokenizer")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--no-zos", action="store_true", help="disable zero-overhead scheduling")
-    p.add_argument("--speculative", choices=["mtp", "dflash"], default=None,
-                   help="speculative decoding with the model's MTP layer or the DFlash drafter")
-    p.add_argument("--num-speculative-tokens", type=int, default=5)
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps from captured graphs (default: the backend's choice, on for cuda); "
-                   "--no-graphs forces eager decode")
-    p.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="compile every kernel variant the engine can reach at start-up (default; cuda: TileLang); "
-                   "--no-kernel-warmup compiles each at its first use")
-    p.add_argument("--no-varlen", action="store_true", help="verify a fixed number of drafts per request")
-    p.add_argument("--speculative-model", default=None, help="DFlash drafter directory (default <model>/dflash)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
-    p.add_argument("--list-ops", action="store_true", help="print the backend's op report (native / fallback)")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    """Engine flags carry ``EngineConfig`` field names as ``dest`` so they pass to ``LLM`` unchanged."""
+    p = argparse.ArgumentParser(prog="python -m deepinfer_npu.run", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--model", default=None, help="model directory (HF layout); None: the shipped reference model")
+    add("--backend", default="auto", help="auto | cpu | cuda | ascend")
+    add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="model dtype")
+    add("--load-format", dest="load_format", default="auto", choices=["auto", "dummy", "dummy_portable"],
+        help="auto: safetensors; dummy: random weights from config.json")
+    add("--prompt", action="append", default=None, help="prompt text (repeatable); None: built-in prompts")
+    add("--prompt-token-ids", action="append", default=None,
+        help="comma-separated token ids (repeatable), for models without a tokenizer")
+
+    s = p.add_argument_group("sampling (None: the model's generation_config.json, else greedy)")
+    s.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+    s.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    s.add_argument("--top-k", type=int, default=None, help="0: off")
+    s.add_argument("--top-p", type=float, default=None, help="1: off")
+    s.add_argument("--seed", type=int, default=0, help="engine seed and every request's sampling seed")
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=None, help="None: the model's max_position_embeddings")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=4096, help="most tokens in a prefill step")
+    e.add_argument("--max-num-prompts", type=int, default=0, help="most prompts in a prefill step; 0: max-num-seqs")
+    e.add_argument("--prefill-max-sum-seqlen-k", type=int, default=0,
+                   help="most attended tokens in a prefill step; 0: unlimited")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split prompts longer than --max-num-batched-tokens over several steps")
+    e.add_argument("--prefill-attempt-interval", type=int, default=70,
+                   help="decode steps between prefill attempts that every rank must want")
+    e.add_argument("--prefill-any-attempt-interval", type=int, default=100,
+                   help="decode steps between prefill attempts that any rank may trigger")
+    pre = e.add_mutually_exclusive_group()
+    pre.add_argument("--stop-preempted", dest="stop_preempted_request", action="store_true", default=True,
+                     help="a request preempted for lack of KV blocks finishes (finish_reason 'preempted')")
+    pre.add_argument("--recompute-preempted", dest="stop_preempted_request", action="store_false",
+                     help="a preempted request waits and is recomputed from its prompt and outputs")
+    e.add_argument("--zos", dest="zero_overhead_scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="zero-overhead scheduling: schedule step N+1 while step N runs")
+
+    m = p.add_argument_group("memory")
+    m.add_argument("--block-size", type=int, default=64, help="tokens per KV cache block")
+    m.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks; None: sized from --kv-cache-memory-bytes (cpu) or "
+                   "--gpu-memory-utilization (devices)")
+    m.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30, help="KV cache size on the cpu backend")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.85,
+                   help="fraction of free device memory the KV cache may take")
+    m.add_argument("--state-slot-ratio", type=float, default=1.2, help="state slots per --max-num-seqs")
+
+    d = p.add_argument_group("speculative decoding and graphs")
+    d.add_argument("--speculative", dest="speculative_method", choices=["mtp", "dflash"], default=None,
+                   help="draft with the model's MTP layer or the DFlash drafter")
+    d.add_argument("--num-speculative-tokens", type=int, default=5,
+                   help="drafts per request and step (needs --speculative)")
+    d.add_argument("--speculative-model", default=None,
+                   help="DFlash drafter directory (needs --speculative dflash); None: <model>/dflash")
+    d.add_argument("--varlen", dest="varlen_verification", action=argparse.BooleanOptionalAction, default=True,
+                   help="verify a confidence-chosen number of drafts per request (--no-varlen: all of them)")
+    d.add_argument("--graphs", dest="enable_graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from captured graphs; None: the backend's choice (on for cuda)")
+    d.add_argument("--graph-capture", choices=["lazy", "startup"], default="lazy",
+                   help="capture each graph size at its first step, or all at start-up")
+    d.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile every kernel variant the engine can reach at start-up (cuda: TileLang)")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
+    o.add_argument("--list-ops", action="store_true", help="print the backend's op report (native / fallback)")
+    o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done; 1 every prompt was ignored; 2 bad arguments or model; 130 interrupted (Ctrl-C)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted before any completion finished", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    from deepinfer_npu import LLM, SamplingParams
-    from deepinfer_npu.config import REFERENCE_MODEL_DIR
+    logging.basicConfig(format="%(levelname)s: %(message)s", level=logging.WARNING)
+    from deepinfer_npu import LLM
+    from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
 
     if args.list_ops:
         from deepinfer_npu.hal.registry import get_backend
@@ -85,99 +139,152 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.model is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
-        print(
-            f"error: no --model given and the reference model is not installed at {REFERENCE_MODEL_DIR}; "
-            "pass --model PATH to a DeepSeek-V2/V3 checkpoint directory",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    prompts: list = []
-    for text in args.prompt or []:
-        prompts.append(text)
-    for ids in args.prompt_token_ids or []:
-        try:
-            prompts.append({"prompt_token_ids": [int(t) for t in ids.split(",") if t.strip()]})
-        except ValueError:
-            print(f"error: --prompt-token-ids takes comma-separated integers, got {ids!r}", file=sys.stderr)
-            return 2
-    if args.speculative is None and args.num_speculative_tokens != 5:
-        print("note: --num-speculative-tokens has no effect without --speculative", file=sys.stderr)
+        return _error(f"no --model given and the reference model is not installed at {REFERENCE_MODEL_DIR}; "
+                      "pass --model PATH to a DeepSeek-V2/V3 checkpoint directory")
+    prompts: list = list(args.prompt or [])
+    for n, ids in enumerate(args.prompt_token_ids or []):
+        tokens = [t.strip() for t in ids.split(",") if t.strip()]
+        bad = [t for t in tokens if not t.lstrip("-").isdigit()]
+        if bad:
+            return _error(f"--prompt-token-ids #{n} {ids!r}: {bad[0]!r} is not an integer "
+                          "(comma-separated integer token ids)")
+        prompts.append({"prompt_token_ids": [int(t) for t in tokens]})
     if not prompts:
         prompts = list(DEFAULT_PROMPTS)
+    if args.speculative_method is None and args.num_speculative_tokens != 5:
+        return _error("--num-speculative-tokens needs --speculative mtp|dflash")
+    engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    try:
+        config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
+        params = _sampling_params(args, config.model_dir)
+    except (ValueError, FileNotFoundError) as e:
+        return _error(e)
 
     t0 = time.perf_counter()
     try:
-        llm = LLM(args.model, backend=args.backend, dtype=args.dtype, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks, seed=args.seed,
-                  zero_overhead_scheduling=not args.no_zos, speculative_method=args.speculative,
-                  num_speculative_tokens=args.num_speculative_tokens, varlen_verification=not args.no_varlen,
-                  speculative_model=args.speculative_model, enable_graphs=args.graphs,
-                  kernel_warmup=args.kernel_warmup)
+        llm = LLM(args.model, **engine_args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _error(e)
     load_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
-        outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        outputs, interrupted = _generate(llm, prompts, params, use_tqdm=not args.no_progress)
+    except (ValueError, TypeError) as e:
+        return _error(e)
     gen_s = time.perf_counter() - t1
+    shown = [(i, o) for i, o in enumerate(outputs) if not (interrupted and o.outputs[0].finish_reason == "abort")]
+    _print_completions(args, shown, outputs, llm, load_s, gen_s)
+    if interrupted:
+        print(f"interrupted: {len(shown)} of {len(outputs)} completions had finished (printed); "
+              "the rest were aborted", file=sys.stderr)
+        return 130
+    if all(o.outputs[0].finish_reason == "ignored" for o in outputs):
+        print(f"error: every prompt ({len(outputs)}) was ignored; nothing was generated (see the messages above)",
+              file=sys.stderr)
+        return 1
+    return 0
 
+
+def _error(message) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def _sampling_params(args, model_dir):
+    """Flags the user set win; unset ones come from the model's generation_config.json (said on stderr), else
+    greedy decoding."""
+    from deepinfer_npu import SamplingParams
+    from deepinfer_npu.engine.generation_config import GENERATION_CONFIG, load_generation_defaults
+
+    given = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p") if getattr(args, k) is not None}
+    taken = {k: v for k, v in load_generation_defaults(model_dir).items() if k not in given}
+    if taken:
+        used = ", ".join(f"{k}={v}" for k, v in taken.items())
+        print(f"note: sampling defaults from {model_dir / GENERATION_CONFIG}: {used} "
+              "(set --temperature / --top-k / --top-p to override)", file=sys.stderr)
+    values = {"temperature": 0.0, **taken, **given}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **values)
+
+
+def _generate(llm, prompts, params, use_tqdm: bool):
+    """``llm.generate`` on a worker thread, so Ctrl-C reaches this thread between steps: it aborts the
+    unfinished requests and returns what finished. Returns ``(outputs, interrupted)``."""
+    result: dict = {}
+    done = threading.Event()  # waited on instead of Thread.join, which Ctrl-C can leave inconsistent
+
+    def work() -> None:
+        try:
+            result["outputs"] = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
+            result["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="generate", daemon=True).start()
+    interrupted = False
+    try:
+        while not done.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        interrupted = True
+        engine = llm.llm_engine
+        engine.abort_request(engine.unfinished_request_ids())
+        while not done.wait(0.1):
+            pass
+    if "error" in result:
+        raise result["error"]
+    return result["outputs"], interrupted
+
+
+def _print_completions(args, shown, outputs, llm, load_s: float, gen_s: float) -> None:
+    """Each shown ``(index, output)``, then the summary of the whole run."""
+    engine = llm.llm_engine
     n_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     summary = {
         "requests": len(outputs), "prompt_tokens": n_prompt, "output_tokens": n_out,
         "load_s": round(load_s, 3), "generate_s": round(gen_s, 3),
         "output_tok_s": round(n_out / gen_s, 2) if gen_s > 0 else None,
-        "backend": llm.llm_engine.backend.name, "dtype": str(llm.llm_engine.runner.dtype).replace("torch.", ""),
-        "model": str(llm.llm_engine.config.model_dir),
+        "backend": engine.backend.name, "dtype": str(engine.runner.dtype).replace("torch.", ""),
+        "model": str(engine.config.model_dir),
     }
     stats = llm.get_stats()
-    if args.speculative:
+    if args.speculative_method:
         summary.update({
-            "speculative": args.speculative,
+            "speculative": args.speculative_method,
             "mean_accepted_length": round(stats["mean_accepted_length"], 3),
             "mean_verify_length": round(stats["mean_verify_length"], 3),
             "per_position_acceptance": [None if x is None else round(x, 3)
                                         for x in stats["per_position_acceptance"]],
             "varlen": stats["varlen_verification"],
         })
-    for i, out in enumerate(outputs):
+    for i, out in shown:
         c = out.outputs[0]
         if args.json:
             print(json.dumps({"index": i, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                               "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                              "finish_message": getattr(c, "finish_message", None)}))
-        else:
-            prompt = out.prompt if out.prompt is not None else str(out.prompt_token_ids)
-            print(f"=== completion {i} ({len(c.token_ids)} tokens, finish: {c.finish_reason}) ===")
-            print(prompt + c.text if out.prompt is not None else f"{prompt} -> {c.token_ids}")
-            if c.finish_reason in ("ignored", "preempted") and getattr(c, "finish_message", None):
-                message = c.finish_message
-                print(f"[{message if message.startswith(c.finish_reason) else c.finish_reason + ': ' + message}]")
+                              "finish_message": c.finish_message}), flush=True)
+            continue
+        prompt = out.prompt if out.prompt is not None else str(out.prompt_token_ids)
+        print(f"=== completion {i} ({len(c.token_ids)} tokens, finish: {c.finish_reason}) ===")
+        print(prompt + c.text if out.prompt is not None else f"{prompt} -> {c.token_ids}")
+        message = c.finish_message or ""
+        if c.finish_reason in ("ignored", "preempted") or message.startswith("max_model_len"):
+            print(f"[{message if message.startswith(c.finish_reason) else c.finish_reason + ': ' + message}]")
     if args.json:
-        print(json.dumps({"summary": summary}))
-    else:
+        print(json.dumps({"summary": summary}), flush=True)
+        return
+    print(
+        f"--- {summary['requests']} requests, {n_prompt} prompt + {n_out} output tokens in "
+        f"{gen_s:.2f} s ({summary['output_tok_s']} tok/s output), load {load_s:.2f} s, "
+        f"backend {summary['backend']} ({summary['dtype']}), model {summary['model']}", flush=True
+    )
+    if args.speculative_method:
         print(
-            f"--- {summary['requests']} requests, {n_prompt} prompt + {n_out} output tokens in "
-            f"{gen_s:.2f} s ({summary['output_tok_s']} tok/s output), load {load_s:.2f} s, "
-            f"backend {summary['backend']} ({summary['dtype']}), model {summary['model']}"
+            f"--- speculative {args.speculative_method}: {summary['mean_accepted_length']} tokens per verify step "
+            f"(bonus included), {summary['mean_verify_length']} drafts verified per request-step, "
+            f"per-position acceptance {summary['per_position_acceptance']}, varlen {summary['varlen']}", flush=True
         )
-        if args.speculative:
-            print(
-                f"--- speculative {args.speculative}: {summary['mean_accepted_length']} tokens per verify step "
-                f"(bonus included), {summary['mean_verify_length']} drafts verified per request-step, "
-                f"per-position acceptance {summary['per_position_acceptance']}, varlen {summary['varlen']}"
-            )
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +41,11 @@ def tokenize_prompt(request_id: str, prompt, tokenizer, vocab_size: int, model_d
         if not text:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         ids = tokenizer.encode(text)
+    for pos, tok in enumerate(ids):
+        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
+            raise ValueError(
+                f"request {request_id!r}: token id {tok!r} at position {pos} is not an integer"
+            )
     ids = [int(t) for t in ids]
     if not ids:
         raise ValueError(f"request {request_id!r}: the prompt is empty (no tokens)")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import numbers
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -49,13 +52,17 @@ class LLM:
             block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed, **kwargs,
         )
         self.llm_engine = LLMEngine(config)
-        self._counter = 0
+        self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def get_stats(self) -> dict:
         return self.llm_engine.get_stats()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters ``generate`` uses when given none: the model's ``generation_config.json`` defaults."""
+        return self.llm_engine.default_sampling_params()
 
     def generate(
         self,
@@ -65,16 +72,19 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of ``prompts``.
 
-        All prompts are validated before any is queued, so one bad prompt raises ``ValueError`` (naming its index)
-        without leaving the others half-submitted.
+        All prompts and parameters are validated before any is queued, so one bad entry raises ``ValueError`` /
+        ``TypeError`` (naming its index) and leaves nothing queued. ``sampling_params=None`` takes
+        :meth:`get_default_sampling_params`. Safe to call from several threads at once: concurrent calls share
+        the engine's steps and each returns only its own requests; requests added through ``llm_engine``
+        keep going to that caller's ``step()``.
         """
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Number)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompts)
+            params_list = [self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
@@ -84,46 +94,92 @@ class LLM:
                     f"got {len(params_list)} sampling_params for {len(prompts)} prompts; pass one or one per prompt"
                 )
         engine = self.llm_engine
-        for i, prompt in enumerate(prompts):
-            engine._tokenize(f"prompt {i}", prompt)  # raises ValueError naming the prompt index
+        waiter = _Waiter(len(prompts))
+        with engine.lock:
+            ids = [f"gen-{next(self._ids)}" for _ in prompts]
+            engine.add_requests(zip(ids, prompts, params_list), output_sink=waiter.deliver)
+        return self._wait(waiter, ids, use_tqdm)
 
-        ids = []
-        for prompt, params in zip(prompts, params_list):
-            rid = f"gen-{self._counter}"
-            self._counter += 1
-            engine.add_request(rid, prompt, params)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
-
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        final: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        bar = None
-        if use_tqdm and ids:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, unit="req")
-        t0 = time.perf_counter()
-        generated = 0
+    def _wait(self, waiter: _Waiter, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step the engine until this call's requests finished. Whichever waiting thread holds the engine lock
+        steps for all of them; the others check every few milliseconds whether their own requests are done."""
         engine = self.llm_engine
-        while len(final) < len(ids) and engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in wanted and out.request_id not in final:
-                    final[out.request_id] = out
-                    generated += len(out.outputs[0].token_ids)
-                    if bar is not None:
-                        bar.update(1)
-                        elapsed = max(time.perf_counter() - t0, 1e-9)
-                        bar.set_postfix_str(f"output {generated / elapsed:.1f} tok/s")
-        if bar is not None:
-            bar.close()
-        preempted = sum(1 for rid in ids if rid in final and final[rid].outputs[0].finish_reason == "preempted")
+        bar = _ProgressBar(len(ids)) if use_tqdm and ids else None
+        try:
+            while not waiter.done.is_set():
+                if not engine.lock.acquire(timeout=0.005):
+                    continue
+                try:
+                    if waiter.done.is_set():
+                        break
+                    if not engine.has_unfinished_requests():
+                        missing = [rid for rid in ids if rid not in waiter.final]
+                        raise RuntimeError(f"engine stopped with {len(missing)} requests unfinished: {missing[:5]}")
+                    engine.step_for_sinks()
+                finally:
+                    engine.lock.release()
+                if bar is not None:
+                    bar.show(len(waiter.final), waiter.num_tokens())
+        finally:
+            if bar is not None:
+                bar.close(len(waiter.final), waiter.num_tokens())
+        outputs = [waiter.final[rid] for rid in ids]
+        preempted = sum(1 for o in outputs if o.outputs[0].finish_reason == "preempted")
         if preempted:
             logger.warning(
                 "%d of %d requests were preempted for lack of KV cache blocks and finished early "
                 "(finish_reason='preempted'); raise num_kv_blocks / lower max_num_seqs, or pass "
-                "stop_preempted_request=False to recompute them instead", preempted, len(ids))
-        missing = [rid for rid in ids if rid not in final]
-        if missing:
-            raise RuntimeError(f"engine stopped with {len(missing)} requests unfinished: {missing[:5]}")
-        return [final[rid] for rid in ids]
+                "stop_preempted_request=False (CLI: --recompute-preempted) to recompute them instead",
+                preempted, len(ids))
+        return outputs
+
+
+class _Waiter:
+    """The output sink of one ``generate`` call: token counts so far, final outputs, and ``done`` once all of
+    its requests finished. Called by whichever thread runs the step."""
+
+    def __init__(self, num_requests: int) -> None:
+        self.num_requests = num_requests
+        self.final: dict[str, RequestOutput] = {}
+        self.tokens: dict[str, int] = {}
+        self.done = threading.Event()
+        if num_requests == 0:
+            self.done.set()
+
+    def deliver(self, out: RequestOutput) -> None:
+        self.tokens[out.request_id] = len(out.outputs[0].token_ids)
+        if out.finished:
+            self.final[out.request_id] = out
+            if len(self.final) == self.num_requests:
+                self.done.set()
+
+    def num_tokens(self) -> int:
+        return sum(self.tokens.values())
+
+
+class _ProgressBar:
+    """Finished requests as the bar, generated tokens and their rate as the postfix, redrawn as tokens come."""
+
+    MIN_INTERVAL_S = 0.1
+
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="req")
+        self.t0 = self.last_draw = time.perf_counter()
+
+    def show(self, finished: int, tokens: int, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and finished == self.bar.n and now - self.last_draw < self.MIN_INTERVAL_S:
+            return
+        self.last_draw = now
+        rate = tokens / max(now - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{tokens} tok generated, {rate:.1f} tok/s", refresh=False)
+        self.bar.n = finished
+        self.bar.refresh()
+
+    def close(self, finished: int, tokens: int) -> None:
+        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{tokens} tok generated, {rate:.1f} tok/s", refresh=False)
+        self.bar.n = finished
+        self.bar.close()  # draws the final state once

@@ -4,12 +4,16 @@ Python owns requests, tokenization, stop checks and outputs; the C++ ``Scheduler
 policy; the ``Worker`` owns the step. Bad input raises ``ValueError`` at ``add_request`` and never disturbs the
 requests already running; a request the scheduler cannot serve (prompt longer than ``max_model_len``, more blocks
 than the pool) finishes with ``finish_reason="ignored"`` and a message naming the limit.
+
+Thread safety: every public method takes ``self.lock`` (re-entrant), so threads may share one engine. Each
+request's outputs go to whoever added it (``engine/output_router.py``), whichever thread runs the step.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Iterable, Sequence
 
@@ -18,7 +22,10 @@ import numpy as np
 from deepinfer_npu import _core
 from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_npu.engine.engine_stats import SpecCounters, new_counters, stats_report
+from deepinfer_npu.engine.generation_config import load_generation_defaults
 from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
+from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
 from deepinfer_npu.engine.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from deepinfer_npu.engine.request import Request
 from deepinfer_npu.engine.sampling_params import SamplingParams
@@ -47,8 +54,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.check_model_dir()
         self.backend = get_backend(config.backend)
         self.model_config = DeepseekModelConfig.from_pretrained(config.model_dir)
+        config.check_weights()  # before the runner allocates weights and KV cache
+        self.generation_defaults = load_generation_defaults(config.model_dir)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
@@ -68,6 +78,9 @@ class LLMEngine:
         if self.drafter is not None and config.varlen_verification:
             self.varlen = VarlenController(self, sched_cfg)
         self.vocab_size = self.model_config.vocab_size
+        self.lock = threading.RLock()
+        self._router = OutputRouter()
+        self._stepping_thread = threading.get_ident()
 
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
@@ -75,16 +88,8 @@ class LLMEngine:
         self._next_seq_id = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._step_id = 0
-        self.stats = {
-            "num_steps": 0, "prefill_steps": 0, "decode_steps": 0, "prompt_tokens": 0,
-            "generation_tokens": 0, "preempted_requests": 0, "ignored_requests": 0, "aborted_requests": 0,
-            "forward_ms": 0.0, "sample_ms": 0.0, "model_ms": 0.0, "step_ms": 0.0, "host_wait_ms": 0.0,
-            "spec_verify_steps": 0, "spec_verify_rows": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0,
-            "spec_emitted_tokens": 0, "varlen_resplit_rows": 0,
-        }
-        k = config.nextn
-        self._pos_drafted = np.zeros(max(k, 1), dtype=np.int64)
-        self._pos_accepted = np.zeros(max(k, 1), dtype=np.int64)
+        self.stats = new_counters()
+        self.spec_counters = SpecCounters(config.nextn)
 
     def _scheduler_config(self):
         c = self.config
@@ -111,16 +116,69 @@ class LLMEngine:
         request_id: str,
         prompt: str | dict | Sequence[int] | None,
         sampling_params: SamplingParams | None = None,
+        *,
+        output_sink: OutputSink | None = None,
     ) -> None:
-        """Queue a request. ``prompt``: text, ``{"prompt_token_ids": [...]}`` / ``{"prompt": text}``, or ids."""
-        request_id = str(request_id)
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        """Queue a request. ``prompt``: text, ``{"prompt_token_ids": [...]}`` / ``{"prompt": text}``, or ids.
+
+        ``sampling_params=None`` takes :meth:`default_sampling_params`. Without ``output_sink`` the request's
+        outputs are returned by ``step()``; with one, every output of the request is handed to it instead.
+        """
+        self.add_requests([(request_id, prompt, sampling_params)], output_sink=output_sink)
+
+    def add_requests(self, requests: Iterable[tuple], *, output_sink: OutputSink | None = None) -> None:
+        """Queue several ``(request_id, prompt, sampling_params)`` at once, all or nothing: every request is
+        validated before any is queued, so a ``ValueError`` / ``TypeError`` leaves the engine unchanged."""
+        with self.lock:
+            requests = list(requests)
+            checked, ids = [], set()
+            for index, (request_id, prompt, params) in enumerate(requests):
+                request_id = str(request_id)
+                try:
+                    if request_id in self._requests or request_id in ids:
+                        raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                    ids.add(request_id)
+                    checked.append(self._validate(request_id, prompt, params))
+                except (ValueError, TypeError) as e:
+                    if len(requests) == 1:
+                        raise
+                    raise type(e)(f"{e} (index {index} of the {len(requests)} submitted; none was queued)") from e
+            self._warn_capped(checked)
+            for request_id, text, prompt_ids, params in checked:
+                self._enqueue(request_id, text, prompt_ids, params, output_sink)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` defaults (temperature, top_k, top_p),
+        as vLLM's ``LLM.get_default_sampling_params``."""
+        return SamplingParams(**self.generation_defaults)
+
+    def _validate(self, request_id: str, prompt, params) -> tuple[str, str | None, list[int], SamplingParams]:
+        params = params if params is not None else self.default_sampling_params()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                            f"got {type(params).__name__}")
         self._check_params(request_id, params)
         text, ids = self._tokenize(request_id, prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings need a tokenizer, and {self.config.model_dir} has no "
+                "tokenizer.json; use stop_token_ids instead"
+            )
+        return request_id, text, ids, params
+
+    def _warn_capped(self, checked: list) -> None:
+        """One line when max_model_len, not max_tokens, will end some of these requests."""
+        capped = [(rid, len(ids), p.max_tokens) for rid, _, ids, p in checked
+                  if p.max_tokens is not None and len(ids) < self.max_model_len < len(ids) + p.max_tokens]
+        if capped:
+            rid, n_prompt, max_tokens = capped[0]
+            logger.warning(
+                "%d of %d requests ask for more tokens than max_model_len=%d holds (e.g. %r: %d prompt + "
+                "max_tokens=%d); they stop at max_model_len with finish_reason='length'",
+                len(capped), len(checked), self.max_model_len, rid, n_prompt, max_tokens)
+
+    def _enqueue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                 output_sink: OutputSink | None) -> None:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
         req = Request(request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=ids,
                       params=params, seed=seed)
@@ -129,16 +187,12 @@ class LLMEngine:
         if params.logprobs is not None:
             req.logprobs = []
             req.cumulative_logprob = 0.0
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {request_id!r}: stop strings need a tokenizer, and {self.config.model_dir} has no "
-                "tokenizer.json; use stop_token_ids instead"
-            )
         req.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(ids))
         self._next_seq_id += 1
         self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
         self._requests[request_id] = req
         self._by_seq[req.seq_id] = req
+        self._router.register(request_id, output_sink)
 
     def _max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         # max_tokens=None: limited by max_model_len only (a prompt too long for it is ignored by the scheduler).
@@ -178,8 +232,11 @@ class LLMEngine:
         copied when the child is first scheduled, and a parent that ran far ahead by then would hand the child a
         drafter state from later positions (drafts are only proposals, so outputs stay exact either way).
         """
-        child_id = str(child_id)
-        parent = self._requests.get(str(parent_id))
+        with self.lock:
+            self._fork(str(parent_id), str(child_id), sampling_params)
+
+    def _fork(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None) -> None:
+        parent = self._requests.get(parent_id)
         if parent is None or parent.finished:
             raise ValueError(f"fork_request: parent {parent_id!r} is not an unfinished request")
         if child_id in self._requests:
@@ -220,24 +277,46 @@ class LLMEngine:
             ids = [request_id]
         else:
             ids = list(request_id)
-        for rid in ids:
-            req = self._requests.get(str(rid))
-            if req is None or req.finished:
-                continue
-            self.scheduler.abort(req.seq_id)
-            self.stats["aborted_requests"] += 1
-            self._finish(req, "abort", message="aborted by the caller", notify_scheduler=False)
-            self._pending_outputs.append(self._make_output(req))
+        with self.lock:
+            for rid in ids:
+                req = self._requests.get(str(rid))
+                if req is None or req.finished:
+                    continue
+                self.scheduler.abort(req.seq_id)
+                self.stats["aborted_requests"] += 1
+                self._finish(req, "abort", message="aborted by the caller", notify_scheduler=False)
+                self._pending_outputs.append(self._make_output(req))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending_outputs) or self.worker.has_pending_step
+        """True while a request runs, a step is in flight, or outputs wait for ``step()`` to return them."""
+        with self.lock:
+            return (bool(self._requests) or bool(self._pending_outputs) or self.worker.has_pending_step
+                    or self._router.has_kept())
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        with self.lock:
+            return len(self._requests)
+
+    def unfinished_request_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._requests)
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return outputs of requests that progressed or finished."""
+        """Schedule and run one step; return the outputs of requests added without an output sink that
+        progressed or finished (also those produced by steps other threads ran since the last call)."""
+        with self.lock:
+            return self._router.route(self._step(), for_step_caller=True)
+
+    def step_for_sinks(self) -> None:
+        """Run one step for callers waiting on output sinks (``LLM.generate``): sink outputs go to their sinks,
+        the outputs of sink-less requests are kept for the next ``step()``."""
+        with self.lock:
+            self._router.route(self._step(), for_step_caller=False)
+
+    def _step(self) -> list[RequestOutput]:
+        if threading.get_ident() != self._stepping_thread:
+            self._bind_device_to_thread()
         t0 = time.perf_counter()
         outputs, self._pending_outputs = self._pending_outputs, []
         vote = self.scheduler.prefill_vote()
@@ -261,6 +340,18 @@ class LLMEngine:
         outputs += self._apply_results(results)
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs
+
+    def _bind_device_to_thread(self) -> None:
+        """The current device is per thread (CUDA, NPU): a step run by another thread than the one that built
+        the engine selects the engine's device first."""
+        self._stepping_thread = threading.get_ident()
+        if self.backend.device_type == "cpu":
+            return
+        import torch
+
+        module = getattr(torch, self.backend.device_type, None)
+        if module is not None and hasattr(module, "set_device"):
+            module.set_device(self.backend.device_index)
 
     def _step_requests(self, plan: StepPlan) -> StepRequests:
         return build_step_requests(plan, self._by_seq, self.config.nextn, self.max_model_len, self._eos_ids)
@@ -290,18 +381,7 @@ class LLMEngine:
 
     def _record_spec(self, res: StepResult) -> None:
         live = np.array([self._by_seq.get(int(s)) is not None for s in res.seq_ids], dtype=bool)
-        d, a = res.num_drafts[live], res.num_accepted[live]
-        st = self.stats
-        st["spec_verify_steps"] += 1
-        st["spec_verify_rows"] += int(live.sum())
-        st["spec_draft_tokens"] += int(d.sum())
-        st["spec_accepted_tokens"] += int(a.sum())
-        st["spec_emitted_tokens"] += int((a + 1).sum())
-        if res.planned_drafts is not None:  # rows whose split the device changed (ZOS + varlen, N-1 rule)
-            st["varlen_resplit_rows"] += int((res.planned_drafts[live] != d).sum())
-        for pos in range(len(self._pos_drafted)):
-            self._pos_drafted[pos] += int((d > pos).sum())
-            self._pos_accepted[pos] += int((a > pos).sum())
+        self.spec_counters.record(self.stats, res, live)
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs) -> None:
         if req.first_token_time is None:
@@ -318,7 +398,7 @@ class LLMEngine:
                 req.cumulative_logprob += entry[0]
         if reason is not None:
             req.stop_reason = stop_reason
-            self._finish(req, reason)
+            self._finish(req, reason, message=req.stop_checker.finish_message)
 
     def _logprob_dict(self, token_id: int, entry) -> dict:
         sampled_lp, sampled_rank, top_ids, top_lps = entry
@@ -375,25 +455,5 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
-        s = dict(self.stats)
-        s["preemptions"] = int(self.scheduler.num_preemptions)  # finished or recomputed
-        s["kv_usage"] = float(self.scheduler.kv_usage())
-        s["num_kv_blocks"] = self.runner.num_kv_blocks
-        s["backend"] = self.backend.name
-        graphs = self.worker.graphs
-        s["graph_steps"] = self.worker.graph_steps  # decode steps replayed from captured graphs
-        if graphs is not None:
-            s["graphs_captured"] = sorted(graphs.graphs.static_out)
-            s["graphs_disabled"] = graphs.disabled
-        if self.config.nextn:
-            rows = max(s["spec_verify_rows"], 1)
-            s["speculative_method"] = self.config.speculative_method
-            s["num_speculative_tokens"] = self.config.nextn
-            s["mean_accepted_length"] = s["spec_emitted_tokens"] / rows
-            s["mean_verify_length"] = s["spec_draft_tokens"] / rows
-            s["draft_acceptance_rate"] = s["spec_accepted_tokens"] / max(s["spec_draft_tokens"], 1)
-            s["per_position_acceptance"] = [
-                float(acc / dr) if dr else None for acc, dr in zip(self._pos_accepted, self._pos_drafted)
-            ]
-            s["varlen_verification"] = self.varlen is not None
-        return s
+        with self.lock:
+            return stats_report(self)

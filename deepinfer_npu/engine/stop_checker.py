@@ -150,7 +150,10 @@ class StopChecker:
         if p.max_tokens is not None and n_out >= p.max_tokens:
             self._finish(FinishReason.LENGTH, None, f"max_tokens={p.max_tokens} reached")
         elif self.max_model_len is not None and self.num_prompt_tokens + n_out >= self.max_model_len:
-            self._finish(FinishReason.LENGTH, None, f"max_model_len={self.max_model_len} reached")
+            cut_short = f", before max_tokens={p.max_tokens}" if p.max_tokens is not None else ""
+            self._finish(FinishReason.LENGTH, None,
+                         f"max_model_len={self.max_model_len} reached ({self.num_prompt_tokens} prompt + "
+                         f"{n_out} generated tokens{cut_short})")
         if self.finished:
             self._flush()
 

@@ -1,0 +1,82 @@
+"""The progress bar counts tokens as they are generated; Ctrl-C during a CLI run keeps the finished completions,
+prints a one-line note and exits 130."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import tqdm.auto
+
+from deepinfer_npu import SamplingParams
+
+from .conftest import needs_ref
+
+pytestmark = needs_ref
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _RecordingBar:
+    draws: list = []
+
+    def __init__(self, *args, total=None, **kwargs):
+        self.n, self.total, self.postfix = 0, total, ""
+
+    def set_postfix_str(self, s="", refresh=True):
+        self.postfix = s
+        if refresh:
+            self.refresh()
+
+    def update(self, n=1):
+        self.n += n
+        self.refresh()
+
+    def refresh(self):
+        _RecordingBar.draws.append((self.n, self.postfix))
+
+    def close(self):
+        self.refresh()
+
+
+def test_progress_bar_shows_tokens_before_any_request_finishes(llm, monkeypatch):
+    monkeypatch.setattr(tqdm.auto, "tqdm", _RecordingBar)
+    _RecordingBar.draws = []
+    llm.generate(["def fibonacci(n):\n"], SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
+    early = [postfix for n, postfix in _RecordingBar.draws if n == 0 and re.search(r"\b[1-9]\d* tok", postfix)]
+    assert early, _RecordingBar.draws[:5]
+    assert "150 tok" in _RecordingBar.draws[-1][1]
+
+
+def test_ctrl_c_keeps_finished_completions_and_exits_130():
+    env = dict(os.environ, DEEPINFER_CPU_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "deepinfer_npu.run", "--max-num-seqs", "1", "--max-tokens", "150",
+           "--temperature", "0", "--prompt", "def f(x):\n", "--prompt", "class A:\n", "--prompt", "import os\n"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    err_chunks: list[bytes] = []
+
+    def read_stderr():
+        while chunk := proc.stderr.read1(4096):
+            err_chunks.append(chunk)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while b"1/3" not in b"".join(err_chunks):
+        assert proc.poll() is None and time.monotonic() < deadline, b"".join(err_chunks)[-800:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)  # stdout (a few completions) fits the pipe; the reader thread drains stderr
+    reader.join(30)
+    err = b"".join(err_chunks).decode()
+    out = proc.stdout.read().decode()
+    assert proc.returncode == 130, err[-800:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "=== completion 0 (150 tokens, finish: length)" in out
+    assert "=== completion 2" not in out
+    assert re.search(r"interrupted: [12] of 3 completions had finished \(printed\); the rest were aborted", err)
