@@ -66,6 +66,10 @@ class EngineConfig:
     # Compile every kernel variant the engine can reach at start-up (KernelSet.warmup: CUDA's TileLang kernels),
     # after the model is loaded and before graphs are captured; False: each compiles at its first use.
     kernel_warmup: bool = True
+    # Data-parallel ranks on this host: one process and one device each (deepinfer_npu/distributed/dp_engine.py);
+    # every wait across processes gives up after distributed_timeout_s with an error naming the rank.
+    data_parallel_size: int = 1
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -79,7 +83,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "prefill_attempt_interval",
-                     "prefill_any_attempt_interval", "kv_cache_memory_bytes"):
+                     "prefill_any_attempt_interval", "kv_cache_memory_bytes", "data_parallel_size"):
             positive(name)
         for name in ("max_num_prompts", "prefill_max_sum_seqlen_k", "seed"):
             non_negative(name)
@@ -113,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"kernel_warmup must be True or False, got {self.kernel_warmup!r}")
         if self.graph_capture not in ("lazy", "startup"):
             raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
+        if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 1:
+            raise ValueError(f"distributed_timeout_s must be a number of seconds > 1, got {self.distributed_timeout_s!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
 

@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every kernel variant the engine can reach at start-up (cuda: TileLang)")
 
+    dp = p.add_argument_group("multi-device")
+    dp.add_argument("--data-parallel-size", type=int, default=1,
+                    help="data-parallel ranks on this host: one process and one device each")
+    dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
+                    help="seconds any wait across rank processes may take before the run stops naming the rank")
+
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
     o.add_argument("--list-ops", action="store_true", help="print the backend's op report (native / fallback)")

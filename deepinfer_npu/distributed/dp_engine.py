@@ -1,16 +1,17 @@
 """Data-parallel engine: ``LLMEngine``'s API over one process per rank, each with its own engine and device.
 
-The front-end (this object, in the caller's process) hands each request to the least-loaded rank (prompt plus
-remaining output tokens of its unfinished requests), forwards aborts to the owning rank and returns outputs as
-ranks produce them. Each rank process binds one device (the ``local_rank``-th of ``CUDA_VISIBLE_DEVICES`` /
-``ASCEND_RT_VISIBLE_DEVICES`` when set), joins the process groups (``parallel_state``) and runs its
-``LLMEngine`` loop. Per-request seeds are drawn here, in submission order, from ``EngineConfig.seed``, so sampled
-outputs do not depend on which rank serves a request.
+The front-end (this object, in the caller's process) validates every submission on rank 0 before any request is
+queued (all or nothing, as ``LLMEngine.add_requests``), hands each request to the least-loaded rank (prompt plus
+output tokens of its unfinished requests), forwards aborts to the owning rank and routes outputs to whoever added
+each request (``OutputRouter``, as ``LLMEngine``). Each rank process binds one device (the ``local_rank``-th of
+``CUDA_VISIBLE_DEVICES`` / ``ASCEND_RT_VISIBLE_DEVICES`` when set), joins the process groups and runs its
+``LLMEngine`` loop (``rank_worker``). Per-request seeds are drawn here, in submission order, from
+``EngineConfig.seed``, so sampled outputs do not depend on which rank serves a request.
 
-Failure behaviour: a request a rank rejects raises ``ValueError`` from ``add_request`` (the rank keeps serving
-the others); a rank that exits, or sends no heartbeat for ``timeout_s``, makes the next call raise
-``RuntimeError`` naming the rank, and the other ranks are stopped. Rank processes ignore SIGINT: Ctrl-C reaches
-the front-end, whose ``shutdown`` stops every rank.
+Failure behaviour: a request the ranks reject raises ``ValueError`` / ``TypeError`` here and the ranks keep
+serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, makes the next call raise
+``RuntimeError`` naming the rank, and every rank is stopped. Rank processes ignore SIGINT: Ctrl-C reaches the
+front-end, whose ``shutdown`` stops every rank.
 """
 
 from __future__ import annotations
@@ -18,19 +19,23 @@ from __future__ import annotations
 import dataclasses
 import queue as queue_mod
 import socket
+import threading
 import time
+import types
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch.multiprocessing as mp
 
 from deepinfer_npu.config import EngineConfig
+from deepinfer_npu.engine.generation_config import load_generation_defaults
+from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
 from deepinfer_npu.engine.outputs import RequestOutput
 from deepinfer_npu.engine.sampling_params import SamplingParams
+from deepinfer_npu.engine.tokenizer import load_tokenizer
 
+from .dp_stats import merge_rank_stats
 from .rank_worker import RankSpec, rank_main
-
-DEFAULT_TIMEOUT_S = 120.0
 
 
 def _free_port() -> int:
@@ -40,51 +45,55 @@ def _free_port() -> int:
 
 
 class DPEngine:
-    """``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` over ``data_parallel_size``
-    rank processes on this host."""
+    """``add_request(s)`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` / ``get_stats`` over
+    ``config.data_parallel_size`` rank processes on this host; thread-safe like ``LLMEngine`` (``lock``)."""
 
-    def __init__(self, config: EngineConfig, data_parallel_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 master_port: int | None = None, heartbeat_s: float = 1.0) -> None:
-        if data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-        if timeout_s <= heartbeat_s:
-            raise ValueError(f"timeout_s={timeout_s} must exceed the heartbeat interval {heartbeat_s}")
+    def __init__(self, config: EngineConfig, *, master_port: int | None = None, heartbeat_s: float = 1.0) -> None:
         self.config = config
-        self.world_size = data_parallel_size
-        self.timeout_s = timeout_s
+        self.world_size = config.data_parallel_size
+        self.timeout_s = float(config.distributed_timeout_s)
+        if self.timeout_s <= heartbeat_s:
+            raise ValueError(f"distributed_timeout_s={self.timeout_s} must exceed the heartbeat interval "
+                             f"{heartbeat_s} s")
+        self.lock = threading.RLock()
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.generation_defaults = load_generation_defaults(config.model_dir)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(data_parallel_size)]
+        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         port = master_port or _free_port()
         self._procs = []
-        for rank in range(data_parallel_size):
-            spec = RankSpec(rank=rank, world_size=data_parallel_size, master_port=port, config=config,
-                            heartbeat_s=heartbeat_s, timeout_s=timeout_s)
+        for rank in range(self.world_size):
+            spec = RankSpec(rank=rank, world_size=self.world_size, master_port=port, config=config,
+                            heartbeat_s=heartbeat_s, timeout_s=self.timeout_s)
             proc = ctx.Process(target=rank_main, args=(spec, self._inboxes[rank], self._outbox),
                                name=f"deepinfer-dp-rank{rank}", daemon=True)
             proc.start()
             self._procs.append(proc)
-        self._last_seen = [time.monotonic()] * data_parallel_size
+        self._last_seen = [time.monotonic()] * self.world_size
         self._owner: dict[str, int] = {}
         self._load: dict[str, int] = {}
-        self._rank_load = [0] * data_parallel_size
-        self._outputs: list[RequestOutput] = []
-        self._acks: dict[str, str | None] = {}
+        self._rank_load = [0] * self.world_size
+        self._router = OutputRouter()
+        self._replies: dict[tuple, object] = {}
+        self._next_token = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._closed = False
-        self.rank_info: list[dict] = [{} for _ in range(data_parallel_size)]
+        self.rank_info: list[dict] = [{} for _ in range(self.world_size)]
         self._wait_ready()
+        # what the CLI reads from an LLMEngine's backend and runner
+        self.backend = types.SimpleNamespace(name=self.rank_info[0]["backend"])
+        self.runner = types.SimpleNamespace(dtype=self.rank_info[0]["dtype"],
+                                            num_kv_blocks=self.rank_info[0]["num_kv_blocks"])
 
     # ------------------------------------------------------------------ lifecycle
     def _wait_ready(self) -> None:
-        pending = set(range(self.world_size))
         deadline = time.monotonic() + self.timeout_s
-        while pending:
+        while not all(self.rank_info):
             self._pump(max(0.0, min(1.0, deadline - time.monotonic())))
-            pending = {r for r in pending if not self.rank_info[r]}
-            if pending and time.monotonic() > deadline:
-                self.shutdown()
-                raise RuntimeError(f"DP ranks {sorted(pending)} did not start within {self.timeout_s:.0f} s")
+            if not all(self.rank_info) and time.monotonic() > deadline:
+                pending = [r for r in range(self.world_size) if not self.rank_info[r]]
+                self._fail(f"DP ranks {pending} did not start within {self.timeout_s:.0f} s")
 
     def shutdown(self) -> None:
         if self._closed:
@@ -99,7 +108,7 @@ class DPEngine:
                 proc.terminate()
                 proc.join(timeout=5)
 
-    def __del__(self) -> None:  # best effort: never leave rank processes behind
+    def __del__(self) -> None:  # never leave rank processes behind
         try:
             self.shutdown()
         except Exception:
@@ -118,34 +127,50 @@ class DPEngine:
             if now - self._last_seen[rank] > self.timeout_s:
                 self._fail(f"DP rank {rank} sent nothing for {self.timeout_s:.0f} s (hung?); every rank was stopped")
 
-    def _pump(self, wait_s: float) -> None:
-        """Read every message that is ready (waiting up to ``wait_s`` for the first one)."""
+    def _pump(self, wait_s: float) -> list[RequestOutput]:
+        """Read every message that is ready (waiting up to ``wait_s`` for the first); return the outputs."""
         if self._closed:
-            raise RuntimeError("the DP engine has been shut down")
+            raise RuntimeError("the data-parallel engine has been shut down")
+        outputs: list[RequestOutput] = []
         try:
             msg = self._outbox.get(timeout=wait_s) if wait_s > 0 else self._outbox.get_nowait()
         except queue_mod.Empty:
-            self._check_alive()
-            return
-        while True:
+            msg = None
+        while msg is not None:
             kind, rank = msg[0], msg[1]
             self._last_seen[rank] = time.monotonic()
             if kind == "ready":
                 self.rank_info[rank] = msg[2]
-            elif kind == "ack":
-                self._acks[msg[2]] = msg[3]
+            elif kind == "reply":
+                self._replies[(rank, msg[2])] = msg[3]
             elif kind == "outputs":
                 for out in msg[2]:
                     if out.finished:
                         self._release(out.request_id)
-                self._outputs.extend(msg[2])
+                outputs.extend(msg[2])
             elif kind == "fatal":
                 self._fail(f"DP rank {rank} failed:\n{msg[2]}")
             try:
                 msg = self._outbox.get_nowait()
             except queue_mod.Empty:
-                break
+                msg = None
         self._check_alive()
+        return outputs
+
+    def _ask(self, rank: int, what: str, *payload):
+        """Send a request to ``rank`` and wait for its reply (other messages keep flowing meanwhile)."""
+        token = self._next_token
+        self._next_token += 1
+        self._inboxes[rank].put((what, token, *payload))
+        deadline = time.monotonic() + self.timeout_s
+        pending: list[RequestOutput] = []
+        while (rank, token) not in self._replies:
+            pending += self._pump(min(0.5, max(0.01, deadline - time.monotonic())))
+            if (rank, token) not in self._replies and time.monotonic() > deadline:
+                self._fail(f"DP rank {rank} did not answer {what!r} within {self.timeout_s:.0f} s")
+        if pending:
+            self._router.route(pending, for_step_caller=False)  # kept for the next step() / their sinks
+        return self._replies.pop((rank, token))
 
     def _release(self, request_id: str) -> None:
         rank = self._owner.pop(request_id, None)
@@ -153,54 +178,90 @@ class DPEngine:
             self._rank_load[rank] -= self._load.pop(request_id, 0)
 
     # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation_defaults)
+
     def add_request(self, request_id: str, prompt: str | dict | Sequence[int] | None,
-                    sampling_params: SamplingParams | None = None) -> None:
-        request_id = str(request_id)
-        if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.seed is None:  # drawn here, in submission order: independent of the serving rank
-            params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2**63 - 1)))
-        rank = min(range(self.world_size), key=lambda r: (self._rank_load[r], r))
-        self._inboxes[rank].put(("add", request_id, prompt, params))
-        deadline = time.monotonic() + self.timeout_s
-        while request_id not in self._acks:
-            self._pump(min(0.5, max(0.0, deadline - time.monotonic())))
-            if request_id not in self._acks and time.monotonic() > deadline:
-                self._fail(f"DP rank {rank} did not answer add_request({request_id!r}) within {self.timeout_s:.0f} s")
-        error = self._acks.pop(request_id)
-        if error is not None:
-            raise ValueError(error)
-        prompt_len = len(prompt) if isinstance(prompt, (list, tuple)) else 0
-        load = prompt_len + (params.max_tokens or 0) + 1
-        self._owner[request_id] = rank
-        self._load[request_id] = load
-        self._rank_load[rank] += load
+                    sampling_params: SamplingParams | None = None, *, output_sink: OutputSink | None = None) -> None:
+        self.add_requests([(request_id, prompt, sampling_params)], output_sink=output_sink)
+
+    def add_requests(self, requests: Iterable[tuple], *, output_sink: OutputSink | None = None) -> None:
+        """All or nothing: rank 0 validates every request (the ranks run one configuration) before any is queued."""
+        with self.lock:
+            batch = []
+            for request_id, prompt, params in requests:
+                request_id = str(request_id)
+                if request_id in self._owner:
+                    raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                params = params if params is not None else self.default_sampling_params()
+                if isinstance(params, SamplingParams) and params.seed is None:  # independent of the serving rank
+                    params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2**63 - 1)))
+                batch.append((request_id, prompt, params))
+            error = self._ask(0, "validate", batch)
+            if error is not None:
+                raise error
+            per_rank: dict[int, list] = {}
+            for request_id, prompt, params in batch:
+                rank = min(range(self.world_size), key=lambda r: (self._rank_load[r], r))
+                load = self._request_load(prompt, params)
+                self._owner[request_id], self._load[request_id] = rank, load
+                self._rank_load[rank] += load
+                self._router.register(request_id, output_sink)
+                per_rank.setdefault(rank, []).append((request_id, prompt, params))
+            for rank, items in per_rank.items():
+                error = self._ask(rank, "add", items)
+                if error is not None:  # validated on rank 0 already: a rank that disagrees is a bug, not input
+                    self._fail(f"DP rank {rank} refused requests rank 0 accepted: {error}")
+
+    def _request_load(self, prompt, params: SamplingParams) -> int:
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            n = len(prompt["prompt_token_ids"])
+        elif isinstance(prompt, (list, tuple)):
+            n = len(prompt)
+        elif self.tokenizer is not None:
+            text = prompt["prompt"] if isinstance(prompt, dict) else prompt
+            n = len(self.tokenizer.encode(text or ""))
+        else:
+            n = 0
+        return n + (params.max_tokens or 0) + 1
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else [str(r) for r in request_id]
-        for rid in ids:
-            rank = self._owner.get(rid)
-            if rank is not None:
-                self._inboxes[rank].put(("abort", rid))
+        with self.lock:
+            for rid in ids:
+                rank = self._owner.get(rid)
+                if rank is not None:
+                    self._inboxes[rank].put(("abort", None, rid))
 
     def step(self) -> list[RequestOutput]:
-        """Outputs produced since the last call (waits briefly for some when requests are unfinished)."""
-        self._pump(0.05 if self._owner and not self._outputs else 0.0)
-        outputs, self._outputs = self._outputs, []
-        return outputs
+        """Outputs of requests added without a sink, produced since the last call (waits briefly for some)."""
+        with self.lock:
+            outputs = self._pump(0.05 if self._owner and not self._router.has_kept() else 0.0)
+            return self._router.route(outputs, for_step_caller=True)
+
+    def step_for_sinks(self) -> None:
+        with self.lock:
+            self._router.route(self._pump(0.05 if self._owner else 0.0), for_step_caller=False)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._owner) or bool(self._outputs)
+        with self.lock:
+            return bool(self._owner) or self._router.has_kept()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._owner)
+        with self.lock:
+            return len(self._owner)
+
+    def unfinished_request_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._owner)
 
     def requests_per_rank(self) -> list[int]:
-        counts = [0] * self.world_size
-        for rank in self._owner.values():
-            counts[rank] += 1
-        return counts
+        with self.lock:
+            counts = [0] * self.world_size
+            for rank in self._owner.values():
+                counts[rank] += 1
+            return counts
 
+    def get_stats(self) -> dict:
+        with self.lock:
+            return merge_rank_stats([self._ask(rank, "stats") for rank in range(self.world_size)])

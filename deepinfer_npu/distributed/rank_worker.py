@@ -1,7 +1,8 @@
 """One data-parallel rank: binds its device, joins the process groups, runs its ``LLMEngine`` loop.
 
-Messages in (from the front-end): ``("add", request_id, prompt, params)``, ``("abort", request_id)``,
-``("shutdown",)``. Messages out: ``("ready", rank, info)``, ``("ack", rank, request_id, error_or_None)``,
+Messages in (from the front-end): ``(what, token, *payload)`` with ``what`` one of ``validate`` / ``add`` (a
+list of ``(request_id, prompt, params)``), ``abort`` (a request id), ``stats``, ``shutdown``; a message with a
+token gets ``("reply", rank, token, value)``. Messages out besides replies: ``("ready", rank, info)``,
 ``("outputs", rank, [RequestOutput])``, ``("heartbeat", rank)``, ``("fatal", rank, traceback_text)``.
 """
 
@@ -62,13 +63,38 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
                                               timeout_s=spec.timeout_s))
         engine = LLMEngine(spec.config)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
-                                         "num_kv_blocks": engine.runner.num_kv_blocks}))
+                                         "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks}))
         try:
             _serve(spec, engine, inbox, outbox)
         finally:
             destroy_process_groups()
     except Exception:
         outbox.put(("fatal", spec.rank, traceback.format_exc()))
+
+
+def _handle(engine, msg) -> object:
+    """Run one front-end request; the reply (None or the exception a bad request raised)."""
+    what, payload = msg[0], msg[2:]
+    if what == "validate":
+        try:
+            for index, (request_id, prompt, params) in enumerate(payload[0]):
+                engine._validate(request_id, prompt, params)
+        except (ValueError, TypeError) as e:
+            n = len(payload[0])
+            return e if n == 1 else type(e)(f"{e} (index {index} of the {n} submitted; none was queued)")
+        return None
+    if what == "add":
+        try:
+            engine.add_requests(payload[0])
+        except (ValueError, TypeError) as e:
+            return e
+        return None
+    if what == "stats":
+        return engine.get_stats()
+    if what == "abort":
+        engine.abort_request(payload[0])
+        return None
+    raise ValueError(f"unknown front-end message {what!r}")
 
 
 def _serve(spec: RankSpec, engine, inbox, outbox) -> None:
@@ -82,15 +108,9 @@ def _serve(spec: RankSpec, engine, inbox, outbox) -> None:
         while msg is not None:
             if msg[0] == "shutdown":
                 return
-            if msg[0] == "add":
-                _, request_id, prompt, params = msg
-                try:
-                    engine.add_request(request_id, prompt, params)
-                    outbox.put(("ack", spec.rank, request_id, None))
-                except (ValueError, TypeError) as exc:  # a bad request is answered; the rank keeps serving
-                    outbox.put(("ack", spec.rank, request_id, str(exc)))
-            elif msg[0] == "abort":
-                engine.abort_request(msg[1])
+            reply = _handle(engine, msg)
+            if msg[1] is not None:  # a token: the front-end waits for this reply
+                outbox.put(("reply", spec.rank, msg[1], reply))
             try:
                 msg = inbox.get_nowait()
             except queue_mod.Empty:

@@ -51,7 +51,12 @@ class LLM:
             model=model, backend=backend, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed, **kwargs,
         )
-        self.llm_engine = LLMEngine(config)
+        if config.data_parallel_size > 1:
+            from deepinfer_npu.distributed.dp_engine import DPEngine
+
+            self.llm_engine = DPEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

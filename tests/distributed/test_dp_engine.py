@@ -1,5 +1,6 @@
-"""The data-parallel engine over real rank processes (CPU backend, gloo): same tokens as one engine, requests
-spread over the ranks, bad requests answered without stalling the others, aborts, and a dead rank reported."""
+"""The data-parallel engine over real rank processes (CPU backend, gloo): the same tokens as one engine, requests
+spread over the ranks, all-or-nothing submission, bad requests answered without stalling the others, aborts,
+merged stats, and a dead rank named."""
 
 from __future__ import annotations
 
@@ -9,74 +10,73 @@ import time
 
 import pytest
 
+from deepinfer_npu import LLM
 from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.distributed.dp_engine import DPEngine
 from deepinfer_npu.distributed.rank_worker import visible_device_for
-from deepinfer_npu.engine.llm_engine import LLMEngine
 from deepinfer_npu.engine.sampling_params import SamplingParams
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# sort a list\n",
            "with open("]
 
 
-def _run(engine, params_for) -> dict[str, list[int]]:
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, params_for(i))
-    done: dict[str, list[int]] = {}
-    deadline = time.monotonic() + 300
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "requests did not finish"
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return done
+def _params(i: int) -> SamplingParams:  # greedy, and sampling seeded by the front-end in submission order
+    return SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def dp_engine():
-    engine = DPEngine(EngineConfig(max_num_seqs=8, seed=3), data_parallel_size=2, timeout_s=60)
-    yield engine
-    engine.shutdown()
+def dp_llm():
+    llm = LLM(max_num_seqs=8, seed=3, data_parallel_size=2, distributed_timeout_s=60)
+    yield llm
+    llm.llm_engine.shutdown()
 
 
-def test_tokens_equal_single_engine_and_requests_spread(dp_engine):
-    def params(i):  # greedy and seeded-by-the-front-end sampling
-        return SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, ignore_eos=True)
+def test_generate_equals_one_engine_and_requests_spread(dp_llm):
+    params = [_params(i) for i in range(len(PROMPTS))]
+    single = LLM(max_num_seqs=8, seed=3).generate(PROMPTS, params, use_tqdm=False)
+    engine = dp_llm.llm_engine
+    spread = []
+    add = engine.add_requests
 
-    single = _run(LLMEngine(EngineConfig(max_num_seqs=8, seed=3)), params)
-    seen = []
-    orig_add = dp_engine.add_request
+    def recording_add(requests, **kw):
+        add(requests, **kw)
+        spread.append(engine.requests_per_rank())
 
-    def add(request_id, prompt, p):
-        orig_add(request_id, prompt, p)
-        seen.append(dp_engine.requests_per_rank())
-
-    dp_engine.add_request = add
+    engine.add_requests = recording_add
     try:
-        multi = _run(dp_engine, params)
+        multi = dp_llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
-        del dp_engine.add_request
-    assert multi == single
-    assert min(seen[-1]) >= 2, f"requests were not spread over the ranks: {seen[-1]}"
+        del engine.add_requests
+    assert [o.outputs[0].token_ids for o in multi] == [o.outputs[0].token_ids for o in single]
+    assert [o.outputs[0].text for o in multi] == [o.outputs[0].text for o in single]
+    assert sorted(spread[0]) == [3, 3], f"requests were not spread over the ranks: {spread}"
+    stats = dp_llm.get_stats()
+    assert stats["data_parallel_size"] == 2 and len(stats["per_rank"]) == 2
+    assert stats["generation_tokens"] == sum(r["generation_tokens"] for r in stats["per_rank"]) >= 6 * 12
 
 
-def test_bad_request_is_answered_and_others_finish(dp_engine):
+def test_all_or_nothing_and_bad_request_answered(dp_llm):
+    engine = dp_llm.llm_engine
+    with pytest.raises(ValueError, match=r"stop_token_ids .* \(index 1 of the 2 submitted; none was queued\)"):
+        dp_llm.generate(["a = 1\n", "b = 2\n"], [SamplingParams(max_tokens=4),
+                                                 SamplingParams(max_tokens=4, stop_token_ids=[10**9])])
+    assert engine.get_num_unfinished_requests() == 0
     with pytest.raises(ValueError, match=r"request 'bad'.*stop_token_ids"):
-        dp_engine.add_request("bad", "x = 1\n", SamplingParams(max_tokens=4, stop_token_ids=[10**9]))
-    dp_engine.add_request("ok", "x = 1\n", SamplingParams(max_tokens=4, ignore_eos=True))
-    dp_engine.add_request("gone", "y = 2\n", SamplingParams(max_tokens=400, ignore_eos=True))
-    dp_engine.abort_request("gone")
+        engine.add_request("bad", "x = 1\n", SamplingParams(max_tokens=4, stop_token_ids=[10**9]))
+    engine.add_request("ok", "x = 1\n", SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("gone", "y = 2\n", SamplingParams(max_tokens=400, ignore_eos=True))
+    engine.abort_request("gone")
     reasons = {}
     deadline = time.monotonic() + 120
-    while dp_engine.has_unfinished_requests() and time.monotonic() < deadline:
-        for out in dp_engine.step():
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for out in engine.step():
             if out.finished:
                 reasons[out.request_id] = out.outputs[0].finish_reason
     assert reasons == {"ok": "length", "gone": "abort"}
 
 
 def test_dead_rank_is_named():
-    engine = DPEngine(EngineConfig(max_num_seqs=4), data_parallel_size=2, timeout_s=30)
+    engine = DPEngine(EngineConfig(max_num_seqs=4, data_parallel_size=2, distributed_timeout_s=30))
     try:
         engine.add_request("a", "import sys\n", SamplingParams(max_tokens=200, ignore_eos=True))
         os.kill(engine._procs[1].pid, signal.SIGKILL)
@@ -89,10 +89,31 @@ def test_dead_rank_is_named():
     assert all(p.exitcode is not None for p in engine._procs)
 
 
-def test_visible_devices(monkeypatch):
+def test_config_and_visible_devices(monkeypatch):
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        EngineConfig(data_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_timeout_s"):
+        EngineConfig(distributed_timeout_s=0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert visible_device_for(1, "CUDA_VISIBLE_DEVICES") == "5"
     with pytest.raises(RuntimeError, match="lists 2 devices"):
         visible_device_for(2, "CUDA_VISIBLE_DEVICES")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert visible_device_for(2, "CUDA_VISIBLE_DEVICES") == "2"
+
+
+def test_cli_data_parallel_gives_the_single_process_tokens():
+    import json
+    import subprocess
+    import sys
+
+    def tokens(dp: int) -> list:
+        r = subprocess.run([sys.executable, "-m", "deepinfer_npu.run", "--data-parallel-size", str(dp),
+                            "--max-tokens", "8", "--json", "--no-progress"], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        return [row["token_ids"] for row in rows if "token_ids" in row]
+
+    one, two = tokens(1), tokens(2)
+    assert len(one) == 4 and one == two
