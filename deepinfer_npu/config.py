@@ -70,6 +70,9 @@ class EngineConfig:
     # every wait across processes gives up after distributed_timeout_s with an error naming the rank.
     data_parallel_size: int = 1
     distributed_timeout_s: float = 300.0
+    # With data_parallel_size > 1: the routed experts are sharded over the ranks (expert parallelism, the ranks
+    # step in lockstep); False: every rank holds every expert and steps on its own.
+    enable_expert_parallel: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 1:
             raise ValueError(f"distributed_timeout_s must be a number of seconds > 1, got {self.distributed_timeout_s!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
 

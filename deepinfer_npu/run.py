@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp = p.add_argument_group("multi-device")
     dp.add_argument("--data-parallel-size", type=int, default=1,
                     help="data-parallel ranks on this host: one process and one device each")
+    dp.add_argument("--expert-parallel", dest="enable_expert_parallel", action=argparse.BooleanOptionalAction,
+                    default=True, help="shard the routed experts over the data-parallel ranks")
     dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
                     help="seconds any wait across rank processes may take before the run stops naming the rank")
 

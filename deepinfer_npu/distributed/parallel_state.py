@@ -20,7 +20,22 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .ep_moe import EPGroup
+
 DEFAULT_TIMEOUT_S = 300.0
+
+# This process's expert-parallel group, read by the MoE layers when the model is built (as vLLM's parallel state):
+# None = every routed expert lives here.
+_EXPERT_PARALLEL: EPGroup | None = None
+
+
+def set_expert_parallel(ep: EPGroup | None) -> None:
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = ep
+
+
+def get_expert_parallel() -> EPGroup | None:
+    return _EXPERT_PARALLEL
 
 
 @dataclass(frozen=True)
@@ -99,5 +114,6 @@ def init_process_groups(cfg: DistributedConfig, dist_backend: str = "gloo") -> P
 
 
 def destroy_process_groups() -> None:
+    set_expert_parallel(None)
     if dist.is_initialized():
         dist.destroy_process_group()

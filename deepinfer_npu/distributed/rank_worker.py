@@ -58,14 +58,17 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
 
         from .parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 
-        init_process_groups(DistributedConfig(rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank,
-                                              master_addr=spec.master_addr, master_port=spec.master_port,
-                                              timeout_s=spec.timeout_s))
+        groups = init_process_groups(DistributedConfig(
+            rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, master_addr=spec.master_addr,
+            master_port=spec.master_port, timeout_s=spec.timeout_s))
+        lockstep = _setup_expert_parallel(spec, groups)
         engine = LLMEngine(spec.config)
+        if lockstep:
+            engine.attach_step_group(groups.cpu_group)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
                                          "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks}))
         try:
-            _serve(spec, engine, inbox, outbox)
+            (_serve_lockstep if lockstep else _serve)(spec, engine, inbox, outbox, groups)
         finally:
             destroy_process_groups()
     except Exception:
@@ -97,24 +100,71 @@ def _handle(engine, msg) -> object:
     raise ValueError(f"unknown front-end message {what!r}")
 
 
-def _serve(spec: RankSpec, engine, inbox, outbox) -> None:
+def _setup_expert_parallel(spec: RankSpec, groups) -> bool:
+    """Shard the routed experts over the ranks (contiguous placement) when the model has them and the
+    configuration asks for it; True when the ranks must then step in lockstep."""
+    from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+
+    from .ep_moe import EPGroup
+    from .expert_placement import ExpertPlacement
+    from .parallel_state import set_expert_parallel
+
+    cfg = DeepseekModelConfig.from_pretrained(spec.config.model_dir)
+    if not spec.config.enable_expert_parallel or spec.world_size == 1 or not cfg.n_routed_experts:
+        return False
+    placement = ExpertPlacement.contiguous(cfg.n_routed_experts, spec.world_size)
+    set_expert_parallel(EPGroup(placement, spec.rank, groups.device_group))
+    return True
+
+
+def _drain(engine, inbox, outbox, rank: int, wait_s: float) -> bool:
+    """Handle every waiting front-end message (the first waited for up to ``wait_s``); True on shutdown."""
+    try:
+        msg = inbox.get(timeout=wait_s) if wait_s > 0 else inbox.get_nowait()
+    except queue_mod.Empty:
+        return False
+    while True:
+        if msg[0] == "shutdown":
+            return True
+        reply = _handle(engine, msg)
+        if msg[1] is not None:  # a token: the front-end waits for this reply
+            outbox.put(("reply", rank, msg[1], reply))
+        try:
+            msg = inbox.get_nowait()
+        except queue_mod.Empty:
+            return False
+
+
+def _serve_lockstep(spec: RankSpec, engine, inbox, outbox, groups) -> None:
+    """Every rank steps every iteration (the engine's vote pairs them); shutdown is agreed first, so all ranks
+    leave at the same step. Idle iterations wait briefly for work."""
+    import torch
+    import torch.distributed as dist
+
+    last_beat, stop, idle_wait = time.monotonic(), False, 0.0
+    while True:
+        stop = _drain(engine, inbox, outbox, spec.rank, idle_wait) or stop
+        flag = torch.tensor([int(stop)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.cpu_group)
+        if flag.item():
+            return
+        outputs = engine.step()
+        if outputs:
+            outbox.put(("outputs", spec.rank, outputs))
+            last_beat = time.monotonic()
+        idle_wait = 0.0 if engine.last_step_had_work or engine.has_unfinished_requests() else 0.005
+        if time.monotonic() - last_beat >= spec.heartbeat_s:
+            outbox.put(("heartbeat", spec.rank))
+            last_beat = time.monotonic()
+
+
+def _serve(spec: RankSpec, engine, inbox, outbox, groups=None) -> None:
+    """Each rank on its own (every expert local): step while there is work, else wait for messages."""
     last_beat = time.monotonic()
     while True:
         idle = not engine.has_unfinished_requests()
-        try:
-            msg = inbox.get(timeout=spec.heartbeat_s) if idle else inbox.get_nowait()
-        except queue_mod.Empty:
-            msg = None
-        while msg is not None:
-            if msg[0] == "shutdown":
-                return
-            reply = _handle(engine, msg)
-            if msg[1] is not None:  # a token: the front-end waits for this reply
-                outbox.put(("reply", spec.rank, msg[1], reply))
-            try:
-                msg = inbox.get_nowait()
-            except queue_mod.Empty:
-                msg = None
+        if _drain(engine, inbox, outbox, spec.rank, spec.heartbeat_s if idle else 0.0):
+            return
         if engine.has_unfinished_requests():
             outputs = engine.step()
             if outputs:

@@ -21,6 +21,7 @@ import numpy as np
 
 from deepinfer_npu import _core
 from deepinfer_npu.config import EngineConfig
+from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill
 from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_npu.engine.engine_stats import SpecCounters, new_counters, stats_report
 from deepinfer_npu.engine.generation_config import load_generation_defaults
@@ -37,7 +38,7 @@ from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.step_io import StepPlan, StepRequests, StepResult
-from deepinfer_npu.worker.worker import Worker
+from deepinfer_npu.worker.worker import DUMMY_SEQ_ID, Worker, dummy_plan
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._router = OutputRouter()
         self._stepping_thread = threading.get_ident()
+        self._step_group = None  # a CPU process group: steps in lockstep with other data-parallel ranks
+        self.last_step_had_work = True
 
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
@@ -314,7 +317,15 @@ class LLMEngine:
         with self.lock:
             self._router.route(self._step(), for_step_caller=False)
 
+    def attach_step_group(self, group) -> None:
+        """Run every step in lockstep with the other data-parallel ranks of ``group`` (a gloo CPU group): the
+        two-round vote decides the step kind for all, and a rank with nothing scheduled runs a dummy step so the
+        expert-parallel collectives inside the model pair up (``distributed/step_vote.py``)."""
+        self._step_group = group
+
     def _step(self) -> list[RequestOutput]:
+        if self._step_group is not None:
+            return self._step_lockstep()
         if threading.get_ident() != self._stepping_thread:
             self._bind_device_to_thread()
         t0 = time.perf_counter()
@@ -329,17 +340,47 @@ class LLMEngine:
         if out.num_seqs == 0:
             results = self.worker.flush()
         else:
-            is_prefill = out.kind == _core.StepKind.PREFILL
-            plan = StepPlan.from_schedule(self._step_id, out, is_prefill)
-            self._step_id += 1
-            results = self.worker.execute_model_step(plan, self._step_requests(plan))
-            self.stats["num_steps"] += 1
-            self.stats["prefill_steps" if is_prefill else "decode_steps"] += 1
-            if is_prefill:
-                self.stats["prompt_tokens"] += plan.num_tokens
+            results = self._run_plan(StepPlan.from_schedule(self._step_id, out, out.kind == _core.StepKind.PREFILL))
         outputs += self._apply_results(results)
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs
+
+    def _step_lockstep(self) -> list[RequestOutput]:
+        if threading.get_ident() != self._stepping_thread:
+            self._bind_device_to_thread()
+        group = self._step_group
+        t0 = time.perf_counter()
+        outputs, self._pending_outputs = self._pending_outputs, []
+        prefill = vote_prefill(self.scheduler.prefill_vote(), group)
+        out = self.scheduler.schedule(prefill)
+        outputs += self._finished_by_scheduler(out.finished)
+        agreed = confirm_step(prefill, out.num_seqs if prefill else 0, out.num_seqs, group)
+        if prefill and not agreed.prefill:  # round two: no rank could prefill; every rank decodes instead
+            prefill = False
+            out = self.scheduler.schedule(False)
+            outputs += self._finished_by_scheduler(out.finished)
+            any_work = agree_decode_size(out.num_seqs, group) > 0
+        else:
+            any_work = agreed.any_work
+        self.last_step_had_work = any_work
+        if out.num_seqs:
+            results = self._run_plan(StepPlan.from_schedule(self._step_id, out, prefill))
+        elif any_work:
+            results = self.worker.execute_dummy_step(prefill, self._step_requests(dummy_plan(prefill)))
+        else:
+            results = self.worker.flush()
+        outputs += self._apply_results([r for r in results if not _is_dummy(r)])
+        self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
+        return outputs
+
+    def _run_plan(self, plan: StepPlan) -> list[StepResult]:
+        self._step_id += 1
+        results = self.worker.execute_model_step(plan, self._step_requests(plan))
+        self.stats["num_steps"] += 1
+        self.stats["prefill_steps" if plan.is_prefill else "decode_steps"] += 1
+        if plan.is_prefill:
+            self.stats["prompt_tokens"] += plan.num_tokens
+        return results
 
     def _bind_device_to_thread(self) -> None:
         """The current device is per thread (CUDA, NPU): a step run by another thread than the one that built
@@ -457,3 +498,7 @@ class LLMEngine:
     def get_stats(self) -> dict:
         with self.lock:
             return stats_report(self)
+
+
+def _is_dummy(result: StepResult) -> bool:
+    return result.seq_ids.size == 1 and int(result.seq_ids[0]) == DUMMY_SEQ_ID

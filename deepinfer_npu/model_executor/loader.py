@@ -193,7 +193,8 @@ def load_weights(
 
     layout = checkpoint_layout(model)
     optional = model.optional_checkpoint_tensors() & layout.keys()
-    _check_names(layout, optional, where, model_dir, num_layers=n + cfg.num_nextn_predict_layers)
+    _check_names(layout, optional, where, model_dir, num_layers=n + cfg.num_nextn_predict_layers,
+                 skipped=skipped_checkpoint_names(model))
     reader = _CheckpointReader(model_dir, where, cfg.fp8_block_size or (128, 128))
     try:
         # File by file, so each shard is opened once and read sequentially.
@@ -216,16 +217,27 @@ def load_weights(
         model.tie_missing(name)
 
 
+def skipped_checkpoint_names(model: torch.nn.Module) -> set[str]:
+    """Tensors of the checkpoint this process does not read (routed experts other expert-parallel ranks hold)."""
+    skipped: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if hasattr(mod, "skipped_checkpoint_tensors"):
+            skipped |= {f"{mod_name}.{local}" for local in mod.skipped_checkpoint_tensors()}
+    return skipped
+
+
 def _check_names(
-    layout: dict[str, _Slot], optional: set[str], where: dict[str, str], model_dir: str, num_layers: int
+    layout: dict[str, _Slot], optional: set[str], where: dict[str, str], model_dir: str, num_layers: int,
+    skipped: set[str] = frozenset(),
 ) -> None:
     """Raise for the first unexpected or missing tensor, before any weight is read."""
 
     def ignored(name: str) -> bool:
-        # Layers past the model (e.g. MTP layers with num_nextn_predict_layers overridden to 0) and the rotary
-        # caches some old checkpoints carry are not weights of this model.
+        # Layers past the model (e.g. MTP layers with num_nextn_predict_layers overridden to 0), the rotary
+        # caches some old checkpoints carry and other ranks' experts are not weights of this process.
         m = re.match(r"model\.layers\.(\d+)\.", name)
-        return (m is not None and int(m.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq")
+        return (m is not None and int(m.group(1)) >= num_layers) or name.endswith("rotary_emb.inv_freq") \
+            or name in skipped
 
     for name, file in sorted(where.items()):
         base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else name

@@ -38,6 +38,9 @@ from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests
 logger = logging.getLogger(__name__)
 
 
+DUMMY_SEQ_ID = -1  # the padding sequence of a dummy step (no request has it)
+
+
 class Worker:
     def __init__(self, runner: ModelRunner, backend, zero_overhead_scheduling: bool, num_state_slots: int,
                  drafter: Drafter | None = None, varlen: bool = False) -> None:
@@ -138,6 +141,12 @@ class Worker:
         else:
             self.prev = step
         return results
+
+    def execute_dummy_step(self, is_prefill: bool, reqs: StepRequests) -> list[StepResult]:
+        """One padding row through the whole step (forward, sampling, drafting): an expert-parallel rank with
+        nothing scheduled runs it so that its MoE collectives pair with the other ranks' real step. The row
+        writes only the reserved block 0 and the dummy state slot 0; its result is dropped by the engine."""
+        return self.execute_model_step(dummy_plan(is_prefill), reqs)
 
     def flush(self) -> list[StepResult]:
         """Post-process a deferred step when no further step is launched."""
@@ -445,3 +454,14 @@ def _expand(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
     """Per-request sampling tensors -> per-token rows (``index[r]`` = request row of token ``r``)."""
     fields = ("temperature", "top_k", "top_p", "is_greedy", "seeds", "offsets")
     return replace(t, **{f: getattr(t, f).index_select(0, index) for f in fields})
+
+
+def dummy_plan(is_prefill: bool) -> StepPlan:
+    """A one-token step for the padding sequence ``DUMMY_SEQ_ID`` on block 0 and state slot 0."""
+    one = np.ones(1, dtype=np.int32)
+    empty = np.zeros((0, 2), dtype=np.int32)
+    return StepPlan(step_id=-1, is_prefill=is_prefill, seq_ids=np.full(1, DUMMY_SEQ_ID, dtype=np.int64),
+                    seqlens_q=one, seqlens_k=one.copy(), is_last_chunk=np.ones(1, dtype=np.bool_),
+                    input_ids=np.zeros(1, dtype=np.int32), block_tables=np.zeros((1, 1), dtype=np.int32),
+                    state_slots=np.zeros(1, dtype=np.int32), clone_blocks=empty, clone_states=empty.copy(),
+                    zero_states=np.zeros(0, dtype=np.int32))

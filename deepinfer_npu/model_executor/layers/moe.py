@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer_npu.distributed.ep_moe import ep_moe_forward
+from deepinfer_npu.distributed.parallel_state import get_expert_parallel
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import GatingParams
 
@@ -19,36 +21,53 @@ from .mlp import DenseMLP
 
 
 class StackedExperts(nn.Module):
-    """The routed experts' weights, stacked for grouped GEMMs."""
+    """The routed experts' weights, stacked for grouped GEMMs: ``expert_ids[i]`` is the logical expert in row ``i``
+    (all of them on one device; a rank's slots under expert parallelism, a hot expert possibly twice)."""
 
     remapped_params = ("w13", "w2")
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, dtype, device) -> None:
+    def __init__(self, expert_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int, *,
+                 dtype, device) -> None:
         super().__init__()
-        self.num_experts = num_experts
+        self.expert_ids = list(expert_ids)
+        self.num_experts = len(self.expert_ids)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.w13 = empty_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        self.w2 = empty_param(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.w13 = empty_param(self.num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
+        self.w2 = empty_param(self.num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+        if self.expert_ids != list(range(num_logical)):
+            # seeded dummy weights draw the full [num_logical, ...] tensors and keep these rows, so every
+            # placement holds the single-device weights
+            for param in (self.w13, self.w2):
+                param.dummy_rows = (num_logical, self.expert_ids)
+        self._rows: dict[int, list[int]] = {}
+        for row, expert in enumerate(self.expert_ids):
+            self._rows.setdefault(expert, []).append(row)
+        self._foreign = [e for e in range(num_logical) if e not in self._rows]
 
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
         i, d = self.intermediate_size, self.hidden_size
         shapes = {}
-        for e in range(self.num_experts):
+        for e in self._rows:
             shapes[f"{e}.gate_proj.weight"] = (i, d)
             shapes[f"{e}.up_proj.weight"] = (i, d)
             shapes[f"{e}.down_proj.weight"] = (d, i)
         return shapes
 
+    def skipped_checkpoint_tensors(self) -> list[str]:
+        """Checkpoint tensors of experts other ranks hold: present in the files, not read here."""
+        return [f"{e}.{p}.weight" for e in self._foreign for p in ("gate_proj", "up_proj", "down_proj")]
+
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         expert, proj, _ = name.split(".")
-        e, i = int(expert), self.intermediate_size
-        if proj == "gate_proj":
-            self.w13.data[e, :i].copy_(tensor)
-        elif proj == "up_proj":
-            self.w13.data[e, i:].copy_(tensor)
-        else:
-            self.w2.data[e].copy_(tensor)
+        i = self.intermediate_size
+        for row in self._rows[int(expert)]:
+            if proj == "gate_proj":
+                self.w13.data[row, :i].copy_(tensor)
+            elif proj == "up_proj":
+                self.w13.data[row, i:].copy_(tensor)
+            else:
+                self.w2.data[row].copy_(tensor)
 
 
 class Router(nn.Module):
@@ -79,8 +98,10 @@ class DeepseekMoE(nn.Module):
             routed_scaling_factor=cfg.routed_scaling_factor,
         )
         self.gate = Router(cfg, device)
+        self.ep = get_expert_parallel()  # None: every routed expert lives in this process
+        expert_ids = self.ep.local_experts if self.ep is not None else list(range(cfg.n_routed_experts))
         self.experts = StackedExperts(
-            cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device
+            expert_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device
         )
         self.shared_experts = (
             DenseMLP(
@@ -96,6 +117,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
+        if self.ep is not None:
+            return ep_moe_forward(self, hidden, self.ep)
         k = self.kernels
 
         def routed_experts():
