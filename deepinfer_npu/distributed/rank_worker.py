@@ -66,13 +66,21 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
         if lockstep:
             engine.attach_step_group(groups.cpu_group)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
-                                         "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks}))
+                                         "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks,
+                                         **weight_bytes(engine.runner.model)}))
         try:
             (_serve_lockstep if lockstep else _serve)(spec, engine, inbox, outbox, groups)
         finally:
             destroy_process_groups()
     except Exception:
         outbox.put(("fatal", spec.rank, traceback.format_exc()))
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """This rank's weight memory: all parameters, and the routed experts' share of it."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
+    return {"weight_bytes": total, "expert_weight_bytes": experts}
 
 
 def _handle(engine, msg) -> object:

@@ -1,0 +1,100 @@
+"""Expert parallelism through the whole engine: ranks in spawned processes (gloo), routed experts sharded over
+them, steps in lockstep. fp32 greedy tokens must equal the single-process engine's, on the reference model (ZOS
+on and off, MTP, DFlash, chunked prefill, preemption with recompute, an abort) and on random DeepSeek-V2 and V3
+checkpoints (grouped routing, shared experts, a dense first layer) at 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_npu import LLM, SamplingParams
+
+PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# sort a list\n"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        if hasattr(llm.llm_engine, "shutdown"):
+            llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"zero_overhead_scheduling": False},
+    {"speculative_method": "mtp", "num_speculative_tokens": 3},
+    {"speculative_method": "dflash"},
+    {"max_num_batched_tokens": 8},  # chunked prefill
+    {"num_kv_blocks": 8, "block_size": 4, "stop_preempted_request": False},  # preemption, recomputed
+], ids=["zos", "no-zos", "mtp", "dflash", "chunked", "preempt"])
+def test_reference_model_two_ranks_equal_one(options):
+    one = _tokens(LLM(max_num_seqs=8, **options), PROMPTS)
+    two = LLM(max_num_seqs=8, data_parallel_size=2, distributed_timeout_s=120, **options)
+    info = two.llm_engine.rank_info
+    assert info[0]["expert_weight_bytes"] > 0
+    assert info[0]["expert_weight_bytes"] == info[1]["expert_weight_bytes"]
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == one
+        if "num_kv_blocks" in options:
+            assert all(r["preemptions"] > 0 for r in two.get_stats()["per_rank"])
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_experts_are_split_and_an_abort_leaves_the_others():
+    full = LLM(max_num_seqs=8)
+    per_rank = full.llm_engine.runner.model
+    full_experts = sum(p.numel() * p.element_size() for n, p in per_rank.named_parameters() if ".experts." in n)
+    want = _tokens(full, PROMPTS)
+    llm = LLM(max_num_seqs=8, data_parallel_size=2, distributed_timeout_s=120)
+    engine = llm.llm_engine
+    try:
+        assert [r["expert_weight_bytes"] for r in engine.rank_info] == [full_experts // 2] * 2
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.add_request("long", "import sys\n", SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+        engine.abort_request("long")
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0]
+        assert done["long"].finish_reason == "abort"
+        assert [done[f"r{i}"].token_ids for i in range(len(PROMPTS))] == want
+    finally:
+        engine.shutdown()
+
+
+def _random_checkpoint(kind: str, path) -> str:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    base = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
+                qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                max_position_embeddings=256, initializer_range=0.15, first_k_dense_replace=1)
+    if kind == "v2":  # softmax scores, group-limited greedy routing
+        config = DeepseekV2Config(**base, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                                  topk_group=2, routed_scaling_factor=1.5)
+        model = DeepseekV2ForCausalLM(config)
+    else:  # sigmoid scores, noaux_tc with a correction bias
+        config = DeepseekV3Config(**base, q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+        model = DeepseekV3ForCausalLM(config)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind,world", [("v2", 2), ("v3", 4)])
+def test_random_checkpoints_equal_one_rank(kind, world, tmp_path):
+    model = _random_checkpoint(kind, tmp_path / kind)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 96 for j in range(3 + i)]} for i in range(6)]
+    one = _tokens(LLM(model, max_num_seqs=8), prompts)
+    many = _tokens(LLM(model, max_num_seqs=8, data_parallel_size=world, distributed_timeout_s=120), prompts)
+    assert many == one
