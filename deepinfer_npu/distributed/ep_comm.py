@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from deepinfer_npu.hal.sync_guard import allow_sync
+
 from .expert_placement import ExpertPlacement
 
 
@@ -47,8 +49,9 @@ def ep_dispatch(hidden: torch.Tensor, slots: torch.Tensor, placement: ExpertPlac
     dest = flat // per_rank
     order = torch.argsort(dest, stable=True)  # stable: a rank's rows keep their (token, choice) order
     send_counts_t = torch.bincount(dest, minlength=world)
-    recv_counts_t = _exchange_counts(send_counts_t, group)
-    send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
+    with allow_sync("expert-parallel dispatch: the all-to-all's split sizes on the host"):
+        recv_counts_t = _exchange_counts(send_counts_t, group)
+        send_counts, recv_counts = send_counts_t.tolist(), recv_counts_t.tolist()
 
     send_rows = hidden[order // top_k].contiguous()
     send_local = (flat[order] - dest[order] * per_rank).contiguous()

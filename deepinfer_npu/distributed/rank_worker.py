@@ -8,6 +8,8 @@ token gets ``("reply", rank, token, value)``. Messages out besides replies: ``("
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import queue as queue_mod
 import signal
@@ -16,6 +18,8 @@ import traceback
 from dataclasses import dataclass
 
 from deepinfer_npu.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 
@@ -45,9 +49,10 @@ def visible_device_for(local_rank: int, variable: str) -> str | None:
 
 def _bind_device(spec: RankSpec) -> None:
     # Before any device runtime starts in this process: the rank sees exactly one device, as index 0.
-    variable = VISIBLE_DEVICES.get(spec.config.backend)
-    if variable is not None:
-        os.environ[variable] = visible_device_for(spec.rank, variable)
+    backend = spec.config.backend
+    for name, variable in VISIBLE_DEVICES.items():
+        if backend in (name, "auto"):
+            os.environ[variable] = visible_device_for(spec.rank, variable)
 
 
 def rank_main(spec: RankSpec, inbox, outbox) -> None:
@@ -58,11 +63,19 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
 
         from .parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 
+        from deepinfer_npu.hal.registry import get_backend
+
+        backend = get_backend(spec.config.backend)  # binds the rank's one visible device
         groups = init_process_groups(DistributedConfig(
             rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, master_addr=spec.master_addr,
-            master_port=spec.master_port, timeout_s=spec.timeout_s))
+            master_port=spec.master_port, timeout_s=spec.timeout_s), backend.dist_backend)
         lockstep = _setup_expert_parallel(spec, groups)
-        engine = LLMEngine(spec.config)
+        config = spec.config
+        if lockstep and config.enable_graphs is not False and (config.enable_graphs or backend.graphs_by_default):
+            # the reference dispatch sizes its all-to-all from host counts: not capturable in a graph
+            logger.warning("rank %d: decode graphs are off under expert parallelism (eager decode)", spec.rank)
+            config = dataclasses.replace(config, enable_graphs=False)
+        engine = LLMEngine(config)
         if lockstep:
             engine.attach_step_group(groups.cpu_group)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),

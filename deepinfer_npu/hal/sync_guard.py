@@ -53,6 +53,26 @@ def forbid_sync() -> Iterator[None]:
         _state.depth -= 1
 
 
+@contextlib.contextmanager
+def allow_sync(reason: str) -> Iterator[None]:
+    """A known, documented sync inside the launch path (``reason`` says which): the guard and torch's CUDA
+    sync-debug mode stand down for the block, e.g. the expert-parallel all-to-all, whose split sizes the host
+    must know."""
+    import torch
+
+    depth, _state.depth = getattr(_state, "depth", 0), 0
+    cuda_mode = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)
+    try:
+        yield
+    finally:
+        _state.depth = depth
+        if cuda_mode is not None:
+            torch.cuda.set_sync_debug_mode(cuda_mode)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Host-read detection for the CPU backend (tests). On a device, reading a tensor's values on the host waits for
 # the device; on the CPU nothing waits, so the launch path could silently grow such reads. ``HostReadDetector``
