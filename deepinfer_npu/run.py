@@ -137,13 +137,22 @@ def _main(argv: list[str] | None) -> int:
         except (ValueError, RuntimeError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        report = backend.op_report()
+        from deepinfer_npu import vendor
+        from deepinfer_npu.distributed.ep_report import ep_dispatch_report
+
+        report, ep, libraries = backend.op_report(), ep_dispatch_report(backend), vendor.report()
         if args.json:
-            print(json.dumps({"backend": backend.name, "ops": report}))
+            print(json.dumps({"backend": backend.name, "ops": report, "expert_parallel": ep, "vendor": libraries}))
         else:
             print(f"backend: {backend.name}")
             for op, status in report.items():
                 print(f"  {op:<18} {status}")
+            print("expert parallel (--data-parallel-size > 1):")
+            for op, status in ep.items():
+                print(f"  {op:<18} {status}")
+            print("optional libraries (vendor/):")
+            for name, status in libraries.items():
+                print(f"  {name:<18} {status}")
         return 0
 
     if args.model is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
