@@ -8,6 +8,11 @@ medians; bytes = the rows this rank sends, hidden-size x dtype each).
 
     python benchmarks/bench_ep.py --world 2 --tokens 1 16 64 256
     python benchmarks/bench_ep.py --world 8 --backend cuda --dtype bfloat16   # one GPU per rank
+    python benchmarks/bench_ep.py --memory parity_tests/models/deepseek-v2-lite-dims-2l --ep 1 2 4
+
+``--memory DIR``: weight bytes per rank of the engine at each EP size (dummy weights, DIR's config with the
+vocabulary of DeepSeek-V2-Lite), measured on the rank processes, and scaled to ``--scale-layers`` layers from the
+measured per-layer sizes (the first ``first_k_dense_replace`` layers dense, the rest MoE).
 """
 
 from __future__ import annotations
@@ -108,6 +113,51 @@ def _rank_main(rank: int, args, port: int, queue) -> None:
         destroy_process_groups()
 
 
+def memory_rows(args) -> list[dict]:
+    import tempfile
+    from pathlib import Path
+
+    from deepinfer_npu import LLM
+
+    cfg = json.loads((Path(args.memory) / "config.json").read_text())
+    cfg["vocab_size"] = args.vocab
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        layer_bytes = None
+        for ep in args.ep:
+            llm = LLM(tmp, load_format="dummy", dtype=args.dtype, num_kv_blocks=8, max_num_seqs=4,
+                      data_parallel_size=ep)
+            engine = llm.llm_engine
+            if ep == 1:
+                from deepinfer_npu.distributed.rank_worker import weight_bytes
+
+                model = engine.runner.model
+                info = [weight_bytes(model)]
+                layer_bytes = {}
+                for name, p in model.named_parameters():
+                    key = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+                    part = "experts" if ".experts." in name else "other"
+                    layer_bytes[(key, part)] = layer_bytes.get((key, part), 0) + p.numel() * p.element_size()
+            else:
+                info = engine.rank_info
+                engine.shutdown()
+            dense = cfg.get("first_k_dense_replace", 0)
+            fixed = layer_bytes[("rest", "other")] + sum(layer_bytes.get((str(i), "other"), 0) for i in range(dense))
+            moe_other = layer_bytes[(str(dense), "other")]
+            moe_experts_full = layer_bytes[(str(dense), "experts")]
+            n_moe = args.scale_layers - dense
+            for rank, r in enumerate(info):
+                scaled = fixed + n_moe * (moe_other + r["expert_weight_bytes"] / (cfg["num_hidden_layers"] - dense))
+                rows.append({"bench": "ep_memory", **row_meta(), "model_config": args.memory, "vocab": args.vocab,
+                             "dtype": args.dtype, "ep": ep, "rank": rank, "layers": cfg["num_hidden_layers"],
+                             "weight_GiB": round(r["weight_bytes"] / 2**30, 3),
+                             "expert_weight_GiB": round(r["expert_weight_bytes"] / 2**30, 3),
+                             "scaled_layers": args.scale_layers, "scaled_weight_GiB": round(scaled / 2**30, 2),
+                             "scaled_full_experts_GiB": round(n_moe * moe_experts_full / 2**30, 2)})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -122,7 +172,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--memory", default=None, help="model dir: weight memory per rank instead of dispatch timings")
+    p.add_argument("--ep", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--vocab", type=int, default=102400)
+    p.add_argument("--scale-layers", type=int, default=27)
     args = p.parse_args()
+    if args.memory:
+        for row in memory_rows(args):
+            print(json.dumps(row), flush=True)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
