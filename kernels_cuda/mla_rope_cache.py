@@ -23,37 +23,20 @@ token (q tile [HB, 64] and the token's cos/sin row staged in shared memory, 8 ou
 of a token normalises c_kv (one 512-wide row in registers, 4 values a thread, a block all-reduce for the mean
 square), rotates k_pe and stores both into the token's cache slot, or does nothing when the slot is negative.
 No host reads: CUDA-graph capturable. Latency-bound at decode sizes (it replaces ~20 small kernels).
-
-Run alone:  python kernels_cuda/mla_rope_cache.py --check --bench
 """
 
-import argparse
 import functools
-import sys
-import time
 
 import torch
 
-try:
+try:  # tilelang is optional at import time: the host-side checks work without it
     import tilelang
     import tilelang.language as T
-except Exception:  # pragma: no cover
+except Exception:  # pragma: no cover - exercised where tilelang is absent
     tilelang = None
     T = None
 
-try:
-    from ._ast_guard import compile_pool
-except ImportError:  # run as a script from kernels_cuda/
-    from _ast_guard import compile_pool
-
-try:
-    from . import _bench
-    from ._check import bf16_ulps
-    from ._pdl import pdl_enabled
-except ImportError:  # run as a script: python kernels_cuda/mla_rope_cache.py
-    import _bench
-    from _check import bf16_ulps
-    from _pdl import pdl_enabled
+from ._ast_guard import compile_pool
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -79,7 +62,6 @@ def build_mla_rope_cache(heads: int, q_dim: int, q_off: int, interleaved: bool, 
     """PrimFunc for H = ``heads`` query heads of ``q_dim`` values with the rope part at ``q_off`` (compile-time);
     tokens, cos/sin rows and cache slots are dynamic."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     assert supported_heads(heads), f"heads={heads}: need a multiple of 16 or 1/2/4/8"
     assert 0 <= q_off and q_off + ROPE <= q_dim
     H, HB = heads, heads_per_cta(heads)
@@ -119,9 +101,8 @@ def build_mla_rope_cache(heads: int, q_dim: int, q_off: int, interleaved: bool, 
         QR: T.Tensor([Tn, H, R], dtype),
     ):
         with T.Kernel(Tn, NHB + 1, threads=threads) as (t, hb):
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             cs = T.alloc_shared([R], acc)
             qs = T.alloc_shared([HB, R], dtype)
             ks = T.alloc_shared([R], dtype)
@@ -225,303 +206,3 @@ def mla_rope_cache(kv, weight, eps, q, q_off, positions, cos_sin_cache, interlea
         out,
     )
     return out
-
-
-# ----------------------------------------------------------------------------------------------------
-# reference (the CPU reference ops' arithmetic: backends/cpu/norm.py, backends/cpu/rope.py, mla.py)
-# ----------------------------------------------------------------------------------------------------
-def rms_norm_ref(x, weight, eps):
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def rope_ref(x, positions, cos_sin_cache, interleaved):
-    half = x.shape[-1] // 2
-    cos_sin = cos_sin_cache[positions]
-    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
-    xf = x.float()
-    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleaved else (xf[..., :half], xf[..., half:])
-    r1 = x1 * cos - x2 * sin
-    r2 = x2 * cos + x1 * sin
-    out = torch.stack((r1, r2), dim=-1).flatten(-2) if interleaved else torch.cat((r1, r2), dim=-1)
-    return out.to(x.dtype)
-
-
-def mla_rope_cache_ref(kv, weight, eps, q_pe, positions, cos_sin_cache, interleaved):
-    """(q_rope [T, H, 64], latents [T, 576]) computed as the composed path does."""
-    c_kv, k_pe = kv.split([KV_LORA, ROPE], dim=-1)
-    q_rope = rope_ref(q_pe, positions, cos_sin_cache, interleaved)
-    k_rot = rope_ref(k_pe.unsqueeze(1), positions, cos_sin_cache, interleaved).squeeze(1)
-    return q_rope, torch.cat((rms_norm_ref(c_kv, weight, eps), k_rot), dim=-1)
-
-
-def write_cache_ref(kv_cache, latents, slot_mapping):
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
-    valid = slot_mapping >= 0
-    flat[slot_mapping[valid]] = latents[valid].to(kv_cache.dtype)
-
-
-def make_cos_sin_cache(max_pos, device="cuda", base=10000.0, attention_factor=0.7071):
-    """[cos | sin] fp32 rows as model_executor/layers/rope.py builds them (plain RoPE, a YaRN-like factor)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, ROPE, 2, dtype=torch.float32) / ROPE))
-    freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1).to(device)
-
-
-# ----------------------------------------------------------------------------------------------------
-# checks
-# ----------------------------------------------------------------------------------------------------
-def compare(out, ref, max_ulps):
-    """(ok, stats): NaN and inf positions equal, every element within max_ulps bf16 ulps."""
-    same_nan = torch.equal(torch.isnan(out), torch.isnan(ref))
-    same_inf = torch.equal(torch.isinf(out), torch.isinf(ref))
-    if out.numel() == 0:
-        return same_nan and same_inf, dict(max_ulps=0.0, exact=True)
-    d = bf16_ulps(out, ref)
-    worst = d.max().item()
-    stats = dict(max_ulps=worst, n_off=int((d > 0).sum()), exact=worst == 0.0)
-    if not (same_nan and same_inf):
-        stats["error"] = "NaN/inf positions differ"
-    return same_nan and same_inf and worst <= max_ulps, stats
-
-
-def make_inputs(num_tokens, heads, max_pos=8192, pad_every=0, num_blocks=None, q_dim=192, seed=0, special=False,
-                device="cuda"):
-    """Random problem: distinct slots spread over shuffled blocks (block 0 never used), every ``pad_every``-th
-    row a padding row (slot -1), positions in [0, max_pos) including both ends. ``special``: a NaN in q, an inf
-    in k_pe and in c_kv, a row whose squares overflow fp32, an all-zero c_kv row."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    gc = torch.Generator().manual_seed(seed)
-    T_ = num_tokens
-    kv = torch.randn(T_, HEAD_DIM, generator=g, device=device) * 2
-    kv[:, KV_LORA:] *= 4
-    if T_ > 2:  # rows of very different scale: the norm must not depend on it
-        kv[1] *= 1e-3
-        kv[2] *= 300.0
-    kv = kv.to(torch.bfloat16)
-    weight = (torch.rand(KV_LORA, generator=g, device=device) + 0.5).to(torch.bfloat16)
-    q = (torch.randn(T_, heads, q_dim, generator=g, device=device) * 3).to(torch.bfloat16)
-    positions = torch.randint(0, max_pos, (T_,), generator=gc)
-    positions[0] = max_pos - 1
-    if T_ > 1:
-        positions[1] = 0
-    need = T_ + 2 * PAGE
-    num_blocks = num_blocks or (need // PAGE + 2)
-    slot_pool = torch.randperm((num_blocks - 1) * PAGE, generator=gc)[:T_] + PAGE  # block 0 stays untouched
-    slots = slot_pool.clone()
-    if pad_every:
-        slots[pad_every - 1 :: pad_every] = -1
-    if special and T_ >= 6:
-        q[0, 0, q_dim - ROPE + 3] = float("nan")
-        kv[3, KV_LORA + 5] = float("inf")
-        kv[4, 7] = float("-inf")
-        kv[5, :KV_LORA] = 3e38  # squares overflow: mean square inf, rsqrt 0
-        if T_ > 6:
-            kv[6, :KV_LORA] = 0.0
-    cache = torch.randn(num_blocks, PAGE, HEAD_DIM, generator=g, device=device).to(torch.bfloat16)
-    return dict(
-        kv=kv,
-        weight=weight,
-        eps=1e-6,
-        q=q,
-        q_off=q_dim - ROPE,
-        positions=positions.to(device),
-        cos_sin_cache=make_cos_sin_cache(max_pos, device),
-        kv_cache=cache,
-        slot_mapping=slots.to(device),
-    )
-
-
-def _ref_from_inputs(inp, interleaved):
-    q_pe = inp["q"][:, :, inp["q_off"] : inp["q_off"] + ROPE]
-    q_ref, lat = mla_rope_cache_ref(
-        inp["kv"], inp["weight"], inp["eps"], q_pe, inp["positions"], inp["cos_sin_cache"], interleaved
-    )
-    cache_ref = inp["kv_cache"].clone()
-    write_cache_ref(cache_ref, lat, inp["slot_mapping"])
-    return q_ref, cache_ref
-
-
-def _compare_all(inp, interleaved, q_out, cache_out, cache_before):
-    """q_rope <= 1 ulp (bit-exact expected), written c_kv <= 1 ulp, written k_pe <= 1 ulp (bit-exact expected),
-    every other cache row untouched (bit-exact)."""
-    q_ref, cache_ref = _ref_from_inputs(inp, interleaved)
-    slots = inp["slot_mapping"]
-    valid = slots[slots >= 0]
-    flat_o, flat_r = cache_out.view(-1, HEAD_DIM), cache_ref.view(-1, HEAD_DIM)
-    ok_q, sq_ = compare(q_out, q_ref, 1)
-    ok_c, sc = compare(flat_o[valid, :KV_LORA], flat_r[valid, :KV_LORA], 1)
-    ok_k, sk = compare(flat_o[valid, KV_LORA:], flat_r[valid, KV_LORA:], 1)
-    untouched = torch.ones(flat_o.shape[0], dtype=torch.bool, device=flat_o.device)
-    untouched[valid] = False
-    before = cache_before.view(-1, HEAD_DIM)
-    ok_u = torch.equal(flat_o[untouched].view(torch.int16), before[untouched].view(torch.int16))
-    return ok_q and ok_c and ok_k and ok_u, dict(q_rope=sq_, c_kv=sc, k_pe=sk, rest_untouched=ok_u)
-
-
-def check_case(num_tokens, heads, interleaved, pad_every=0, max_pos=8192, seed=0, special=False, verbose=True):
-    inp = make_inputs(num_tokens, heads, max_pos, pad_every, seed=seed, special=special)
-    before = inp["kv_cache"].clone()
-    out = torch.full((num_tokens, heads, ROPE), float("nan"), dtype=torch.bfloat16, device="cuda")
-    mla_rope_cache(**inp, interleaved=interleaved, out=out)
-    torch.cuda.synchronize()
-    ok, stats = _compare_all(inp, interleaved, out, inp["kv_cache"], before)
-    if verbose:
-        print(
-            f"check T={num_tokens} H={heads} interleaved={interleaved} pad_every={pad_every} max_pos={max_pos} "
-            f"special={special}: {'OK' if ok else 'FAIL'} {stats}",
-            flush=True,
-        )
-    return ok, stats
-
-
-def check_graph(num_tokens=64, heads=16, interleaved=True, seed=0, verbose=True):
-    """Capture one launch in a CUDA graph, then replay it on new inputs copied into the static buffers (new
-    positions, new slots with padding rows): proves there is no host read and the slot test is on the device."""
-    a = make_inputs(num_tokens, heads, seed=seed, pad_every=5)
-    b = make_inputs(num_tokens, heads, seed=seed + 1, pad_every=3, num_blocks=a["kv_cache"].shape[0])
-    out = torch.full((num_tokens, heads, ROPE), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fn = lambda: mla_rope_cache(**a, interleaved=interleaved, out=out)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up (compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        fn()
-    for k in ("kv", "weight", "q", "positions", "slot_mapping", "kv_cache"):
-        a[k].copy_(b[k])
-    before = a["kv_cache"].clone()
-    out.fill_(float("nan"))
-    gr.replay()
-    torch.cuda.synchronize()
-    ok, stats = _compare_all(a, interleaved, out, a["kv_cache"], before)
-    if verbose:
-        print(f"check graph replay T={num_tokens} H={heads}: {'OK' if ok else 'FAIL'} {stats}", flush=True)
-    return ok, stats
-
-
-# (num_tokens, heads, interleaved, pad_every, max_pos, special)
-CHECK_CASES = [
-    (1, 16, True, 0, 8192, False),
-    (7, 16, True, 3, 8192, True),
-    (64, 16, True, 5, 8192, False),
-    (130, 16, False, 4, 8192, False),
-    (1, 128, True, 0, 8192, False),
-    (33, 128, True, 2, 8192, True),
-    (256, 128, False, 7, 8192, False),
-    (64, 128, True, 0, 163840, False),  # long-context table (V3's max_position_embeddings)
-    (2000, 16, True, 9, 8192, False),  # prefill-sized
-    (5, 8, True, 2, 8192, True),  # H < 16 (tensor parallel shard)
-    (5, 32, False, 0, 8192, False),
-]
-
-
-def run_checks(verbose=True):
-    ok = True
-    for i, (t_, h, il, pad, mp, sp) in enumerate(CHECK_CASES):
-        ok &= check_case(t_, h, il, pad, mp, seed=i, special=sp, verbose=verbose)[0]
-    ok &= check_graph(verbose=verbose)[0]
-    ok &= check_graph(48, 128, False, seed=5, verbose=verbose)[0]
-    return ok
-
-
-# ----------------------------------------------------------------------------------------------------
-# benchmark: the fused kernel vs the composed path it replaces
-# ----------------------------------------------------------------------------------------------------
-def composed(inp, interleaved, norm=None):
-    """The backend's composed tail: norm (kernels_cuda.rms_norm when given) + 2 reference ropes + cat + the
-    sync-free cache write."""
-    q, off, kv = inp["q"], inp["q_off"], inp["kv"]
-    q_pe = q[:, :, off : off + ROPE]
-    c_kv, k_pe = kv.split([KV_LORA, ROPE], dim=-1)
-    q_rope = rope_ref(q_pe, inp["positions"], inp["cos_sin_cache"], interleaved)
-    c = norm(c_kv.contiguous(), inp["weight"], inp["eps"]) if norm else rms_norm_ref(c_kv, inp["weight"], inp["eps"])
-    k_rot = rope_ref(k_pe.unsqueeze(1), inp["positions"], inp["cos_sin_cache"], interleaved).squeeze(1)
-    lat = torch.cat((c, k_rot), dim=-1)
-    flat = inp["kv_cache"].view(-1, HEAD_DIM)
-    slots = inp["slot_mapping"]
-    valid = slots >= 0
-    idx = torch.where(valid, slots, torch.zeros_like(slots))
-    flat.index_copy_(0, idx, torch.where(valid.unsqueeze(-1), lat, flat[0].unsqueeze(0)))
-    return q_rope
-
-
-def _time_graph(fn, reps=20):
-    from triton.testing import do_bench
-
-    fn()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        for _ in range(reps):
-            fn()
-    return do_bench(gr.replay, warmup=25, rep=200, return_mode="median") / reps
-
-
-BENCH_SHAPES = [(t_, h) for h in (16, 128) for t_ in (1, 16, 64, 128, 256, 4096)]
-
-
-def bench_case(num_tokens, heads, interleaved=True, norm=None):
-    inp = make_inputs(num_tokens, heads, pad_every=0, seed=123)
-    out = torch.empty(num_tokens, heads, ROPE, dtype=torch.bfloat16, device="cuda")
-    t_f = _time_graph(lambda: mla_rope_cache(**inp, interleaved=interleaved, out=out))
-    t_c = _time_graph(lambda: composed(inp, interleaved, norm))
-    nbytes = num_tokens * (HEAD_DIM * 2 * 2 + heads * ROPE * 2 * 2 + ROPE * 4 + 16) + KV_LORA * 2
-    return {
-        "bench": "mla_rope_cache",
-        "hardware": torch.cuda.get_device_name(),
-        "tokens": num_tokens,
-        "heads": heads,
-        "us": round(t_f * 1e3, 2),
-        "composed_us": round(t_c * 1e3, 2),
-        "speedup": round(t_c / t_f, 2),
-        "bytes": nbytes,
-        "GBps": round(nbytes / (t_f * 1e-3) / 1e9, 1),
-        "timing": "graph",
-    }
-
-
-def main(argv=None):
-    import json
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--compile-only", action="store_true")
-    args = ap.parse_args(argv)
-    _bench.exit_without_cuda(args)
-    if args.compile_only:
-        t = time.time()
-        ci_compile()
-        print(f"compiled {len(CI_CONFIGS)} configurations in {time.time() - t:.1f}s")
-    ok = True
-    if args.check or args.bench:
-        cfgs = [(h, 192, 128, il, 1e-6) for (_t, h, il, *_r) in CHECK_CASES] if args.check else []
-        cfgs += [(h, 192, 128, True, 1e-6) for (_t, h) in BENCH_SHAPES] if args.bench else []
-        cfgs += [(16, 192, 128, True, 1e-6), (128, 192, 128, False, 1e-6)] if args.check else []  # graph checks
-        t = time.time()
-        precompile(cfgs)
-        print(f"compiled {len(set(cfgs))} configurations in {time.time() - t:.1f}s", flush=True)
-    if args.check:
-        ok = run_checks()
-        print("CHECK", "PASS" if ok else "FAIL", flush=True)
-    if args.bench:
-        try:
-            from rms_norm import rms_norm as norm  # noqa: E402 (same folder when run as a script)
-        except Exception:  # noqa: BLE001
-            norm = None
-        for t_, h in BENCH_SHAPES:
-            print(json.dumps(bench_case(t_, h, norm=norm)), flush=True)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
