@@ -41,6 +41,7 @@ ROUTE_CASES = [("v2lite", t, kind) for t in (1, 2, 5, 16) for kind in ("randn", 
     ("v3", t, kind) for t in (1, 3, 16) for kind in ("randn", "ties")] + [
     ("v2lite", 7, "equal"), ("v3", 16, "equal"), ("v3-nobias", 4, "mixed"), ("v2", 9, "ties")]
 
+
 def bf16_max_ulps(a, b):
     return bf16_ulps(a, b).max().item() if a.numel() else 0
 
