@@ -30,6 +30,8 @@ wait
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >> /tmp/build.log 2>&1 \
   || echo "INSTALL FAILED" >> /tmp/build.log
 export PYTHONPATH=/tmp/site
+python3 -c "import deepinfer_npu.kernels_cuda, deepinfer_npu._core" >> /tmp/build.log 2>&1 \
+  || echo "IMPORT FAILED: deepinfer_npu.kernels_cuda / the C++ core" >> /tmp/build.log
 tail -3 /tmp/build.log >> "$OUT/setup.log"; el "setup done"; tail -2 /tmp/build.log
 filt() { grep -v "tilelang.jit.kernel:INFO\|USDT:\|^INFO" ; }
 for phase in "$@"; do
