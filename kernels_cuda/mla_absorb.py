@@ -10,15 +10,15 @@ sums that nearly cancel), NaN / inf at the same positions.
 
 Why: at batch 1 the backend ran this as cuBLAS' batched GEMM (``absorb_heads``: 3.2-3.3 us a layer for 2 MB on an
 H200, the 27 ``nvjet ... NNT`` launches of profile_decode.py) and a library kernel ends the programmatic launch
-chain of the TileLang kernels around it (kernels_cuda/_pdl.py). Its twin on the output side, W_UV on skinny_gemm's
-grouped mode, measured +2.3 / +1.8 % at batch 1 (two A/B pairs, session 7). W_UK's rows are only N = 128 long, too
+chain of the TileLang kernels around it (PDL: the package docstring). Its twin on the output side, W_UV on skinny_gemm's
+grouped mode, measured +2.3 / +1.8 % at batch 1 (two A/B pairs). W_UK's rows are only N = 128 long, too
 short for skinny_gemm's one-warp-a-row dot products, so this kernel walks W_UK along L instead: a CTA owns 64
 columns of one head, each of its 256 threads 8 adjacent columns (one 16-byte vector a row) of N / 32 rows; it loads
 its whole slice of W_UK before it waits for the previous kernel (the weights do not depend on it), then the query,
 then sums the 32 row groups through shared memory. Grid: L / 64 x H CTAs (128 for V2-Lite's 16 heads).
 
-Checked on an H200 (session 8): ``--check`` (fp32 reference and cuBLAS) passed, 0-2 bf16 ulp, NaN/inf positions equal,
-graph replay; 1.40 us for 16 heads against cuBLAS' 2.73 us, 3.84 against 4.94 us for 128 (graph-timed, weights in
+Checked on an H200 against the fp32 reference (tests/kernels_cuda/test_mla_absorb.py): 0-2 bf16 ulp, NaN/inf
+positions equal, graph replay; 1.40 us for 16 heads against cuBLAS' 2.73 us, 3.84 against 4.94 us for 128 (graph-timed, weights in
 L2). In the engine at batch 1 it raised decode from 433.9 / 428.2 to 449.4 / 449.8 tok/s (A/B/A/B, 9 windows each).
 """
 

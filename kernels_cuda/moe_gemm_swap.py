@@ -8,7 +8,7 @@ fp32 rounded to bf16; precise expf).
 
 Why: at batch 1 each hit expert holds one row, but ``moe_gemm`` pads the rows to the 64-row wgmma minimum and
 fills that A tile with a synchronous masked loop at every K step (64 x 64 values, one of them real). On an H200
-(session 5 profile, batch 1) its two GEMMs took ~21.7 + ~14 us a V2-Lite layer against ~16 + ~8 us of weight
+(profile_decode.py, batch 1) its two GEMMs took ~21.7 + ~14 us a V2-Lite layer against ~16 + ~8 us of weight
 bytes at the copy bandwidth, 0.93 ms of a 2.8 ms step. Here the weight tile is the wgmma M side and the rows are
 its N side: ``C^T [BLOCK_N, RT] = W_tile [BLOCK_N, K] @ A_rows [RT, K]^T`` with RT = 8 or 16 (wgmma's N goes down
 to 8), so a K step fills an 8-row A tile and the pipeline carries weights only. Gated, a CTA streams the matching
@@ -16,9 +16,9 @@ gate and up tiles (two wgmmas into two accumulators) and writes the activation: 
 ``silu_mul`` launch. Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
 more than RT rows loops over row tiles (correct for any count, fast for few).
 
-Verified on an H200 (session 6, on since; the full check, 13 of 13 cases, passed in session 7): ``--check``
-compares with the fp32 reference (bf16 within 2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999),
-``--bench`` times it against ``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
+Checked on an H200 against the fp32 reference in 13 cases (tests/kernels_cuda/test_moe_gemm_swap.py: bf16 within
+2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999); ``bench.py moe_gemm_swap`` times it against
+``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
 """
 
 import torch

@@ -29,15 +29,14 @@ reference (backends/cpu/moe.py) as it runs on CUDA tensors, where it replaces ~2
    every output bit-identical to the two kernels'. One CTA a token, as permute; warp w of every CTA first gates
    tokens w, w + NW, ... with the standalone kernel's own code (``_gating_macro``, the gating kernel's generated
    source unchanged by it, byte for byte) into shared memory, then the permute body reads the ids from there.
-   GPU check / timing: ``check_route`` and ``bench_route`` (``--check`` / ``--bench``); the check passed on an H200
-   in session 7 (6 cases, weights 0 ulp from the reference, graph replay).
+   Checked on an H200 (weights 0 ulp from the reference, graph replay; tests/kernels_cuda/test_moe_routing.py).
 
 Measured on one H200 (torch 2.11 + cu130, TileLang 0.1.15; 2026-11-29), against the reference ops on the same CUDA
-tensors: ``--check`` PASS: gating ids identical (order included) in 24/24 cases (V2-Lite, V2, V3, T = 1..1000, tie-
+tensors: gating ids identical (order included) in 24/24 cases (V2-Lite, V2, V3, T = 1..1000, tie-
 heavy integer logits, all-equal rows) and the weights bit-exact in 24/24; permute order / counts / rows identical
 (11 cases, bf16 and fp32, up to T*k = 8192); unpermute 0 ulp in 9/9; the three kernels captured in a CUDA graph and
 replayed: bit-exact. Control: the sequential sum instead of torch's orders is 3 ulp off (normalisation) and 3-16
-bf16 ulp off (combine). pytest tests/kernels_cuda/test_moe_routing.py: 107 passed. CUDA-graph replay timings
+bf16 ulp off (combine). CUDA-graph replay timings (``bench.py moe_routing``)
 (median, first run), kernel vs the torch path it replaces (us):
 
 | shape | T | gating | permute (dispatch) | unpermute (combine) |

@@ -12,7 +12,7 @@ result: silu in fp32 rounded to bf16, the product in fp32 rounded to bf16; preci
 
 Why: at M = 1 the library GEMM tiles (cuBLAS ``nvjet 64x8``, split-K + reduce for narrow N) streamed the V2-Lite
 projections at about half the copy bandwidth on an H200 (1.19 ms of a 3.2 ms batch-1 step for ~0.53 ms of bytes;
-profile_decode.py, session 4). Tensor cores buy nothing at M <= 8 (compute is free, bytes are not), so this is a
+profile_decode.py). Tensor cores buy nothing at M <= 8 (compute is free, bytes are not), so this is a
 CUDA-core kernel: each warp owns R output columns, each lane streams 16-byte vectors of those weight rows along K
 (U vectors per row in flight before any FMA), multiplies them with the ``a`` rows of its row block (RB rows, read
 through L1), and a warp shuffle sums the lanes. A CTA of 4 warps covers 4R columns (R = 1: kv_a's 576 columns are
@@ -33,13 +33,13 @@ from ._kernel_cache import KernelCache
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane)
-# What the engine routes here (reason()): one row, K <= DENSE_MAX_K. Measured on an H200 (--bench, session 4):
+# What the engine routes here (reason()): one row, K <= DENSE_MAX_K. Measured on an H200 (bench.py skinny_gemm):
 # at 1 row 1.35-2.4x cuBLAS on the V2-Lite projections, but at 6 rows 2-8x slower (the FMAs, not the bytes,
 # then bound a CUDA-core kernel), and at K = 10944 (one CTA walks 43 vectors a lane) slower than cuBLAS' split-K.
 DENSE_MAX_ROWS = 1
 DENSE_MAX_K = 8192
 THREADS = 128
-ROWS_PER_WARP = 1  # R: output columns a warp owns  ((1, 4) was the best or within 10 % at 1 row, --bench)
+ROWS_PER_WARP = 1  # R: output columns a warp owns  ((1, 4) was the best or within 10 % at 1 row)
 UNROLL = 4  # U: 16-byte weight vectors per row a lane loads before its FMAs
 _BYTES = {"bfloat16": 2, "float32": 4}
 
@@ -62,7 +62,7 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     (the host checks N == 2 * NO)."""
     assert tilelang is not None, "tilelang is not installed"
     # dense: the weights do not depend on earlier kernels, so each lane issues its first U weight vectors before
-    # it waits for the previous kernel (_pdl.py): those loads overlap that kernel's tail. Grouped: the expert comes
+    # it waits for the previous kernel (PDL): those loads overlap that kernel's tail. Grouped: the expert comes
     # from the scan, a previous kernel's output, so it waits at the start.
     EARLY_WEIGHTS = not grouped
     VEC = vec_for(w_dtype)

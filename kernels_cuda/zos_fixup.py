@@ -28,8 +28,8 @@ Kernels (no host reads; CUDA-graph capturable):
   reference runs ~20 kernels (index_select, where, sum, clamp, cumprod, nan_to_num, arange, argsort (a segmented
   sort), scatter, ...).
 
-Verified: the ``--check`` below passed on an H200 (session 3; kernels_cuda/NOTES.md), and the kernel set uses it
-by default. CI compiles it for sm_90a and sm_100a.
+Checked on an H200: both outputs equal to the CPU reference op on the same CUDA tensors
+(tests/kernels_cuda/test_zos_fixup.py).
 """
 
 import torch
