@@ -20,12 +20,7 @@ the reference's ``scaled + gumbel_noise(...)`` with the same IEEE division and t
 (no fast math; no product is fused into an add: ``--fmad=false``). Greedy rows take the raw logits.
 """
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
+from ._tilelang import T, tilelang
 
 THREADS = 256
 UNROLL = 2  # 16-byte loads in flight per thread and tile

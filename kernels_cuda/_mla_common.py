@@ -6,12 +6,7 @@ Layout: per token 576 bf16 values, 512 latent (c_kv) then 64 rope (k_pe); pages 
 a request times its heads are folded into the rows of a tile.
 """
 
-try:  # tilelang is optional at import time so that the host helpers are usable without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
+from ._tilelang import T, tilelang
 
 KV_LORA = 512
 ROPE = 64

@@ -27,14 +27,8 @@ import torch
 
 from deepinfer_npu.backends.cpu.step_inputs import DecodeInputs
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 THREADS = 256

@@ -23,14 +23,8 @@ Checked on an H200 against the fp32 reference in 13 cases (tests/kernels_cuda/te
 
 import torch
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64

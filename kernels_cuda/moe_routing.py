@@ -53,14 +53,8 @@ bf16 ulp off (combine). CUDA-graph replay timings (``bench.py moe_routing``)
 
 import torch
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Products must round to fp32 before the sums, as in torch's separate multiply and sum kernels.

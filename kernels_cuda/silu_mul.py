@@ -21,14 +21,8 @@ import functools
 
 import torch
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from ._ast_guard import compile_pool
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 

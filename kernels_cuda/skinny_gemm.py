@@ -22,14 +22,8 @@ deterministic).
 
 import torch
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane)

@@ -36,15 +36,9 @@ Checked on an H200: every output equal to the CPU reference op run on the same C
 
 import torch
 
-try:  # tilelang is optional at import time: the host-side checks work without it
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover - exercised where tilelang is absent
-    tilelang = None
-    T = None
-
 from . import _argmax as am
 from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 ACCEPT_THREADS = 512

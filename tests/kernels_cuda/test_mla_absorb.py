@@ -1,12 +1,10 @@
-"""kernels_cuda.mla_absorb (W_UK of one decode token) and the CUDA kernel set's use of it in ``mla_prolog``.
+"""kernels_cuda.mla_absorb (W_UK of one decode token).
 
 Tolerance (bf16 in, fp32 sums, one rounding): within 1 bf16 ulp of the fp32 reference rounded to bf16, NaN / inf at
 the same positions (the kernel's summation order is not cuBLAS', so no bit-exactness is asked). Anywhere: the dims
-and operand checks, the reference against the reference ops' einsum, and the kernel set's choice with a stand-in
-module (gate shut: cuBLAS' batched GEMM; open: the kernel for one token only). The GPU tests skip without a device.
+and operand checks, and the fp32 reference against the backend's absorption arithmetic; on a CUDA device the kernel
+against that reference, and a graph replay.
 """
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,44 +77,6 @@ def test_tolerance_accepts_another_summation_order_and_rejects_errors():
     nan = reordered.clone()
     nan[0, h, col] = float("nan")
     assert not within_tolerance(nan, q, w)[0]
-
-
-class _StandIn:
-    def __init__(self, why=None):
-        self.calls, self.why = 0, why
-
-    def reason(self, q, w_uk):
-        return self.why
-
-    def absorb_q(self, q, w_uk):
-        self.calls += 1
-        return absorb_ref(q, w_uk).to(q.dtype)
-
-
-def test_kernel_set_takes_it_for_one_token_with_the_gate_open(monkeypatch):
-    ks = ck.CudaKernelSet()
-    stand_in = _StandIn()
-    monkeypatch.setattr(ks, "_kernel", lambda name: stand_in)  # _gated_kernel's gate and reason() stay real
-    w = SimpleNamespace(qk_nope_head_dim=64, w_uk=make_inputs(4, 64, 128, 96, device="cpu")[1])
-    monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "mla_absorb" not in ck.UNVERIFIED_KERNELS  # verified in session 8; put back here to test the gate
-    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"mla_absorb"})
-    q1 = make_inputs(4, 64, 128, 96, seed=1, device="cpu")[0]
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # host tensors pass the device check
-    want = ck.absorb_heads(q1[..., :64], w.w_uk)
-    assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 0  # gate shut: cuBLAS' path
-    assert "W_UK of one token: cuBLAS batched GEMM (reference (kernels_cuda.mla_absorb not yet verified" in \
-        ks.op_report()["mla_prolog"]
-    monkeypatch.setenv(ck.UNVERIFIED_ENV, "mla_absorb")
-    got = ks._absorb_q(q1, w)
-    assert stand_in.calls == 1 and got.shape == want.shape
-    assert "W_UK of one token: kernels_cuda.mla_absorb; unverified" in ks.op_report()["mla_prolog"]
-    q3 = torch.cat([q1, q1, q1])  # three tokens: never the kernel
-    assert torch.equal(ks._absorb_q(q3, w), ck.absorb_heads(q3[..., :64], w.w_uk)) and stand_in.calls == 1
-    stand_in.why = "kv_lora_rank 500: a multiple of 64 columns"  # the module's reason() refuses: cuBLAS, reported
-    assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 1
-    assert "cuBLAS batched GEMM (reference (kv_lora_rank 500: a multiple of 64 columns))" in ks.op_report()[
-        "mla_prolog"]
 
 
 @pytest.mark.gpu

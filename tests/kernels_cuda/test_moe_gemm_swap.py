@@ -1,7 +1,7 @@
 """kernels_cuda.moe_gemm_swap: the swapped-operand expert GEMM (weight tile on wgmma's M side, SwiGLU fused into
 w13) against its fp32 reference on a CUDA device (bf16 within 2 ulp of |ref| + 1e-2,
 gated 4 ulp; NaN positions equal; cosine > 0.99999); on the CPU: its gated reference equals the CPU backend's
-expert MLP arithmetic, bad shapes are rejected with the dims named, and the backend keeps it gated."""
+expert MLP arithmetic, and bad shapes are rejected with the dims named."""
 
 import pytest
 import torch
