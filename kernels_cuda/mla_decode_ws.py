@@ -398,11 +398,14 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     return mla_decode_seesaw
 
 
+_compile = compile_sm90  # the module's compile, one name to replace in tests
+
+
 @functools.cache
 def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
-    return compile_sm90(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale))
+    return _compile(build_mla_decode_ws(heads, m_tiles, num_splits, softmax_scale))
 
 
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
@@ -414,7 +417,7 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
         return
     funcs = [build_mla_decode_ws(h, mt, s, float(softmax_scale)) for h, mt, s in configs]
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
-        list(ex.map(compile_sm90, funcs))
+        list(ex.map(_compile, funcs))
     for h, mt, s in configs:
         get_kernel(h, mt, s, float(softmax_scale))
 
@@ -426,4 +429,4 @@ def ci_compile(configs=None):
     """Compile representative configurations for sm_90a without a GPU (tests/kernels_cuda/test_compile.py)."""
     funcs = [build_mla_decode_ws(h, mt, s, HEAD_DIM**-0.5) for h, mt, s in (configs or CI_CONFIGS)]
     with compile_pool(len(funcs)) as ex:
-        return list(ex.map(compile_sm90, funcs))
+        return list(ex.map(_compile, funcs))

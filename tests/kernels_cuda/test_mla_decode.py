@@ -167,7 +167,7 @@ def test_ws_precompile_builds_what_get_kernel_asks_for(monkeypatch):
     launcher's call form, so the launch does not build again."""
     built = []
     monkeypatch.setattr(ws, "build_mla_decode_ws", lambda *a: built.append(a) or a)
-    monkeypatch.setattr(ws, "compile_sm90", lambda f: f)
+    monkeypatch.setattr(ws, "_compile", lambda f: f)
     ws.get_kernel.cache_clear()
     try:
         ws.precompile([(128, 2, 1), (16, 1, 2)], softmax_scale=0.125)
