@@ -50,7 +50,7 @@ def combine_splits(heads: int, num_splits: int, skip_empty_splits: bool = False)
     @T.macro
     def combine(Out, Lse, O_part, Lse_part, num_tokens):
         with T.Kernel(H, num_tokens, threads=128) as (h, t):
-            T.pdl_sync()  # PDL (package docstring): wait for the previous kernel, then let the next one launch
+            T.pdl_sync()  # PDL (_pdl.py): wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             o_acc = T.alloc_fragment([DV], acc)
             po = T.alloc_fragment([DV], acc)

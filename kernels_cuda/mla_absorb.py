@@ -10,7 +10,7 @@ sums that nearly cancel), NaN / inf at the same positions.
 
 Why: at batch 1 the backend ran this as cuBLAS' batched GEMM (``absorb_heads``: 3.2-3.3 us a layer for 2 MB on an
 H200, the 27 ``nvjet ... NNT`` launches of profile_decode.py) and a library kernel ends the programmatic launch
-chain of the TileLang kernels around it (PDL: the package docstring). Its twin on the output side, W_UV on skinny_gemm's
+chain of the TileLang kernels around it (PDL, _pdl.py). Its twin on the output side, W_UV on skinny_gemm's
 grouped mode, measured +2.3 / +1.8 % at batch 1 (two A/B pairs). W_UK's rows are only N = 128 long, too
 short for skinny_gemm's one-warp-a-row dot products, so this kernel walks W_UK along L instead: a CTA owns 64
 columns of one head, each of its 256 threads 8 adjacent columns (one 16-byte vector a row) of N / 32 rows; it loads

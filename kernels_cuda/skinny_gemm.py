@@ -38,6 +38,11 @@ UNROLL = 4  # U: 16-byte weight vectors per row a lane loads before its FMAs
 _BYTES = {"bfloat16": 2, "float32": 4}
 
 
+def default_variant() -> tuple[int, int]:
+    """(rows_per_warp, unroll) of the engine's launches (``bench.py skinny_gemm --variants`` times others)."""
+    return ROWS_PER_WARP, UNROLL
+
+
 def vec_for(w_dtype: str) -> int:
     return 16 // _BYTES[w_dtype]
 
@@ -188,7 +193,7 @@ def config_for(k: int, m: int, gated: bool, grouped: bool, a_dtype, w_dtype, out
     """The cache key of the kernel :func:`skinny_gemm` launches (dtypes as torch dtypes or names)."""
     name = lambda d: d if isinstance(d, str) else str(d).removeprefix("torch.")  # noqa: E731
     return (int(k), rows_block(m), bool(gated), bool(grouped), name(a_dtype), name(w_dtype), name(out_dtype),
-            ROWS_PER_WARP, UNROLL)
+            *default_variant())
 
 
 def get_kernel(*cfg):
