@@ -323,6 +323,8 @@ def bench_skinny_gemm(args, copy):
     def cfg(k, m_rows, gated, grouped, v):
         return m.config_for(k, m_rows, gated, grouped, "bfloat16", "bfloat16", "bfloat16")[:7] + v
 
+    m.precompile([cfg(k, rows, g, False, v) for rows in (1, 6) for _name, _n, k, g in shapes for v in variants]
+                 + [cfg(k, r, g, True, v) for r in (1, 2) for k, g in ((2048, True), (1408, False)) for v in variants])
     for rows in (1, 6, 16):
         for name, n, k, gated in shapes:
             a, w = problems.dense_rows(rows, n, k)
