@@ -14,7 +14,7 @@ HEAD_DIM = KV_LORA + ROPE  # 576
 PAGE = 64  # block_size of the paged latent cache
 BLOCK_M = 64  # folded (q token x head) rows per CTA
 # One token of a few heads (V2-Lite's 16, batch-1 decode): the 16 rows in an mma.sync tile of 16 at 128 threads
-# instead of a 64-row wgmma tile (48 padding rows). Batch-1 sweep on an H200 (--sweep-batch1, 16 heads,
+# instead of a 64-row wgmma tile (48 padding rows). Batch-1 sweep on an H200 (bench.py mla_decode --sweep-batch1,
 # 512-token context): 8.2 us at 32 splits against 16.0-16.5 us for the 64-row tile.
 SMALL_BLOCK_M = 16
 SMALL_THREADS = 128
