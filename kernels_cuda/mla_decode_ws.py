@@ -73,7 +73,7 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     assert tilelang is not None, "tilelang is not installed"
     H, S = heads, num_splits
     DV, DPE, DH = KV_LORA, ROPE, KV_LORA // 2
-    BM, BN, PAGE, HD = BLOCK_M, BLOCK_N, PAGE, HEAD_DIM
+    BM, BN, HD = BLOCK_M, BLOCK_N, HEAD_DIM
     assert BM == 64 and BN == PAGE == 64 and DH == 256, "the seesaw tiles are 64 rows x 64 keys, V in two halves"
     scale = float(softmax_scale * LOG2E)
     dtype, acc = T.bfloat16, T.float32
