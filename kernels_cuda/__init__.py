@@ -1,7 +1,9 @@
-"""TileLang kernels for the CUDA backend (Hopper, sm_90a).
+"""TileLang kernels for the CUDA backend (Hopper, sm_90a), imported as ``deepinfer_npu.kernels_cuda.<name>``.
 
-One file per kernel: factory, torch reference, correctness check and benchmark, runnable alone
-(``python kernels_cuda/<kernel>.py --check --bench``). Each module exposes ``ci_compile()`` for
-tests/kernels_cuda/test_compile.py. Importing needs no tilelang; building or launching a kernel does
-(``tilelang==0.1.15``). Measurements: kernels_cuda/NOTES.md.
+One file per kernel: its factory, launch function(s), applicability checks (``reason`` / ``supported``) and
+``precompile`` / ``get_kernel`` / ``ci_compile`` entry points. Importing needs no tilelang; building or launching
+a kernel does (``tilelang==0.1.15``). Checks: ``tests/kernels_cuda``; timings: ``python -m
+deepinfer_npu.kernels_cuda.bench NAME``.
+
+Every kernel of the engine's decode chain waits for its predecessor with programmatic dependent launch (``_pdl.py``).
 """

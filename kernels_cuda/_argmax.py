@@ -1,12 +1,12 @@
-"""Shared by ``spec_verify.py`` and ``sampling.py``: a split row arg-max over fp32 logits [N, V], optionally of
+"""``spec_verify``'s first kernel: a split row arg-max over fp32 logits [N, V], optionally of
 ``logits / temperature + Gumbel(u)`` with ``u`` from the counter-based hash RNG (deepinfer_npu/sampling/rng.py),
-bit for bit. Not a kernel file of its own (no ``ci_compile``; the two users compile it).
+bit for bit. Not a kernel file of its own (no ``ci_compile``; ``spec_verify`` compiles it).
 
 Kernel ``row_argmax``: grid (S splits, N rows), THREADS threads; split ``s`` of row ``n`` scans the tiles
 ``[s * ceil(NT / S), (s + 1) * ceil(NT / S))`` of TILE = THREADS * VEC * UNROLL logits (NT tiles a row; 16-byte
 loads when V % 4 == 0; UNROLL = 2 without noise, 1 with), each thread keeping its best (value, index) in index
 order, then a warp / CTA max over a 64-bit key; it writes one key per (row, split) to ``Part [N, S]`` int64. A
-second, tiny kernel (the caller's) reduces the S keys of a row: ``index = 0xFFFFFFFF - (max key & 0xFFFFFFFF)``.
+second kernel (``spec_verify``'s accept kernel) reduces the S keys of a row: ``index = 0xFFFFFFFF - (max key & 0xFFFFFFFF)``.
 
 Order (torch's CUDA ``argmax``, ``GreaterOrNan``): NaN is larger than everything, ties (NaN with NaN, equal values,
 -0.0 with +0.0) go to the lowest index. The key is ``sortable(value) << 32 | (0xFFFFFFFF - index)`` with
@@ -20,12 +20,7 @@ the reference's ``scaled + gumbel_noise(...)`` with the same IEEE division and t
 (no fast math; no product is fused into an add: ``--fmad=false``). Greedy rows take the raw logits.
 """
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
+from ._tilelang import T, tilelang
 
 THREADS = 256
 UNROLL = 2  # 16-byte loads in flight per thread and tile
@@ -205,61 +200,6 @@ def build_row_argmax(vocab: int, noise: bool, stream: int = 0, threads: int = TH
             body(L, None, None, None, None, Part, bs, bn)
 
     return row_argmax
-
-
-def build_reduce_argmax(threads: int = 128):
-    """PrimFunc (Part [N, S] i64, Tok [N] i64 out): the index of each row's largest key."""
-    assert tilelang is not None, "tilelang is not installed"
-    i64 = T.int64
-    N = T.dynamic("num_rows")
-    S = T.dynamic("num_splits")
-
-    @T.prim_func
-    def reduce_argmax(Part: T.Tensor([N, S], i64), Tok: T.Tensor([N], i64)):
-        with T.Kernel(T.ceildiv(N, threads), threads=threads) as bx:
-            tid = T.get_thread_binding()
-            key = T.alloc_var(i64)
-            r = bx * threads + tid
-            if r < N:
-                key = Part[r, 0]
-                for s in T.serial(1, S):
-                    key = T.max(key, Part[r, s])
-                Tok[r] = T.int64(0xFFFFFFFF) - (key & T.int64(0xFFFFFFFF))
-
-    return reduce_argmax
-
-
-def build_noise_values(vocab: int, stream: int = 0, threads: int = 256):
-    """Diagnostic PrimFunc (L [N, V] f32, Temp [N] f32, Seeds [N] i64, Offsets [N] i64, X [N, V] f32 out,
-    U [N, V] f32 out): the uniforms and the values ``fl(logit / T) + -logf(-logf(u))`` the noise arg-max compares,
-    to be checked bit for bit against rng.hash_uniform and torch's arithmetic (``--check`` only)."""
-    assert tilelang is not None, "tilelang is not installed"
-    V = int(vocab)
-    f32, u32 = T.float32, T.uint32
-    salt = stream_salt(stream)
-    N = T.dynamic("num_rows")
-
-    @T.prim_func
-    def noise_values(
-        L: T.Tensor([N, V], f32),
-        Temp: T.Tensor([N], f32),
-        Seeds: T.Tensor([N], T.int64),
-        Offsets: T.Tensor([N], T.int64),
-        X: T.Tensor([N, V], f32),
-        U: T.Tensor([N, V], f32),
-    ):
-        with T.Kernel(T.ceildiv(V, threads), N, threads=threads) as (bc, bn):
-            tid = T.get_thread_binding()
-            h = T.alloc_local([2], u32)
-            g = T.alloc_local([1], f32)
-            _row_key(h, Seeds[bn], Offsets[bn], salt)
-            if bc * threads + tid < V:
-                _gumbel(h, bc * threads + tid, g)
-                U[bn, bc * threads + tid] = T.Cast(f32, (h[1] >> T.uint32(9)) * T.uint32(2) + T.uint32(1)) * T.float32(
-                    2.0**-24)
-                X[bn, bc * threads + tid] = L[bn, bc * threads + tid] / Temp[bn] + g[0]
-
-    return noise_values
 
 
 def compile_func(func, target=None):

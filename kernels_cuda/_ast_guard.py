@@ -16,9 +16,8 @@ import concurrent.futures as cf
 import sys
 import threading
 
-# One lock per process, kept on the ast module itself: this file is imported under several names
-# (kernels_cuda._ast_guard, deepinfer_npu.kernels_cuda._ast_guard, _ast_guard when a kernel file runs as a script),
-# and every wrapper must take the same lock.
+# One lock per process, kept on the ast module itself: every wrapper must take the same lock, also when this
+# module is reloaded.
 _LOCK = ast.__dict__.setdefault("_deepinfer_ast_lock", threading.RLock())
 
 

@@ -1,5 +1,5 @@
 """Per-module cache of compiled TileLang kernels keyed by ``(kind, cfg)``, shared by the kernels_cuda modules whose
-kernels come in several kinds (sampling, spec_verify, zos_fixup, moe_routing).
+kernels come in several kinds or configurations (spec_verify, zos_fixup, moe_routing, skinny_gemm ...).
 
 ``builders[kind](*cfg)`` returns a PrimFunc; ``compile_fn(func, target=None)`` compiles it (each module keeps its
 own target and nvcc flags). Builders run on the calling thread: TileLang parses a kernel's Python source with
@@ -12,10 +12,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-try:
-    from ._ast_guard import compile_pool
-except ImportError:  # run as a script from kernels_cuda/
-    from _ast_guard import compile_pool
+from ._ast_guard import compile_pool
 
 
 class KernelCache:

@@ -3,7 +3,7 @@
 Op contract and reference: backends/cpu/step_inputs.py ``decode_inputs(seqlens_q, seqlens_k, block_tables,
 state_slots, first_ids, last_token, drafts, block_size, num_tokens) -> DecodeInputs``; every output (positions,
 slot_mapping, cu_seqlens_q, row_of_token, j_of_token, input_ids, draft_next) equals the reference's exactly. Why: on
-an H200 a batch-1 decode step ran ~62 tiny launches before its CUDA graph replay (profile_decode.py, session 6),
+an H200 a batch-1 decode step ran ~62 tiny launches before its CUDA graph replay (profile_decode.py),
 ~45 of them the reference's torch ops; this is one launch for those.
 
 Kernel: CTA ``c`` of ``ceil(T / threads)`` owns tokens ``c * threads + tid``. Every CTA scans the B <= MAX_ROWS
@@ -16,45 +16,19 @@ floordiv / floormod, so they agree with torch's floor semantics. The reference's
 Preconditions (no host read checks them): ``num_tokens == seqlens_q.sum()``, ``0 <= seqlens_q <= seqlens_k``, slots
 and table entries in range (the reference would fault on what the kernel reads out of bounds).
 
-Verified: ``--check`` below compares every output with the reference on the same CUDA tensors (passed on an H200,
-session 7: 18 cases up to 1024 rows / 16384 tokens and a graph replay; ``--bench`` 2.5-3.7 us against 52-109 us).
-CI compiles it for sm_90a and sm_100a (tests/kernels_cuda/test_compile.py).
-
-Run alone:  python kernels_cuda/decode_inputs.py --check --bench
+Checked on an H200: every output equal to the reference on the same CUDA tensors in 18 cases up to 1024 rows /
+16384 tokens and a graph replay (tests/kernels_cuda/test_decode_inputs.py); 2.5-3.7 us against the reference's
+52-109 us.
 """
 
-import argparse
 import numbers
-import os
-import sys
-import time
 
 import torch
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
+from deepinfer_npu.backends.cpu.step_inputs import DecodeInputs
 
-try:
-    from . import _bench
-    from ._kernel_cache import KernelCache
-except ImportError:  # run as a script: python kernels_cuda/decode_inputs.py
-    import _bench
-    from _kernel_cache import KernelCache
-
-
-def _ensure_repo_on_path():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-
-
-_ensure_repo_on_path()
-from deepinfer_npu.backends.cpu.step_inputs import DecodeInputs  # noqa: E402
-from deepinfer_npu.backends.cpu.step_inputs import decode_inputs as decode_inputs_ref  # noqa: E402
+from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 THREADS = 256
@@ -272,136 +246,3 @@ def decode_inputs(seqlens_q, seqlens_k, block_tables, state_slots, first_ids, la
                            out.positions, out.slot_mapping, out.cu_seqlens_q, out.row_of_token, out.j_of_token,
                            out.input_ids, out.draft_next)
     return out
-
-
-# ---- checks ----------------------------------------------------------------------------------------------------
-def make_problem(rows, q_lo, q_hi, k, block_size=64, short_tables=False, neg_first=0.3, zero_rows=0.0, seed=0,
-                 device="cuda"):
-    """Operands as the worker passes them; returns (args, block_size, num_tokens). ``short_tables``: the tables
-    are narrower than the longest context needs (positions past them map to block 0); ``zero_rows``: that fraction
-    of rows has q = 0 (row 0 keeps q >= 1, so T >= 1); ``neg_first``: fraction of first_ids that are -1."""
-    g = torch.Generator().manual_seed(seed)
-    s = 2 * rows + 3
-    q = torch.randint(q_lo, q_hi + 1, (rows,), generator=g)
-    q[torch.rand(rows, generator=g) < zero_rows] = 0
-    q[0] = max(int(q[0]), 1)
-    sk = q + torch.randint(0, 5000, (rows,), generator=g)
-    w = -(-int(sk.max()) // block_size)
-    w = max(1, w // 3) if short_tables else w
-    tables = torch.randint(0, 1 << 20, (rows, w), generator=g, dtype=torch.int32)
-    slots = torch.randperm(s, generator=g)[:rows]
-    first = torch.randint(0, 1 << 17, (rows,), generator=g)
-    first[torch.rand(rows, generator=g) < neg_first] = -1
-    last = torch.randint(0, 1 << 17, (s,), generator=g)
-    drafts = torch.randint(0, 1 << 17, (s, k), generator=g)
-    args = [q.int(), sk.int(), tables, slots, first, last, drafts]
-    return [x.to(device) for x in args], block_size, int(q.sum())
-
-
-# (name, rows, q_lo, q_hi, k, block_size, short_tables, neg_first, zero_rows)
-CHECK_CASES = [
-    ("batch-1 decode, no drafts", 1, 1, 1, 1, 64, False, 0.0, 0.0),
-    ("batch-1, first unknown", 1, 1, 1, 1, 64, False, 1.0, 0.0),
-    ("batch-1 verify q=4", 1, 4, 4, 3, 64, False, 0.5, 0.0),
-    ("B=64 q=1", 64, 1, 1, 3, 64, False, 0.3, 0.0),
-    ("B=64 q 1..6 K=5", 64, 1, 6, 5, 64, False, 0.3, 0.0),
-    ("B=64 q 0..6 K=5 bs16", 64, 1, 6, 5, 16, False, 0.3, 0.3),
-    ("B=37 short tables bs16", 37, 1, 6, 5, 16, True, 0.5, 0.1),
-    ("B=50 short tables bs64", 50, 1, 4, 3, 64, True, 0.0, 0.0),
-    ("K=1 with q up to 4", 8, 1, 4, 1, 64, False, 0.3, 0.0),
-    ("mostly empty rows", 300, 1, 3, 2, 64, False, 0.3, 0.95),
-    ("B=MAX_ROWS q 1..4", MAX_ROWS, 1, 4, 3, 64, False, 0.3, 0.0),
-    ("B=MAX_ROWS q 0..16 bs16", MAX_ROWS, 0, 16, 15, 16, True, 0.3, 0.2),
-    ("B=MAX_ROWS T=MAX_TOKENS", MAX_ROWS, 16, 16, 15, 64, False, 0.3, 0.0),
-]
-
-
-def check_case(name, *case, seed=0, verbose=True):
-    args, bs, t = make_problem(*case, seed=seed)
-    out = decode_inputs(*args, bs, t)
-    ref = decode_inputs_ref(*args, bs, t)
-    torch.cuda.synchronize()
-    bad = [f for f, a, b in zip(DecodeInputs._fields, out, ref) if not (a.dtype == b.dtype and torch.equal(a, b))]
-    if verbose:
-        print(f"check decode_inputs {name:28s} B={case[0]:4d} T={t:5d}: {'PASS' if not bad else 'FAIL ' + str(bad)}",
-              flush=True)
-    return not bad
-
-
-def check_graph(verbose=True):
-    """Captured in a CUDA graph, replayed on new lengths / slot state (same T)."""
-    args, bs, t = make_problem(64, 1, 6, 5, seed=9)
-    decode_inputs(*args, bs, t)
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        out = decode_inputs(*args, bs, t)
-    new, _, _ = make_problem(64, 1, 6, 5, seed=10)
-    q = args[0][torch.randperm(64, device=args[0].device)]  # same total (T is baked in): a re-split
-    args[1].copy_(q + new[1] - new[0])  # context lengths >= query lengths
-    args[0].copy_(q)
-    for i in (3, 4, 5, 6):  # slots, first ids, slot state
-        args[i].copy_(new[i])
-    gr.replay()
-    ref = decode_inputs_ref(*args, bs, t)
-    ok = all(torch.equal(a, b) for a, b in zip(out, ref))
-    if verbose:
-        print(f"check graph capture + replay: {'PASS' if ok else 'FAIL'}", flush=True)
-    return ok
-
-
-def check() -> bool:
-    t0 = time.time()
-    precompile({(c[5], THREADS) for c in CHECK_CASES})
-    print(f"compiled {len(_KERNELS)} configurations in {time.time() - t0:.1f}s", flush=True)
-    ok = True
-    for i, c in enumerate(CHECK_CASES):
-        for seed in (0, 1):
-            ok &= check_case(*c, seed=100 * i + seed)
-    return check_graph() and ok
-
-
-# ---- benchmark -------------------------------------------------------------------------------------------------
-BENCH_SHAPES = [(1, 1, 1), (1, 4, 3), (64, 1, 3), (64, 4, 3), (256, 4, 3), (1024, 4, 3)]  # rows, q, drafts
-
-
-def bench_case(rows, q, k):
-    args, bs, t = make_problem(rows, q, q, k, seed=1)
-    tk, how = _bench.time_us(lambda: decode_inputs(*args, bs, t))
-    tr, how_r = _bench.time_us(lambda: decode_inputs_ref(*args, bs, t))
-    return {"bench": "decode_inputs", "hardware": torch.cuda.get_device_name(), "rows": rows, "q": q, "k": k,
-            "tokens": t, "kernel_us": round(tk, 2), "reference_us": round(tr, 2), "speedup": round(tr / tk, 2),
-            "timing": how, "timing_ref": how_r}
-
-
-def main(argv=None):
-    import json
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--out", default=None, help="append the --bench JSON lines here")
-    args = ap.parse_args(argv)
-    _bench.exit_without_cuda(args)
-    if args.compile_only:
-        t = time.time()
-        ci_compile()
-        print(f"compiled {len(CI_CONFIGS)} configurations in {time.time() - t:.1f}s")
-    ok = True
-    if args.check:
-        ok = check()
-        print("CHECK", "PASS" if ok else "FAIL", flush=True)
-    if args.bench:
-        precompile([(64, THREADS)])
-        for c in BENCH_SHAPES:
-            row = json.dumps(bench_case(*c))
-            print(row, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(row + "\n")
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,34 +16,12 @@ uneven spread of the busy ones over the SMs). Each CTA streams its [BLOCK_N, K] 
 pipeline into wgmma with the rows padded to BLOCK_M = 64 (the wgmma minimum; compute is free here, bytes are
 not). Experts with more than 64 rows loop over row blocks (prefill-sized batches should use the library GEMM: the
 backend routes by the host row count).
-
-Run alone:  python kernels_cuda/moe_gemm.py --check --bench
 """
-
-import argparse
-import sys
-import time
 
 import torch
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
-
-try:
-    from ._ast_guard import compile_pool
-except ImportError:  # run as a script from kernels_cuda/
-    from _ast_guard import compile_pool
-
-try:
-    from . import _bench
-    from ._pdl import pdl_enabled
-except ImportError:  # run as a script: python kernels_cuda/moe_gemm.py
-    import _bench
-    from _pdl import pdl_enabled
+from ._ast_guard import compile_pool
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_M, BLOCK_K = 64, 64
@@ -57,7 +35,6 @@ def build_expert_scan():
     rows); scan[E+1 : E+1+h] = the h experts with rows, ascending; scan[E+1+h : 2E+1] = -1. One CTA, Hillis-Steele
     in shared memory (8 steps for 256 experts)."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     NT = MAX_EXPERTS
     LOG = (NT - 1).bit_length()
     i32 = T.int32
@@ -67,9 +44,8 @@ def build_expert_scan():
     @T.prim_func
     def expert_scan(counts: T.Tensor([E], T.int64), scan: T.Tensor([S], i32)):
         with T.Kernel(1, threads=NT) as _bx:
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             tid = T.get_thread_binding()
             rows = T.alloc_shared([2, NT], i32)
             hits = T.alloc_shared([2, NT], i32)
@@ -103,7 +79,6 @@ def build_expert_scan():
 def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, threads: int = 128):
     """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. n % block_n == 0, k % BLOCK_K == 0."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     assert n % block_n == 0 and k % BLOCK_K == 0, (n, k, block_n)
     N, K, BM, BN, BK = n, k, BLOCK_M, block_n, BLOCK_K
     dtype, acc = T.bfloat16, T.float32
@@ -119,9 +94,8 @@ def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, thre
         Out: T.Tensor([M, N], dtype),
     ):
         with T.Kernel(N // BN, T.min(E, M), threads=threads) as (bn, slot):
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             A_s = T.alloc_shared([BM, BK], dtype)
             B_s = T.alloc_shared([BN, BK], dtype)
             C = T.alloc_fragment([BM, BN], acc)
@@ -182,18 +156,6 @@ def expert_starts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     return scan
 
 
-def expert_starts_ref(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """torch reference of :func:`expert_starts` (host reads; for checks)."""
-    counts = tokens_per_expert.to(torch.int64).cpu()
-    e = counts.shape[0]
-    scan = torch.full((2 * e + 1,), -1, dtype=torch.int32)
-    scan[0] = 0
-    scan[1 : e + 1] = torch.cumsum(counts, 0).to(torch.int32)
-    hit = torch.nonzero(counts > 0).flatten().to(torch.int32)
-    scan[e + 1 : e + 1 + hit.numel()] = hit
-    return scan
-
-
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, out: torch.Tensor | None = None,
              block_n: int | None = None, num_stages: int = 3, starts: torch.Tensor | None = None) -> torch.Tensor:
     """[M, K] rows sorted by expert x [E, N, K] -> [M, N] bf16 (no host read of device values). ``starts``: the
@@ -218,17 +180,6 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, 
     return out
 
 
-def moe_gemm_ref(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """fp32 reference: per expert, rows @ w[e]^T."""
-    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
-    start = 0
-    for e, c in enumerate(tokens_per_expert.tolist()):
-        if c:
-            out[start : start + c] = a[start : start + c].float() @ w[e].float().t()
-        start += c
-    return out
-
-
 CI_CONFIGS = [(2816, 2048, 128), (2048, 1408, 64)]  # V2-Lite w13 / w2
 
 
@@ -243,130 +194,3 @@ def ci_compile(configs=None):
 
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))
-
-
-def _problem(tokens: int, top_k: int, experts: int, n: int, k: int, seed: int = 0, skew: bool = False):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if skew:  # every token picks expert 0 first: one expert with many rows (row-block loop), many empty
-        ids = torch.stack([torch.zeros(tokens, dtype=torch.long, device="cuda")]
-                          + [torch.randint(1, experts, (tokens,), generator=g, device="cuda")
-                             for _ in range(top_k - 1)], 1)
-    else:
-        ids = torch.stack([torch.randperm(experts, generator=g, device="cuda")[:top_k] for _ in range(tokens)])
-    counts = torch.bincount(ids.flatten(), minlength=experts)
-    m = tokens * top_k
-    a = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
-    w = (torch.randn(experts, n, k, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
-    return a, w, counts
-
-
-def check() -> bool:
-    """Against the fp32 reference: bf16 output within 2 bf16 ulp of |ref| + 1e-2 abs; NaN positions equal."""
-    ok = True
-    g = torch.Generator().manual_seed(0)
-    for e, density in ((64, 0.1), (64, 1.0), (256, 0.03), (256, 0.6), (16, 0.5), (1, 1.0), (200, 0.0)):
-        counts = torch.randint(0, 9, (e,), generator=g) * (torch.rand(e, generator=g) < density)
-        got = expert_starts(counts.cuda()).cpu()
-        want = expert_starts_ref(counts)
-        good = torch.equal(got, want)
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'} expert_scan E={e} hit={int((counts > 0).sum())}")
-    cases = [(1, 6, 64, 2816, 2048, False), (1, 6, 64, 2048, 1408, False), (7, 6, 64, 2816, 2048, False),
-             (64, 6, 64, 2048, 1408, False), (64, 6, 64, 2816, 2048, True), (5, 8, 256, 4096, 7168, False),
-             (200, 2, 16, 256, 512, True)]
-    for tokens, top_k, experts, n, k, skew in cases:
-        a, w, counts = _problem(tokens, top_k, experts, n, k, skew=skew)
-        ref = moe_gemm_ref(a, w, counts)
-        for bn in (64, 128) if n % 128 == 0 else (64,):
-            out = moe_gemm(a, w, counts, block_n=bn).float()
-            err = (out - ref).abs()
-            tol = 2 * 2.0**-8 * ref.abs() + 1e-2
-            bad = int((err > tol).sum())
-            nan_ok = bool(torch.equal(torch.isnan(out), torch.isnan(ref)))
-            cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
-            good = bad == 0 and nan_ok and cos > 0.99999
-            ok &= good
-            print(f"{'PASS' if good else 'FAIL'} tokens={tokens} k={top_k} E={experts} N={n} K={k} skew={skew} "
-                  f"BN={bn}: max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
-    return ok
-
-
-def bench(out=None):
-    """Bytes of the experts hit / time, vs torch._grouped_mm and the copy bandwidth measured here (JSON lines)."""
-    import json
-
-    def timed(fn, iters=50):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        g.replay()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            g.replay()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t0) / iters
-
-    x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    for _ in range(20):  # let the clocks ramp up (an idle H200 sits at 345 MHz SM clock)
-        y.copy_(x)
-    times = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        y.copy_(x)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    copy_bw = 2 * x.numel() * 2 / sorted(times)[len(times) // 2]  # bytes read + written per second
-    del x, y
-    rows = []
-    for tokens in (1, 16, 64):
-        for n, k, name in ((2816, 2048, "w13"), (2048, 1408, "w2")):
-            a, w, counts = _problem(tokens, 6, 64, n, k)
-            hit = int((counts > 0).sum())
-            nbytes = hit * n * k * 2 + a.numel() * 2 + a.shape[0] * n * 2
-            offs = torch.cumsum(counts, 0, dtype=torch.int32)
-            t_ref = timed(lambda a=a, w=w, offs=offs: torch._grouped_mm(a, w.transpose(1, 2), offs=offs))
-            starts = expert_starts(counts)
-            t_scan = timed(lambda c=counts: expert_starts(c))  # once per MLP (both GEMMs), reported apart
-            for bn in (64, 128):
-                for stages in (3, 4, 6):
-                    o = torch.empty(a.shape[0], n, dtype=torch.bfloat16, device="cuda")
-
-                    def run(a=a, w=w, c=counts, o=o, bn=bn, st=stages, sc=starts):
-                        return moe_gemm(a, w, c, out=o, block_n=bn, num_stages=st, starts=sc)
-
-                    t = timed(run)
-                    row = {"bench": "moe_gemm", "hardware": torch.cuda.get_device_name(), "shape": "v2-lite-" + name,
-                           "tokens": tokens, "experts_hit": hit, "N": n, "K": k, "block_n": bn, "stages": stages,
-                           "us": round(t * 1e6, 2), "GBps": round(nbytes / t / 1e9, 1),
-                           "frac_of_copy": round(nbytes / t / copy_bw, 4),
-                           "scan_us": round(t_scan * 1e6, 2), "grid": "hit-expert slots (min(E, M))",
-                           "grouped_mm_us": round(t_ref * 1e6, 2), "speedup_vs_grouped_mm": round(t_ref / t, 3),
-                           "copy_GBps": round(copy_bw / 1e9, 1)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    return rows
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    _bench.exit_without_cuda(args)
-    status = 0
-    if args.check:
-        status |= 0 if check() else 1
-    if args.bench:
-        bench(args.out)
-    sys.exit(status)

@@ -8,7 +8,7 @@ fp32 rounded to bf16; precise expf).
 
 Why: at batch 1 each hit expert holds one row, but ``moe_gemm`` pads the rows to the 64-row wgmma minimum and
 fills that A tile with a synchronous masked loop at every K step (64 x 64 values, one of them real). On an H200
-(session 5 profile, batch 1) its two GEMMs took ~21.7 + ~14 us a V2-Lite layer against ~16 + ~8 us of weight
+(profile_decode.py, batch 1) its two GEMMs took ~21.7 + ~14 us a V2-Lite layer against ~16 + ~8 us of weight
 bytes at the copy bandwidth, 0.93 ms of a 2.8 ms step. Here the weight tile is the wgmma M side and the rows are
 its N side: ``C^T [BLOCK_N, RT] = W_tile [BLOCK_N, K] @ A_rows [RT, K]^T`` with RT = 8 or 16 (wgmma's N goes down
 to 8), so a K step fills an 8-row A tile and the pipeline carries weights only. Gated, a CTA streams the matching
@@ -16,35 +16,15 @@ gate and up tiles (two wgmmas into two accumulators) and writes the activation: 
 ``silu_mul`` launch. Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
 more than RT rows loops over row tiles (correct for any count, fast for few).
 
-Verified on an H200 (session 6, on since; the full check, 13 of 13 cases, passed in session 7): ``--check``
-compares with the fp32 reference (bf16 within 2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999),
-``--bench`` times it against ``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
-
-Run alone:  python kernels_cuda/moe_gemm_swap.py --check --bench
+Checked on an H200 against the fp32 reference in 13 cases (tests/kernels_cuda/test_moe_gemm_swap.py: bf16 within
+2 ulp + 1e-2, gated 4 ulp; NaN positions equal; cosine > 0.99999); ``bench.py moe_gemm_swap`` times it against
+``moe_gemm`` + ``silu_mul`` on the V2-Lite expert shapes.
 """
-
-import argparse
-import sys
 
 import torch
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
-
-try:
-    from . import _bench
-    from . import moe_gemm as mg
-    from ._kernel_cache import KernelCache
-    from ._pdl import pdl_enabled
-except ImportError:  # run as a script: python kernels_cuda/moe_gemm_swap.py
-    import _bench
-    import moe_gemm as mg
-    from _kernel_cache import KernelCache
-    from _pdl import pdl_enabled
+from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64
@@ -61,7 +41,6 @@ def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: i
     """PrimFunc for weights [E, n, k] (gated: n = 2I, output I columns); rows M and experts E are dynamic.
     ``rt``: rows a tile (the wgmma N side, 8 or 16); ``block_n``: weight rows a CTA (the wgmma M side, 64 or 128)."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     NO = n // 2 if gated else n
     assert NO % block_n == 0 and k % BLOCK_K == 0 and rt in (8, 16), (n, k, block_n, rt)
     K, BN, BK, RT = k, block_n, BLOCK_K, rt
@@ -78,9 +57,8 @@ def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: i
         Out: T.Tensor([M, NO], dtype),
     ):
         with T.Kernel(NO // BN, T.min(E, M), threads=threads) as (bn, slot):
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             A_s = T.alloc_shared([RT, BK], dtype)
             G_s = T.alloc_shared([BN, BK], dtype)
             U_s = T.alloc_shared([BN, BK], dtype)
@@ -165,17 +143,6 @@ def moe_gemm_swap(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, gated:
     return out
 
 
-def moe_gemm_swap_ref(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor,
-                      gated: bool = False) -> torch.Tensor:
-    """fp32 reference (gated: the roundings of the kernel's epilogue, i.e. of the CPU reference)."""
-    h = mg.moe_gemm_ref(a, w, tokens_per_expert)
-    if not gated:
-        return h
-    g, u = h.to(torch.bfloat16).chunk(2, dim=-1)
-    s = torch.nn.functional.silu(g.float()).to(torch.bfloat16)
-    return (s.float() * u.float()).to(torch.bfloat16).float()
-
-
 CI_CONFIGS = [
     ("swap", (2816, 2048, 8, True, 64)),  # V2-Lite w13 at batch 1, SwiGLU fused
     ("swap", (2048, 1408, 16, False, 64)),  # V2-Lite w2 at a few tokens
@@ -185,106 +152,3 @@ CI_CONFIGS = [
 def ci_compile(configs=None, target=None):
     """Compile representative configurations (no GPU, nothing cached); see tests/kernels_cuda."""
     return _CACHE.ci_compile(configs or CI_CONFIGS, target)
-
-
-def check() -> bool:
-    """Against the fp32 reference: bf16 within 2 ulp of |ref| + 1e-2 (gated: 4 ulp, the extra roundings); NaN
-    positions equal; cosine > 0.99999."""
-    ok = True
-    # (tokens, top_k, experts, N, K, skew, gated, (block_n, stages) or None for the engine's choice); skew: one
-    # expert gets every token, so it loops over row tiles (gated and not)
-    cases = [(1, 6, 64, 2816, 2048, False, True, None), (1, 6, 64, 2048, 1408, False, False, None),
-             (2, 6, 64, 2816, 2048, False, True, None), (7, 6, 64, 2048, 1408, False, False, None),
-             (10, 6, 64, 2816, 2048, True, True, None), (5, 8, 256, 4096, 7168, False, True, None),
-             (40, 2, 16, 256, 512, True, False, None), (20, 2, 16, 256, 512, True, True, None)]
-    cases += [(1, 6, 64, 2816, 2048, False, True, (bn, st)) for bn in (64, 128) for st in (3, 6)]
-    cases += [(4, 6, 64, 2048, 1408, False, False, (128, 3))]
-    for tokens, top_k, experts, n, k, skew, gated, tune in cases:
-        a, w, counts = mg._problem(tokens, top_k, experts, n, k, skew=skew)
-        ref = moe_gemm_swap_ref(a, w, counts, gated)
-        bn, st = tune or (None, None)
-        out = moe_gemm_swap(a, w, mg.expert_starts(counts), gated=gated, block_n=bn, num_stages=st).float()
-        err = (out - ref).abs()
-        tol = (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
-        bad = int((err > tol).sum())
-        nan_ok = bool(torch.equal(torch.isnan(out), torch.isnan(ref)))
-        cos = torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), dim=0).item()
-        good = bad == 0 and nan_ok and cos > 0.99999
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'} tokens={tokens} k={top_k} E={experts} N={n} K={k} skew={skew} "
-              f"gated={gated} tune={tune}: max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
-    return ok
-
-
-def _bench_tokens(tokens: int, copy_gbps: float) -> list[dict]:
-    try:
-        from . import silu_mul as sm
-    except ImportError:
-        import silu_mul as sm
-
-    a, w13, counts = mg._problem(tokens, 6, 64, 2816, 2048, seed=1)
-    _, w2, _ = mg._problem(tokens, 6, 64, 2048, 1408, seed=2)
-    hit = int((counts > 0).sum())
-    nbytes = hit * (2816 * 2048 + 2048 * 1408) * 2
-    starts = mg.expert_starts(counts)
-    h = torch.empty(a.shape[0], 1408, dtype=torch.bfloat16, device="cuda")
-    o = torch.empty(a.shape[0], 2048, dtype=torch.bfloat16, device="cuda")
-
-    def old():
-        mid = sm.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
-        mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
-
-    t_old = _bench.time_us(old)[0]
-    rows = []
-    for bn in (64, 128):
-        for st in (3, 4, 6):
-            def w13_only(bn=bn, st=st):
-                moe_gemm_swap(a, w13, starts, gated=True, out=h, block_n=bn, num_stages=st)
-
-            def both(bn=bn, st=st):
-                w13_only(bn, st)
-                moe_gemm_swap(h, w2, starts, out=o, block_n=bn, num_stages=st)
-
-            t, t13 = _bench.time_us(both)[0], _bench.time_us(w13_only)[0]  # microseconds
-            rows.append({"bench": "moe_gemm_swap", "hardware": torch.cuda.get_device_name(), "shape": "v2-lite-mlp",
-                         "tokens": tokens, "experts_hit": hit, "block_n": bn, "stages": st,
-                         "us": round(t, 2), "w13_gated_us": round(t13, 2),
-                         "frac_of_copy": round(nbytes / (t * 1e3) / copy_gbps, 4),
-                         "moe_gemm_silu_mul_us": round(t_old, 2), "speedup": round(t_old / t, 3),
-                         "copy_GBps": round(copy_gbps, 1)})
-    return rows
-
-
-def bench(out=None):
-    """V2-Lite experts at 1 / 2 / 4 / 8 tokens x top-6: this kernel (w13 gated + w2) against moe_gemm + silu_mul,
-    bytes of the experts hit / time vs the copy bandwidth measured here (JSON lines)."""
-    import json
-
-    copy_gbps = _bench.copy_gbps()
-    rows = []
-    for tokens in (1, 2, 4, 8):
-        for row in _bench_tokens(tokens, copy_gbps):
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    if out:
-        with open(out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    return rows
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    _bench.exit_without_cuda(args)
-    status = 0
-    if args.check:
-        ok = check()
-        print("CHECK", "PASS" if ok else "FAIL", flush=True)
-        status = 0 if ok else 1
-    if args.bench:
-        bench(args.out)
-    sys.exit(status)

@@ -29,15 +29,14 @@ reference (backends/cpu/moe.py) as it runs on CUDA tensors, where it replaces ~2
    every output bit-identical to the two kernels'. One CTA a token, as permute; warp w of every CTA first gates
    tokens w, w + NW, ... with the standalone kernel's own code (``_gating_macro``, the gating kernel's generated
    source unchanged by it, byte for byte) into shared memory, then the permute body reads the ids from there.
-   GPU check / timing: ``check_route`` and ``bench_route`` (``--check`` / ``--bench``); the check passed on an H200
-   in session 7 (6 cases, weights 0 ulp from the reference, graph replay).
+   Checked on an H200 (weights 0 ulp from the reference, graph replay; tests/kernels_cuda/test_moe_routing.py).
 
 Measured on one H200 (torch 2.11 + cu130, TileLang 0.1.15; 2026-11-29), against the reference ops on the same CUDA
-tensors: ``--check`` PASS: gating ids identical (order included) in 24/24 cases (V2-Lite, V2, V3, T = 1..1000, tie-
+tensors: gating ids identical (order included) in 24/24 cases (V2-Lite, V2, V3, T = 1..1000, tie-
 heavy integer logits, all-equal rows) and the weights bit-exact in 24/24; permute order / counts / rows identical
 (11 cases, bf16 and fp32, up to T*k = 8192); unpermute 0 ulp in 9/9; the three kernels captured in a CUDA graph and
 replayed: bit-exact. Control: the sequential sum instead of torch's orders is 3 ulp off (normalisation) and 3-16
-bf16 ulp off (combine). pytest tests/kernels_cuda/test_moe_routing.py: 107 passed. CUDA-graph replay timings
+bf16 ulp off (combine). CUDA-graph replay timings (``bench.py moe_routing``)
 (median, first run), kernel vs the torch path it replaces (us):
 
 | shape | T | gating | permute (dispatch) | unpermute (combine) |
@@ -50,35 +49,12 @@ bf16 ulp off (combine). pytest tests/kernels_cuda/test_moe_routing.py: 107 passe
 | V3 | 64 | 5.8 vs 53.1 | 4.9 vs 44.8 | 4.9 vs 42.1 |
 | V3 | 256 | 5.8 vs 59.8 | 12.5 vs 55.5 | 9.7 vs 163.2 |
 | V3 | 1024 | 6.9 vs 83.3 | 58.6 vs 135.6 | 63.8 vs 607.8 |
-
-Run alone:  python kernels_cuda/moe_routing.py --check --bench
 """
-
-import argparse
-import dataclasses
-import sys
-import time
 
 import torch
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
-
-try:
-    from ._pdl import pdl_enabled
-except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
-    from _pdl import pdl_enabled
-
-try:
-    from . import _bench
-    from ._kernel_cache import KernelCache
-except ImportError:  # run as a script: python kernels_cuda/moe_routing.py
-    import _bench
-    from _kernel_cache import KernelCache
+from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Products must round to fp32 before the sums, as in torch's separate multiply and sum kernels.
@@ -326,7 +302,6 @@ def build_gating_topk(
     """PrimFunc (logits [T, E] f32, bias [E] f32, weights [T, k] f32 out, ids [T, k] i32 out); T is dynamic.
     The bias is read only for noaux_tc with ``has_bias``. One warp (one CTA) a token: ``_gating_macro``."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     E, K = num_experts, top_k
     gating_token = _gating_macro(num_experts, top_k, scoring_func, topk_method, n_group, topk_group, norm_topk_prob,
                                  routed_scaling_factor, norm_order, has_bias)
@@ -341,9 +316,8 @@ def build_gating_topk(
         Ids: T.Tensor([M, K], i32),
     ):
         with T.Kernel(M, threads=32) as bx:
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             lane = T.get_thread_binding()
             wo = T.alloc_local([K], f32)  # outputs in torch's order
             io = T.alloc_local([K], i32)
@@ -478,7 +452,6 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
     the expert GEMMs need no scan launch of their own. One Hillis-Steele scan in shared memory over packed values
     ``count * 512 + (count > 0)`` gives both the row starts and the hit positions (counts <= MAX_ASSIGN < 2^22)."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     D, K, E = hidden_size, top_k, num_experts
     if with_scan:
         threads = max(threads, _scan_width(E))
@@ -498,9 +471,8 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
             Scan: T.Tensor([2 * E + 1], i32),
         ):
             with T.Kernel(Tn, threads=threads) as bx:
-                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                    T.pdl_sync()
-                    T.pdl_trigger()
+                T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+                T.pdl_trigger()
                 body(X, Ids, Sorted, Counts, Order, Scan, bx)
 
         return moe_permute_scan
@@ -514,9 +486,8 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
         Order: T.Tensor([Na], i64),
     ):
         with T.Kernel(Tn, threads=threads) as bx:
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             body(X, Ids, Sorted, Counts, Order, None, bx)
 
     return moe_permute
@@ -547,7 +518,6 @@ def build_route(
     also writes weights / ids to global memory), then a barrier and the permute body reads the ids from shared
     memory. Each CTA recomputes all T gatings (T <= 16: at most ceil(16 / NW) warp-gatings a warp)."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     D, K, E = hidden_size, top_k, num_experts
     threads = max(threads, _scan_width(E))
     NW = threads // 32
@@ -571,9 +541,8 @@ def build_route(
         Scan: T.Tensor([2 * E + 1], i32),
     ):
         with T.Kernel(Tn, threads=threads) as bx:
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             tid = T.get_thread_binding()
             lane = tid % 32
             wid = tid // 32
@@ -610,7 +579,6 @@ def build_unpermute(
     of ``dtype`` (the combine rounded to ``dtype`` first, the sum in fp32, rounded once more): the MoE layer's
     ``routed + shared`` without its own launch."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     D, K = hidden_size, top_k
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
     assert D % VEC == 0 and threads % 32 == 0
@@ -663,9 +631,8 @@ def build_unpermute(
             Out: T.Tensor([Tn, D], dtype),
         ):
             with T.Kernel(Tn, threads=threads) as bx:
-                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                    T.pdl_sync()
-                    T.pdl_trigger()
+                T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+                T.pdl_trigger()
                 body(Y, Order, W, Add, Out, bx)
 
         return moe_unpermute_add
@@ -678,9 +645,8 @@ def build_unpermute(
         Out: T.Tensor([Tn, D], dtype),
     ):
         with T.Kernel(Tn, threads=threads) as bx:
-            if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                T.pdl_sync()
-                T.pdl_trigger()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             body(Y, Order, W, None, Out, bx)
 
     return moe_unpermute
@@ -814,8 +780,6 @@ def permute_reason(hidden, ids, num_experts) -> str | None:
     return _rows_reason(hidden, "hidden")
 
 
-
-
 def permute(hidden, ids, num_experts, with_scan=False):
     """(sorted_hidden [T*k, D], counts [E] int64, order [T*k] int64) like ``backends.cpu.moe.moe_dispatch``;
     ``with_scan`` (E <= MAX_SCAN_EXPERTS): also ``moe_gemm.expert_starts(counts)`` [2E + 1] int32, from the same
@@ -940,443 +904,3 @@ CI_CONFIGS = [
 def ci_compile(configs=None, target=None):
     """Compile representative configurations for sm_90a (or ``target``; no GPU, no cache); see tests/kernels_cuda."""
     return _CACHE.ci_compile(configs or CI_CONFIGS, target)
-
-
-# ---- references (same arithmetic as backends/cpu/moe.py) ---------------------------------------------------------
-@dataclasses.dataclass
-class Gating:
-    """Stand-in for hal.types.GatingParams (same fields), so this file runs alone."""
-
-    top_k: int
-    num_experts: int
-    scoring_func: str = "softmax"
-    topk_method: str = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    norm_topk_prob: bool = False
-    routed_scaling_factor: float = 1.0
-
-
-def _group_mask_ref(group_scores, params):
-    top_groups = torch.topk(group_scores, k=params.topk_group, dim=-1, sorted=False).indices
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-    per_group = params.num_experts // params.n_group
-    return keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(group_scores.shape[0], -1)
-
-
-def gating_topk_ref(router_logits, bias, params):
-    logits = router_logits.float()
-    num_tokens = logits.shape[0]
-    if params.scoring_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    else:
-        scores = logits.sigmoid()
-    grouped = (num_tokens, params.n_group, params.num_experts // params.n_group)
-    if params.topk_method == "noaux_tc":
-        choice = scores + bias.float() if bias is not None else scores
-        group_scores = choice.view(grouped).topk(2, dim=-1).values.sum(dim=-1)
-        choice = choice.masked_fill(~_group_mask_ref(group_scores, params), float("-inf"))
-        ids = torch.topk(choice, k=params.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, ids)
-    elif params.topk_method == "group_limited_greedy":
-        group_scores = scores.view(grouped).max(dim=-1).values
-        masked = scores.masked_fill(~_group_mask_ref(group_scores, params), 0.0)
-        weights, ids = torch.topk(masked, k=params.top_k, dim=-1, sorted=False)
-    else:
-        weights, ids = torch.topk(scores, k=params.top_k, dim=-1, sorted=False)
-    if params.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * params.routed_scaling_factor
-    return weights, ids.to(torch.int32)
-
-
-def permute_ref(hidden, ids, num_experts):
-    flat_ids = ids.reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_hidden = hidden[order // ids.shape[1]]
-    counts = torch.bincount(flat_ids, minlength=num_experts)
-    return sorted_hidden, counts, order
-
-
-def unpermute_ref(expert_out, order, weights, num_tokens, top_k):
-    unsorted = torch.empty_like(expert_out, dtype=torch.float32)
-    unsorted[order] = expert_out.float()
-    per_token = unsorted.view(num_tokens, top_k, -1)
-    return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
-
-
-# ---- checks ------------------------------------------------------------------------------------------------------
-V2_LITE = Gating(top_k=6, num_experts=64)
-V2 = Gating(top_k=6, num_experts=160, topk_method="group_limited_greedy", n_group=8, topk_group=3,
-            routed_scaling_factor=16.0)
-V3 = Gating(top_k=8, num_experts=256, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
-            norm_topk_prob=True, routed_scaling_factor=2.5)
-GATINGS = {"v2lite": V2_LITE, "v2": V2, "v3": V3,
-           "v2lite-norm": dataclasses.replace(V2_LITE, norm_topk_prob=True),  # k=6 normalisation order
-           "v3-nobias": V3}
-HIDDEN = {"v2lite": 2048, "v2": 5120, "v3": 7168}
-
-
-def make_logits(t, e, kind, generator, device="cuda"):
-    """'randn': distinct values; 'ties': integers in [-2, 2] (ties everywhere, also at the k-th value and
-    between groups); 'equal': every logit equal; 'mixed': half the rows randn, half ties."""
-    if kind == "randn":
-        return torch.randn(t, e, generator=generator, device=device) * 2
-    if kind == "ties":
-        return torch.randint(-2, 3, (t, e), generator=generator, device=device).float()
-    if kind == "equal":
-        return torch.full((t, e), 0.25, device=device)
-    x = torch.randn(t, e, generator=generator, device=device) * 2
-    x[::2] = torch.randint(-2, 3, (x[::2].shape), generator=generator, device=device).float()
-    return x
-
-
-def _ulps_f32(a, b):
-    ia = a.contiguous().view(torch.int32).long()
-    ib = b.contiguous().view(torch.int32).long()
-    ia = torch.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
-    return (ia - ib).abs().max().item() if a.numel() else 0
-
-
-def _ulps_bf16(a, b):
-    ia = a.contiguous().view(torch.int16).int()
-    ib = b.contiguous().view(torch.int16).int()
-    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    return (ia - ib).abs().max().item() if a.numel() else 0
-
-
-def check_gating(name, t, kind, seed=0, verbose=True, norm_order="torch_last"):
-    """ids identical (order too) to the reference on CUDA; weights within 2 fp32 ulp (0 when the sum orders
-    match torch's). Returns (ok, stats)."""
-    params = GATINGS[name]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = make_logits(t, params.num_experts, kind, g)
-    bias = None
-    if params.topk_method == "noaux_tc" and name != "v3-nobias":
-        bias = torch.randn(params.num_experts, generator=g, device="cuda") * 0.1
-        if kind != "randn":  # bias ties too
-            bias = torch.round(bias * 10) / 10
-    w, ids = gating_topk(logits, bias, params, norm_order=norm_order)
-    rw, rids = gating_topk_ref(logits, bias, params)
-    torch.cuda.synchronize()
-    same_ids = torch.equal(ids, rids)
-    same_sets = torch.equal(ids.sort(-1).values, rids.sort(-1).values)
-    ulps = _ulps_f32(w, rw) if same_ids else float("inf")
-    ok = same_ids and ulps <= 2
-    stats = dict(ids_identical=same_ids, sets_identical=same_sets, w_max_ulp=ulps,
-                 w_bitexact=bool(same_ids and torch.equal(w, rw)))
-    if verbose:
-        print(f"check gating {name:11s} T={t:4d} {kind:6s}: {'OK' if ok else 'FAIL'} {stats}", flush=True)
-        if not same_ids:
-            bad = (ids != rids).any(-1).nonzero().flatten()[:3].tolist()
-            for r in bad:
-                print(f"   row {r}: kernel {ids[r].tolist()} ref {rids[r].tolist()}", flush=True)
-    return ok, stats
-
-
-def scan_ref(counts):
-    """``moe_gemm.expert_starts``' layout from counts on the host (the fused scan's reference)."""
-    try:
-        from .moe_gemm import expert_starts_ref
-    except ImportError:  # run as a script
-        from moe_gemm import expert_starts_ref
-    return expert_starts_ref(counts)
-
-
-def check_permute(t, k, e, d, dtype=torch.bfloat16, kind="rand", seed=0, verbose=True, with_scan=False):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    hidden = torch.randn(t, d, generator=g, device="cuda").to(dtype)
-    if kind == "rand":  # distinct experts per token, as top-k gives
-        ids = torch.rand(t, e, generator=g, device="cuda").argsort(-1)[:, :k].to(torch.int32)
-    else:  # 'hot': most tokens pick the same few experts (long runs of equal ids)
-        ids = (torch.arange(k, device="cuda").repeat(t, 1) + (torch.rand(t, 1, generator=g, device="cuda") < 0.2)
-               * torch.randint(0, e - k, (t, 1), generator=g, device="cuda")).to(torch.int32)
-    sh, counts, order, *scan = permute(hidden, ids, e, with_scan=with_scan)
-    rsh, rcounts, rorder = permute_ref(hidden, ids, e)
-    torch.cuda.synchronize()
-    ok_o, ok_c, ok_h = torch.equal(order, rorder), torch.equal(counts, rcounts), torch.equal(sh, rsh)
-    ok_s = not with_scan or torch.equal(scan[0].cpu(), scan_ref(rcounts))
-    ok = ok_o and ok_c and ok_h and ok_s and order.dtype == rorder.dtype and counts.dtype == rcounts.dtype
-    if verbose:
-        print(f"check permute{'+scan' if with_scan else ''} T={t:4d} k={k} E={e:3d} D={d} {str(dtype)[6:]:8s} {kind}: "
-              f"{'OK' if ok else 'FAIL'} order={ok_o} counts={ok_c} rows={ok_h} scan={ok_s}", flush=True)
-    return ok, dict(order=ok_o, counts=ok_c, rows=ok_h, scan=ok_s)
-
-
-def check_route(name, t, kind="randn", seed=0, verbose=True, dtype=torch.bfloat16, graph=False):
-    """The fused route against gating_topk + permute(with_scan=True) (every output bit-identical: weights, ids,
-    rows, counts, order, scan) and against the torch references (ids / order / counts / rows / scan identical,
-    weights within 2 fp32 ulp, bit-exact expected). ``graph``: the fused launch captured in a CUDA graph and
-    replayed on new logits. Returns (ok, stats)."""
-    params = GATINGS[name]
-    e, d = params.num_experts, HIDDEN[name.split("-")[0]]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    logits = make_logits(t, e, kind, g)
-    bias = None
-    if params.topk_method == "noaux_tc" and name != "v3-nobias":
-        bias = torch.randn(e, generator=g, device="cuda") * 0.1
-        if kind != "randn":  # bias ties too
-            bias = torch.round(bias * 10) / 10
-    hidden = torch.randn(t, d, generator=g, device="cuda").to(dtype)
-    assert route_reason(logits, bias, params, hidden, e) is None, route_reason(logits, bias, params, hidden, e)
-    if graph:
-        route(logits, bias, params, hidden, e)  # compile outside the capture
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            got = route(logits, bias, params, hidden, e)
-        logits.copy_(make_logits(t, e, kind, g))
-        gr.replay()
-    else:
-        got = route(logits, bias, params, hidden, e)
-    w, ids = gating_topk(logits, bias, params)
-    sep = (w, ids, *permute(hidden, ids, e, with_scan=True))
-    rw, rids = gating_topk_ref(logits, bias, params)
-    rsh, rcounts, rorder = permute_ref(hidden, rids, e)
-    torch.cuda.synchronize()
-    names = ("weights", "ids", "rows", "counts", "order", "scan")
-    st = {f"{n}_vs_kernels": bool(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-          for n, a, b in zip(names, got, sep)}
-    ref = dict(ids=rids, rows=rsh, counts=rcounts, order=rorder)
-    for n, a in zip(names, got):
-        if n in ref:
-            st[f"{n}_vs_ref"] = bool(a.dtype == ref[n].dtype and torch.equal(a, ref[n]))
-    st["scan_vs_ref"] = torch.equal(got[5].cpu(), scan_ref(rcounts))
-    st["w_max_ulp_vs_ref"] = _ulps_f32(got[0], rw) if st["ids_vs_ref"] else float("inf")
-    ok = all(v for key, v in st.items() if key != "w_max_ulp_vs_ref") and st["w_max_ulp_vs_ref"] <= 2
-    if verbose:
-        bad = [key for key, v in st.items() if v is False]
-        print(f"check route{'+graph' if graph else ''} {name:9s} T={t:2d} {kind:6s}: {'OK' if ok else 'FAIL'} "
-              f"w ulp vs ref {st['w_max_ulp_vs_ref']}{' mismatches ' + str(bad) if bad else ''}", flush=True)
-    return ok, st
-
-
-def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, verbose=True, sum_order="torch_strided",
-                    addend=False):
-    """Exact (0 ulp) when the summation order matches torch's; must be within 1 ulp of the output dtype.
-    ``addend``: the fused ``+ shared`` variant against the reference combine followed by torch's add."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    ids = torch.rand(t, e, generator=g, device="cuda").argsort(-1)[:, :k]
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    expert_out = (torch.randn(t * k, d, generator=g, device="cuda") * 3).to(dtype)
-    weights = torch.rand(t, k, generator=g, device="cuda") * 2
-    add = (torch.randn(t, d, generator=g, device="cuda") * 2).to(dtype) if addend else None
-    out = unpermute(expert_out, order, weights, t, k, sum_order=sum_order, addend=add)
-    ref = unpermute_ref(expert_out, order, weights, t, k)
-    if addend:
-        ref = ref + add
-    torch.cuda.synchronize()
-    ulps = _ulps_bf16(out, ref) if dtype == torch.bfloat16 else _ulps_f32(out, ref)
-    exact = torch.equal(out, ref)
-    ok = ulps <= 1
-    if verbose:
-        print(f"check unpermute{'+add' if addend else ''} T={t:4d} k={k} D={d} {str(dtype)[6:]:8s} order={sum_order}: "
-              f"{'OK' if ok else 'FAIL'} "
-              f"max {ulps} ulp, bit-exact={exact}", flush=True)
-    return ok, dict(ulps=ulps, exact=exact)
-
-
-def check_graph(verbose=True):
-    """The three kernels captured in one CUDA graph (no host reads), replayed on new inputs."""
-    params, d = V3, 1024
-    t, k, e = 64, params.top_k, params.num_experts
-    logits = torch.randn(t, e, device="cuda")
-    bias = torch.randn(e, device="cuda") * 0.1
-    hidden = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-    gating_topk(logits, bias, params)  # compile outside the capture
-    w, ids = gating_topk(logits, bias, params)
-    sh, counts, order = permute(hidden, ids, e)
-    unpermute(sh, order, w, t, k)
-    torch.cuda.synchronize()
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        w, ids = gating_topk(logits, bias, params)
-        sh, counts, order = permute(hidden, ids, e)
-        out = unpermute(sh, order, w, t, k)
-    logits.copy_(torch.randn(t, e, device="cuda"))
-    hidden.copy_(torch.randn(t, d, device="cuda").to(torch.bfloat16))
-    gr.replay()
-    rw, rids = gating_topk_ref(logits, bias, params)
-    rsh, rcounts, rorder = permute_ref(hidden, rids, e)
-    rout = unpermute_ref(rsh, rorder, rw, t, k)
-    torch.cuda.synchronize()
-    ok = torch.equal(ids, rids) and torch.equal(order, rorder) and torch.equal(counts, rcounts)
-    ok = ok and _ulps_bf16(out, rout) <= 1
-    if verbose:
-        print(f"check graph capture + replay (V3, T={t}): {'OK' if ok else 'FAIL'} "
-              f"out bit-exact={torch.equal(out, rout)}", flush=True)
-    return ok
-
-
-GATING_CASES = [(n, t, kind) for n in ("v2lite", "v3") for t in (1, 7, 64, 256) for kind in ("randn", "ties")] + [
-    ("v2", 64, "randn"), ("v2", 64, "ties"), ("v2", 7, "equal"), ("v2lite", 5, "equal"), ("v3", 5, "equal"),
-    ("v2lite-norm", 64, "randn"), ("v3-nobias", 64, "mixed"), ("v3", 1000, "mixed"),
-]
-PERMUTE_CASES = [
-    (1, 6, 64, 2048, torch.bfloat16, "rand"), (7, 6, 64, 2048, torch.bfloat16, "rand"),
-    (64, 6, 64, 2048, torch.bfloat16, "hot"), (256, 6, 64, 2048, torch.bfloat16, "rand"),
-    (1, 8, 256, 7168, torch.bfloat16, "rand"), (7, 8, 256, 7168, torch.bfloat16, "hot"),
-    (256, 8, 256, 7168, torch.bfloat16, "rand"), (1024, 8, 256, 7168, torch.bfloat16, "hot"),
-    (33, 6, 160, 5120, torch.bfloat16, "rand"), (64, 6, 64, 2048, torch.float32, "rand"),
-    (3, 2, 8, 72, torch.bfloat16, "hot"),
-]
-UNPERMUTE_CASES = [
-    (1, 6, 64, 2048, torch.bfloat16), (7, 6, 64, 2048, torch.bfloat16), (64, 6, 64, 2048, torch.bfloat16),
-    (256, 6, 64, 2048, torch.bfloat16), (1, 8, 256, 7168, torch.bfloat16), (64, 8, 256, 7168, torch.bfloat16),
-    (256, 8, 256, 7168, torch.bfloat16), (64, 6, 64, 2048, torch.float32), (9, 3, 16, 72, torch.bfloat16),
-]
-ROUTE_CASES = [("v2lite", t, kind) for t in (1, 2, 5, 16) for kind in ("randn", "ties")] + [
-    ("v3", t, kind) for t in (1, 3, 16) for kind in ("randn", "ties")] + [
-    ("v2lite", 7, "equal"), ("v3", 16, "equal"), ("v3-nobias", 4, "mixed"), ("v2", 9, "ties")]
-ADDEND_CASES = [(1, 6, 64, 2048, torch.bfloat16), (64, 6, 64, 2048, torch.bfloat16), (5, 8, 256, 7168, torch.bfloat16),
-                (16, 6, 64, 2048, torch.float32)]  # unpermute + the shared experts' output (the fused add)
-
-
-def check_configs():
-    """Every (kind, cfg) the checks and the benchmark launch, for ``precompile``."""
-    items = [("gating", _gating_cfg(g, has_bias=n != "v3-nobias")) for n, g in GATINGS.items()]
-    items += [("gating", _gating_cfg(GATINGS[n], "seq")) for n in ("v3", "v2lite-norm")]
-    items += [("permute", (d, k, e, DTYPES[dt])) for _t, k, e, d, dt, _kind in PERMUTE_CASES]
-    items += [("unpermute", (d, k, DTYPES[dt], "torch_strided")) for _t, k, _e, d, dt in UNPERMUTE_CASES]
-    items += [("unpermute", (d, k, "bfloat16", "seq")) for d, k in ((7168, 8), (2048, 6))]
-    items += [("permute", (1024, 8, 256, "bfloat16")), ("unpermute", (1024, 8, "bfloat16", "torch_strided"))]
-    items += [("unpermute", (d, k, DTYPES[dt], "torch_strided", 128, True)) for _t, k, _e, d, dt in ADDEND_CASES]
-    items += [("permute", (d, k, e, DTYPES[dt], 128, True)) for _t, k, e, d, dt, _kind in PERMUTE_CASES]
-    for n, _t, _kind in ROUTE_CASES:  # the fused route and the two kernels it is compared with
-        g, d = GATINGS[n], HIDDEN[n.split("-")[0]]
-        items += [("route", _route_cfg(g, d, "bfloat16", n != "v3-nobias")),
-                  ("permute", (d, g.top_k, g.num_experts, "bfloat16", 128, True))]
-    return items
-
-
-def run_checks(verbose=True):
-    t0 = time.time()
-    precompile(check_configs())
-    print(f"compiled {len(_KERNELS)} configurations in {time.time() - t0:.1f}s", flush=True)
-    ok = True
-    summary = {"gating_w_bitexact": 0, "gating_cases": 0, "unpermute_exact": 0, "unpermute_cases": 0}
-    for i, (name, t, kind) in enumerate(GATING_CASES):
-        o, st = check_gating(name, t, kind, seed=i, verbose=verbose)
-        ok &= o
-        summary["gating_cases"] += 1
-        summary["gating_w_bitexact"] += int(st["w_bitexact"])
-    for i, c in enumerate(PERMUTE_CASES):
-        ok &= check_permute(*c, seed=100 + i, verbose=verbose)[0]
-    for i, c in enumerate(UNPERMUTE_CASES):
-        o, st = check_unpermute(*c, seed=200 + i, verbose=verbose)
-        ok &= o
-        summary["unpermute_cases"] += 1
-        summary["unpermute_exact"] += int(st["exact"])
-    for i, c in enumerate(PERMUTE_CASES):  # the fused expert scan (moe_dispatch_scan): scan equal to the reference's
-        ok &= check_permute(*c, seed=400 + i, verbose=verbose, with_scan=True)[0]
-    for i, c in enumerate(ADDEND_CASES):
-        o, st = check_unpermute(*c, seed=300 + i, verbose=verbose, addend=True)
-        ok &= o and st["exact"]  # the fused add must be bit-exact with the combine + torch's add
-    ok &= check_graph(verbose)
-    for i, c in enumerate(ROUTE_CASES):  # gating + permute(with_scan) in one launch (decode batches)
-        ok &= check_route(*c, seed=500 + i, verbose=verbose)[0]
-    ok &= check_route("v3", 5, "randn", seed=599, verbose=verbose, graph=True)[0]
-    # A control, not a pass/fail check: the sequential sum instead of torch's orders must show ulp differences
-    # (else the bit-exact results above would not tell the summation orders apart).
-    probes = [check_gating("v3", 256, "randn", seed=7, verbose=False, norm_order="seq")[1]["w_max_ulp"],
-              check_gating("v2lite-norm", 256, "randn", seed=7, verbose=False, norm_order="seq")[1]["w_max_ulp"],
-              check_unpermute(256, 8, 256, 7168, seed=7, verbose=False, sum_order="seq")[1]["ulps"],
-              check_unpermute(256, 6, 64, 2048, seed=7, verbose=False, sum_order="seq")[1]["ulps"]]
-    summary["control_seq_order_max_ulps"] = probes
-    print(f"summary: {summary}", flush=True)
-    return ok
-
-
-# ---- benchmark ---------------------------------------------------------------------------------------------------
-
-
-def _torch_dispatch(hidden, ids, e):  # the CUDA kernel set's composed path before this file (sync-free)
-    flat_ids = ids.reshape(-1).long()
-    order = torch.argsort(flat_ids, stable=True)
-    sh = hidden.index_select(0, order // ids.shape[1])
-    counts = torch.zeros(e, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    return sh, counts, order
-
-
-def _torch_combine(expert_out, order, weights, t, k):
-    unsorted = torch.empty_like(expert_out, dtype=torch.float32)
-    unsorted.index_copy_(0, order, expert_out.float())
-    return (unsorted.view(t, k, -1) * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
-
-
-def bench_case(name, t):
-    params, d = GATINGS[name], HIDDEN[name]
-    e, k = params.num_experts, params.top_k
-    logits = torch.randn(t, e, device="cuda")
-    bias = torch.randn(e, device="cuda") * 0.1 if params.topk_method == "noaux_tc" else None
-    hidden = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-    w, ids = gating_topk(logits, bias, params)
-    sh, counts, order = permute(hidden, ids, e)
-    rows = []
-    for op, kern, ref in (
-        ("gating", lambda: gating_topk(logits, bias, params), lambda: gating_topk_ref(logits, bias, params)),
-        ("permute", lambda: permute(hidden, ids, e), lambda: _torch_dispatch(hidden, ids, e)),
-        ("unpermute", lambda: unpermute(sh, order, w, t, k), lambda: _torch_combine(sh, order, w, t, k)),
-    ):
-        tk, how = _bench.time_us(kern)
-        tr, how_r = _bench.time_us(ref)
-        rows.append({"bench": f"moe_{op}", "hardware": torch.cuda.get_device_name(), "model": name, "T": t,
-                     "E": e, "k": k, "D": d, "kernel_us": round(tk, 2), "torch_us": round(tr, 2),
-                     "speedup": round(tr / tk, 2), "timing": how, "timing_torch": how_r})
-    return rows
-
-
-def bench_route(name, t):
-    """One JSON row: the fused route launch against gating_topk + permute(with_scan=True) (CUDA-graph replay)."""
-    params, d = GATINGS[name], HIDDEN[name]
-    e, k = params.num_experts, params.top_k
-    logits = torch.randn(t, e, device="cuda")
-    bias = torch.randn(e, device="cuda") * 0.1 if params.topk_method == "noaux_tc" else None
-    hidden = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-
-    def two():
-        w, ids = gating_topk(logits, bias, params)
-        return w, ids, *permute(hidden, ids, e, with_scan=True)
-
-    tf, how = _bench.time_us(lambda: route(logits, bias, params, hidden, e))
-    t2, how2 = _bench.time_us(two)
-    return {"bench": "moe_route", "hardware": torch.cuda.get_device_name(), "model": name, "T": t, "E": e, "k": k,
-            "D": d, "fused_us": round(tf, 2), "gating_permute_us": round(t2, 2), "speedup": round(t2 / tf, 2),
-            "timing": how, "timing_two": how2}
-
-
-ROUTE_BENCH_SHAPES = [(n, t) for n in ("v2lite", "v3") for t in (1, 4, 16)]
-BENCH_SHAPES = [(n, t) for n in ("v2lite", "v3") for t in (1, 64, 256, 1024)]
-
-
-def main(argv=None):
-    import json
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--compile-only", action="store_true")
-    args = ap.parse_args(argv)
-    _bench.exit_without_cuda(args)
-    if args.compile_only:
-        t = time.time()
-        ci_compile()
-        print(f"compiled {len(CI_CONFIGS)} configurations in {time.time() - t:.1f}s")
-    ok = True
-    if args.check:
-        ok = run_checks()
-        print("CHECK", "PASS" if ok else "FAIL", flush=True)
-    if args.bench:
-        for name, t in BENCH_SHAPES:
-            for row in bench_case(name, t):
-                print(json.dumps(row), flush=True)
-        for name, t in ROUTE_BENCH_SHAPES:
-            print(json.dumps(bench_route(name, t)), flush=True)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

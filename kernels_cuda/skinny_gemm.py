@@ -12,68 +12,35 @@ result: silu in fp32 rounded to bf16, the product in fp32 rounded to bf16; preci
 
 Why: at M = 1 the library GEMM tiles (cuBLAS ``nvjet 64x8``, split-K + reduce for narrow N) streamed the V2-Lite
 projections at about half the copy bandwidth on an H200 (1.19 ms of a 3.2 ms batch-1 step for ~0.53 ms of bytes;
-profile_decode.py, session 4). Tensor cores buy nothing at M <= 8 (compute is free, bytes are not), so this is a
+profile_decode.py). Tensor cores buy nothing at M <= 8 (compute is free, bytes are not), so this is a
 CUDA-core kernel: each warp owns R output columns, each lane streams 16-byte vectors of those weight rows along K
 (U vectors per row in flight before any FMA), multiplies them with the ``a`` rows of its row block (RB rows, read
 through L1), and a warp shuffle sums the lanes. A CTA of 4 warps covers 4R columns (R = 1: kv_a's 576 columns are
 144 CTAs), so the narrow projections still spread over the SMs without split-K (one launch, no workspace,
 deterministic).
-
-Run alone:  python kernels_cuda/skinny_gemm.py --check --bench
 """
-
-import argparse
-import sys
 
 import torch
 
-try:
-    import tilelang
-    import tilelang.language as T
-except Exception:  # pragma: no cover
-    tilelang = None
-    T = None
-
-try:
-    from ._pdl import pdl_enabled
-except ImportError:  # run as a script: python kernels_cuda/skinny_gemm.py
-    from _pdl import pdl_enabled
-
-try:
-    from . import _bench
-    from ._kernel_cache import KernelCache
-except ImportError:  # run as a script: python kernels_cuda/skinny_gemm.py
-    import _bench
-    from _kernel_cache import KernelCache
+from ._kernel_cache import KernelCache
+from ._tilelang import T, tilelang
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane)
-# What the engine routes here (reason()): one row, K <= DENSE_MAX_K. Measured on an H200 (--bench, session 4):
+# What the engine routes here (reason()): one row, K <= DENSE_MAX_K. Measured on an H200 (bench.py skinny_gemm):
 # at 1 row 1.35-2.4x cuBLAS on the V2-Lite projections, but at 6 rows 2-8x slower (the FMAs, not the bytes,
 # then bound a CUDA-core kernel), and at K = 10944 (one CTA walks 43 vectors a lane) slower than cuBLAS' split-K.
 DENSE_MAX_ROWS = 1
 DENSE_MAX_K = 8192
 THREADS = 128
-ROWS_PER_WARP = 1  # R: output columns a warp owns  ((1, 4) was the best or within 10 % at 1 row, --bench)
+ROWS_PER_WARP = 1  # R: output columns a warp owns  ((1, 4) was the best or within 10 % at 1 row)
 UNROLL = 4  # U: 16-byte weight vectors per row a lane loads before its FMAs
-VARIANT_ENV = "DEEPINFER_SKINNY_VARIANT"  # "R,U": overrides (ROWS_PER_WARP, UNROLL) for tuning runs
+_BYTES = {"bfloat16": 2, "float32": 4}
 
 
 def default_variant() -> tuple[int, int]:
-    """(rows_per_warp, unroll) the launches use: ``DEEPINFER_SKINNY_VARIANT`` ("R,U") or the defaults."""
-    import os
-
-    env = os.environ.get(VARIANT_ENV, "").strip()
-    if not env:
-        return ROWS_PER_WARP, UNROLL
-    try:
-        r, u = (int(v) for v in env.split(","))
-    except ValueError:
-        raise ValueError(f"{VARIANT_ENV}={env!r}: expected 'R,U', e.g. '1,8'") from None
-    if r not in (1, 2, 4) or u not in (1, 2, 4, 8):
-        raise ValueError(f"{VARIANT_ENV}={env!r}: R in 1, 2, 4 and U in 1, 2, 4, 8")
-    return r, u
-_BYTES = {"bfloat16": 2, "float32": 4}
+    """(rows_per_warp, unroll) of the engine's launches (``bench.py skinny_gemm --variants`` times others)."""
+    return ROWS_PER_WARP, UNROLL
 
 
 def vec_for(w_dtype: str) -> int:
@@ -93,11 +60,10 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     (A [M, K], W [N, K], Out [M, NO]); grouped: (A, W [E, N, K], Scan [2E + 1] i32, Out). NO = N, or N / 2 gated
     (the host checks N == 2 * NO)."""
     assert tilelang is not None, "tilelang is not installed"
-    PDL = pdl_enabled()
     # dense: the weights do not depend on earlier kernels, so each lane issues its first U weight vectors before
-    # it waits for the previous kernel (_pdl.py): those loads overlap that kernel's tail. Grouped: the expert comes
+    # it waits for the previous kernel (PDL): those loads overlap that kernel's tail. Grouped: the expert comes
     # from the scan, a previous kernel's output, so it waits at the start.
-    EARLY_WEIGHTS = PDL and not grouped
+    EARLY_WEIGHTS = not grouped
     VEC = vec_for(w_dtype)
     assert k % VEC == 0 and 1 <= rb <= MAX_ROWS and threads % 32 == 0
     assert not gated or out_dtype == "bfloat16"
@@ -188,9 +154,8 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
             Out: T.Tensor([M, NO], out_dtype),
         ):
             with T.Kernel(T.ceildiv(NO, RC * C), T.min(E, M), threads=threads) as (bx, slot):
-                if PDL:  # _pdl.py: wait for the previous kernel, then let the next one launch
-                    T.pdl_sync()
-                    T.pdl_trigger()
+                T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+                T.pdl_trigger()
                 hit = Scan[E + 1 + slot]
                 e = T.max(hit, 0)  # a slot past the hit experts does no row
                 body(A, W, Out, e, Scan[e], T.if_then_else(hit >= 0, Scan[e + 1] - Scan[e], 0), bx)
@@ -317,203 +282,3 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, gated: bool = False, scan: tor
     else:
         kern(a.contiguous(), w, out)
     return out
-
-
-# ---- reference, check, benchmark ------------------------------------------------------------------------------
-def skinny_gemm_ref(a, w, gated=False, tokens_per_expert=None) -> torch.Tensor:
-    """The CPU reference's arithmetic on the same device: F.linear (and silu_and_mul) per expert, in the output
-    dtype (bf16 GEMM outputs are rounded, as the unfused path rounds them)."""
-    import torch.nn.functional as F
-
-    def one(x, wt):
-        y = F.linear(x.float(), wt.float())
-        if gated:
-            g, u = y.to(torch.bfloat16).chunk(2, dim=-1)
-            return F.silu(g) * u
-        return y.to(torch.float32 if wt.dtype == torch.float32 else x.dtype)
-
-    if tokens_per_expert is None:
-        return one(a, w)
-    outs, start = [], 0
-    for e, c in enumerate(tokens_per_expert.tolist()):
-        outs.append(one(a[start : start + c], w[e]))
-        start += c
-    return torch.cat(outs)
-
-
-def _moe_gemm():
-    try:
-        from . import moe_gemm
-    except ImportError:  # run as a script
-        import moe_gemm
-    return moe_gemm
-
-
-def _problem(m, n, k, e=0, dtype=torch.bfloat16, w_dtype=torch.bfloat16, seed=0, top_k=6):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    counts = None
-    if e:
-        tokens = max(1, m // top_k)
-        ids = torch.stack([torch.randperm(e, generator=g, device="cuda")[:top_k] for _ in range(tokens)])
-        counts = torch.bincount(ids.flatten(), minlength=e)
-        m = tokens * top_k
-    a = torch.randn(m, k, generator=g, device="cuda").to(dtype)
-    shape = (e, n, k) if e else (n, k)
-    w = (torch.randn(*shape, generator=g, device="cuda") * k**-0.5).to(w_dtype)
-    return a, w, counts
-
-
-def _tolerance(ref: torch.Tensor, gated: bool, bf16_out: bool) -> torch.Tensor:
-    """bf16 output: one rounding can flip (2 ulp of |ref|), gated two more (4); fp32 output: the sum order only."""
-    if bf16_out:
-        return (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2
-    return 1e-5 * ref.abs() + 1e-5
-
-
-def check() -> bool:
-    """Against the fp32 GEMM rounded like the reference (fp32 sums in another order): bf16 outputs within 2 bf16 ulp
-    of |ref| + 1e-2 (gated: 4, the gate/up roundings can flip too), fp32 outputs within 1e-5 relative + 1e-5;
-    NaN positions equal; cosine > 0.99999."""
-    expert_starts = _moe_gemm().expert_starts
-
-    ok = True
-    cases = [  # (rows, N, K, experts, gated, a dtype, w dtype)
-        (1, 3072, 2048, 0, False, "bfloat16", "bfloat16"), (1, 576, 2048, 0, False, "bfloat16", "bfloat16"),
-        (3, 2048, 2816, 0, False, "bfloat16", "bfloat16"), (8, 5632, 2048, 0, True, "bfloat16", "bfloat16"),
-        (6, 1000, 968, 0, False, "bfloat16", "bfloat16"), (5, 64, 2048, 0, False, "float32", "float32"),
-        (2, 64, 2048, 0, False, "bfloat16", "float32"), (1, 21888, 2048, 0, True, "bfloat16", "bfloat16"),
-        (6, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (6, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
-        (96, 2816, 2048, 64, True, "bfloat16", "bfloat16"), (384, 2048, 1408, 64, False, "bfloat16", "bfloat16"),
-    ]
-    tuning = [(1, 3072, 2048, 0, False), (6, 2816, 2048, 64, True)]  # col_iters = 4 (bench variants), checked too
-
-    def tuned(m, k, e, g):
-        return ("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, "bfloat16", "bfloat16", "bfloat16")[:7]
-                + (1, 4, 4))
-
-    # compile every case's kernel first, nvcc in parallel threads (one at a time took ~150 s on the H200 host)
-    _CACHE.precompile([("skinny", config_for(k, min(m, 2) if e else m, g, e > 0, ad, wd, "float32" if wd == "float32"
-                                             else "bfloat16")) for m, n, k, e, g, ad, wd in cases]
-                      + [tuned(m, k, e, g) for m, _n, k, e, g in tuning])
-    for m, n, k, e, gated, ad, wd in cases:
-        a, w, counts = _problem(m, n, k, e, getattr(torch, ad), getattr(torch, wd))
-        scan = expert_starts(counts) if e else None
-        got = skinny_gemm(a, w, gated=gated, scan=scan).float()
-        ref = skinny_gemm_ref(a, w, gated, counts).float()
-        tol = _tolerance(ref, gated, bf16_out=(ad, wd) == ("bfloat16", "bfloat16"))
-        err = (got - ref).abs()
-        bad = int((err > tol).sum())
-        nan_ok = bool(torch.equal(torch.isnan(got), torch.isnan(ref)))
-        cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
-        good = bad == 0 and nan_ok and cos > 0.99999
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'} rows={a.shape[0]} N={n} K={k} E={e} gated={gated} a={ad} w={wd}: "
-              f"max err {err.max().item():.3e}, {bad} beyond tol, cos {cos:.7f}")
-    for m, n, k, e, gated in tuning:
-        a, w, counts = _problem(m, n, k, e)
-        out = torch.empty(a.shape[0], n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
-        kern = _CACHE.get(*tuned(m, k, e, gated))
-        kern(a, w, expert_starts(counts), out) if e else kern(a, w, out)
-        ref = skinny_gemm_ref(a, w, gated, counts).float()
-        good = bool(((out.float() - ref).abs() <= _tolerance(ref, gated, bf16_out=True)).all())
-        ok &= good
-        print(f"{'PASS' if good else 'FAIL'} col_iters=4 rows={a.shape[0]} N={n} K={k} E={e} gated={gated}")
-    return ok
-
-
-def bench(out=None):
-    """Bytes / time vs the copy bandwidth measured here and vs the library path (F.linear [+ silu_and_mul], or
-    moe_gemm for grouped) on the V2-Lite decode shapes (JSON lines)."""
-    import json
-
-    import torch.nn.functional as F
-    expert_starts, moe_gemm = _moe_gemm().expert_starts, _moe_gemm().moe_gemm
-
-    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy, _ = _bench.time_us(lambda: dst.copy_(src), graph=False)
-    copy_bw = 2 * src.numel() * 2 / (t_copy * 1e-6)  # bytes read + written per second
-    src = dst = None
-    shapes = [("q_proj", 3072, 2048, False), ("kv_a", 576, 2048, False), ("o_proj", 2048, 2048, False),
-              ("shared_gate_up", 5632, 2048, True), ("shared_down", 2048, 2816, False),
-              ("dense_gate_up", 21888, 2048, True), ("dense_down", 2048, 10944, False),
-              ("lm_head", 102400, 2048, False)]
-    rows = []
-    hw = torch.cuda.get_device_name()
-
-    def emit(row):
-        row.update(hardware=hw, copy_GBps=round(copy_bw / 1e9, 1))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-
-    variants = ((2, 4), (1, 8), (2, 8), (1, 4), (1, 4, 4))  # (rows_per_warp, unroll[, col_iters])
-    grouped_variants = ((1, 4), (1, 8), (1, 4, 4), (1, 4, 8), (2, 4, 4))
-    row_counts = (1, 6, 16)
-
-    def cfg(k, m, g, grouped, v):
-        return ("skinny", config_for(k, m, g, grouped, "bfloat16", "bfloat16", "bfloat16")[:7] + v)
-
-    todo = [cfg(k, m, g, False, v) for m in row_counts if m <= MAX_ROWS for _name, _n, k, g in shapes
-            for v in variants]
-    todo += [cfg(k, r, g, True, v) for r in (1, 2) for k, g in ((2048, True), (1408, False))
-             for v in grouped_variants]
-    _CACHE.precompile(todo)  # nvcc in parallel threads
-    for m in row_counts:
-        for name, n, k, gated in shapes:
-            a, w, _ = _problem(m, n, k)
-            nbytes = w.numel() * 2 + a.numel() * 2 + m * (n // 2 if gated else n) * 2
-
-            def lib(a=a, w=w, g=gated):
-                h = F.linear(a, w)
-                return F.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2 :] if g else h
-
-            t_lib, _ = _bench.time_us(lib)
-            if m > MAX_ROWS:
-                emit({"bench": "skinny_gemm", "shape": name, "rows": m, "N": n, "K": k, "library_us": round(t_lib, 2),
-                      "library_frac_of_copy": round(nbytes / (t_lib * 1e-6) / copy_bw, 4)})
-                continue
-            for v in variants:
-                rpw, unr = v[:2]
-                o = torch.empty(m, n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
-                kern = _CACHE.get(*cfg(k, m, gated, False, v))
-                t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, o=o: kern(a, w, o))
-                emit({"bench": "skinny_gemm", "shape": name, "rows": m, "N": n, "K": k, "gated": gated,
-                      "rows_per_warp": rpw, "unroll": unr, "col_iters": v[2] if len(v) > 2 else 1, "us": round(t, 2),
-                      "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4), "library_us": round(t_lib, 2),
-                      "speedup_vs_library": round(t_lib / t, 3)})
-    for tokens in (1, 2, 4):
-        for name, n, k, gated in (("expert_w13", 2816, 2048, True), ("expert_w2", 2048, 1408, False)):
-            a, w, counts = _problem(tokens * 6, n, k, e=64)
-            scan = expert_starts(counts)
-            hit = int((counts > 0).sum())
-            nbytes = hit * n * k * 2 + a.numel() * 2 + a.shape[0] * (n // 2 if gated else n) * 2
-            t_mg, _ = _bench.time_us(lambda a=a, w=w, c=counts, s=scan: moe_gemm(a, w, c, starts=s))
-            for v in grouped_variants:
-                kern = _CACHE.get(*cfg(k, min(a.shape[0], 2), gated, True, v))
-                o = torch.empty(a.shape[0], n // 2 if gated else n, dtype=torch.bfloat16, device="cuda")
-                t, _ = _bench.time_us(lambda kern=kern, a=a, w=w, s=scan, o=o: kern(a, w, s, o))
-                emit({"bench": "skinny_gemm", "shape": name, "tokens": tokens, "rows": a.shape[0],
-                      "experts_hit": hit, "N": n, "K": k, "gated": gated, "rows_per_warp": v[0], "unroll": v[1],
-                      "col_iters": v[2] if len(v) > 2 else 1,
-                      "us": round(t, 2), "frac_of_copy": round(nbytes / (t * 1e-6) / copy_bw, 4),
-                      "moe_gemm_us": round(t_mg, 2), "speedup_vs_moe_gemm": round(t_mg / t, 3)})
-    if out:
-        with open(out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    return rows
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true")
-    ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    _bench.exit_without_cuda(args)
-    status = 0
-    if args.check:
-        status |= 0 if check() else 1
-    if args.bench:
-        bench(args.out)
-    sys.exit(status)

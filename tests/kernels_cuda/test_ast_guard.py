@@ -1,24 +1,19 @@
-"""kernels_cuda/_ast_guard.py: the thread pools that run parallel TileLang compiles serialise Python's AST conversions
+"""kernels_cuda._ast_guard: the thread pools that run parallel TileLang compiles serialise Python's AST conversions
 (CPython < 3.13, gh-106905: "AST constructor recursion depth mismatch" seen in mla_decode.ci_compile on 3.11.7,
 where TileLang's mma.sync GEMM lowering parses and compiles a macro inside tilelang.compile)."""
 
 import ast
-import os
 import sys
 import threading
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from kernels_cuda import _ast_guard  # noqa: E402
+from deepinfer_npu.kernels_cuda import _ast_guard
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 13), reason="the AST converter is thread-safe from CPython 3.13")
+@pytest.mark.tilelang
 def test_compile_pool_locks_parse_and_tilelang_compile():
-    pytest.importorskip("tilelang", reason="tilelang is not installed")
     with _ast_guard.compile_pool(2) as ex:
         assert ex._max_workers == 2
     from tilelang.language.eager import utils as eager_utils
@@ -46,16 +41,12 @@ def test_parse_waits_for_the_lock():
     assert done.is_set()
 
 
-def test_one_lock_under_every_import_name():
-    """The module is imported as kernels_cuda._ast_guard (tests), deepinfer_npu.kernels_cuda._ast_guard (the
-    engine) and _ast_guard (a kernel file run as a script): every copy must guard with the same lock, or a parse
-    wrapped by one copy and a compile wrapped by another could still run at once."""
+def test_one_lock_per_process():
+    """A second copy of the module (a reload) guards with the same lock: a parse wrapped by one copy and a compile
+    wrapped by another must not run at once."""
     import importlib.util
 
-    from deepinfer_npu.kernels_cuda import _ast_guard as engine_copy
-
-    spec = importlib.util.spec_from_file_location("_ast_guard", os.path.join(ROOT, "kernels_cuda", "_ast_guard.py"))
-    script_copy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script_copy)
-    assert engine_copy is not _ast_guard and script_copy is not _ast_guard
-    assert engine_copy._LOCK is _ast_guard._LOCK is script_copy._LOCK
+    spec = importlib.util.spec_from_file_location("_ast_guard_copy", _ast_guard.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy is not _ast_guard and copy._LOCK is _ast_guard._LOCK

@@ -1,20 +1,43 @@
-"""kernels_cuda/mla_absorb.py (W_UK of one decode token) and the CUDA kernel set's use of it in ``mla_prolog``.
+"""kernels_cuda.mla_absorb (W_UK of one decode token).
 
 Tolerance (bf16 in, fp32 sums, one rounding): within 1 bf16 ulp of the fp32 reference rounded to bf16, NaN / inf at
 the same positions (the kernel's summation order is not cuBLAS', so no bit-exactness is asked). Anywhere: the dims
-and operand checks, the reference against the reference ops' einsum, and the kernel set's choice with a stand-in
-module (gate shut: cuBLAS' batched GEMM; open: the kernel for one token only). The GPU tests skip without a device.
+and operand checks, and the fp32 reference against the backend's absorption arithmetic; on a CUDA device the kernel
+against that reference, and a graph replay.
 """
-
-from types import SimpleNamespace
 
 import pytest
 import torch
+
 from deepinfer_npu.backends.cuda import kernels as ck
 from deepinfer_npu.kernels_cuda import mla_absorb as ma
+from deepinfer_npu.kernels_cuda._testing import absorb as make_inputs
+from deepinfer_npu.kernels_cuda._testing import bf16_ulps
 
-HAS_GPU = torch.cuda.is_available() and ck.tilelang_importable()
-gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA device and tilelang==0.1.15")
+CASES = [(16, 128, 512, 192, False), (16, 128, 512, 192, True), (128, 128, 512, 192, False),
+         (1, 128, 512, 192, False), (8, 64, 256, 96, True), (16, 128, 512, 128, False)]  # H, N, L, QD, special
+
+
+def absorb_ref(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """fp32 reference: ``einsum("thn,hnl->thl")`` on the nope part, fp32 throughout (rounded by the caller)."""
+    return torch.einsum("thn,hnl->thl", q[..., : w_uk.shape[1]].float(), w_uk.float())
+
+
+def within_tolerance(out: torch.Tensor, q: torch.Tensor, w_uk: torch.Tensor) -> tuple[bool, dict]:
+    """Within 1 bf16 rounding of the fp32 result plus the fp32 sum's own error bound, NaN / inf at the same
+    positions; -> (ok, stats)."""
+    ref32 = absorb_ref(q, w_uk)
+    ref = ref32.to(torch.bfloat16)
+    same_nan = torch.equal(torch.isnan(out), torch.isnan(ref))
+    same_inf = torch.equal(torch.isinf(out), torch.isinf(ref))
+    finite = torch.isfinite(ref)
+    bound = torch.einsum("thn,hnl->thl", q[..., : w_uk.shape[1]].float().abs(), w_uk.float().abs())
+    tol = ref32.abs() * 2.0**-7 + w_uk.shape[1] * 2.0**-23 * bound
+    err = (out.float() - ref32).abs()
+    within = bool((err[finite] <= tol[finite]).all()) if finite.any() else True
+    ulps = float(bf16_ulps(out[finite], ref[finite]).max()) if finite.any() else 0.0
+    stats = dict(ulps=ulps, within=within, same_nan=same_nan, same_inf=same_inf)
+    return same_nan and same_inf and within, stats
 
 
 def test_supported_dims():
@@ -32,75 +55,55 @@ def test_reason_names_the_problem():
 
 
 def test_reference_is_the_backends_absorption():
-    """absorb_ref (what --check compares with) is the arithmetic of the path it replaces, absorb_heads, in fp32."""
-    q, w = ma.make_inputs(4, 64, 128, 96, device="cpu")
+    """absorb_ref (what the GPU test compares with) is the arithmetic of the path it replaces, absorb_heads, in fp32."""
+    q, w = make_inputs(4, 64, 128, 96, device="cpu")
     q, w = q.float(), w.float()
-    torch.testing.assert_close(ma.absorb_ref(q, w), ck.absorb_heads(q[..., :64], w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(absorb_ref(q, w), ck.absorb_heads(q[..., :64], w), rtol=1e-6, atol=1e-6)
 
 
 def test_tolerance_accepts_another_summation_order_and_rejects_errors():
-    """within_tolerance (what --check applies): an fp32 sum in another order, rounded once, passes; a result two
+    """within_tolerance (what the GPU test applies): an fp32 sum in another order, rounded once, passes; a result two
     bf16 ulps off, a NaN where the reference has a number, or a lost inf fails."""
-    q, w = ma.make_inputs(4, 64, 128, 96, seed=3, special=True, device="cpu")
+    q, w = make_inputs(4, 64, 128, 96, seed=3, special=True, device="cpu")
     terms = q[..., :64].float().transpose(0, 1)[:, 0, :, None] * w.float()  # [H, N, L] products
     reordered = terms.flip(1).sum(1)[None].to(torch.bfloat16)  # the sum over N backwards
-    ok, stats = ma.within_tolerance(reordered, q, w)
+    ok, stats = within_tolerance(reordered, q, w)
     assert ok and stats["same_nan"] and stats["same_inf"], stats
     bad = reordered.clone()
     h, col = 3, 5
     assert torch.isfinite(bad[0, h, col]) and bad[0, h, col] != 0
     bad[0, h, col] = (bad[0, h, col].float() * (1 + 2.0**-5)).to(torch.bfloat16)  # ~4 ulps off
-    assert not ma.within_tolerance(bad, q, w)[0]
+    assert not within_tolerance(bad, q, w)[0]
     nan = reordered.clone()
     nan[0, h, col] = float("nan")
-    assert not ma.within_tolerance(nan, q, w)[0]
+    assert not within_tolerance(nan, q, w)[0]
 
 
-class _StandIn:
-    def __init__(self, why=None):
-        self.calls, self.why = 0, why
-
-    def reason(self, q, w_uk):
-        return self.why
-
-    def absorb_q(self, q, w_uk):
-        self.calls += 1
-        return ma.absorb_ref(q, w_uk).to(q.dtype)
-
-
-def test_kernel_set_takes_it_for_one_token_with_the_gate_open(monkeypatch):
-    ks = ck.CudaKernelSet()
-    stand_in = _StandIn()
-    monkeypatch.setattr(ks, "_kernel", lambda name: stand_in)  # _gated_kernel's gate and reason() stay real
-    w = SimpleNamespace(qk_nope_head_dim=64, w_uk=ma.make_inputs(4, 64, 128, 96, device="cpu")[1])
-    monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "mla_absorb" not in ck.UNVERIFIED_KERNELS  # verified in session 8; put back here to test the gate
-    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"mla_absorb"})
-    q1 = ma.make_inputs(4, 64, 128, 96, seed=1, device="cpu")[0]
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # host tensors pass the device check
-    want = ck.absorb_heads(q1[..., :64], w.w_uk)
-    assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 0  # gate shut: cuBLAS' path
-    assert "W_UK of one token: cuBLAS batched GEMM (reference (kernels_cuda.mla_absorb not yet verified" in \
-        ks.op_report()["mla_prolog"]
-    monkeypatch.setenv(ck.UNVERIFIED_ENV, "mla_absorb")
-    got = ks._absorb_q(q1, w)
-    assert stand_in.calls == 1 and got.shape == want.shape
-    assert "W_UK of one token: kernels_cuda.mla_absorb; unverified" in ks.op_report()["mla_prolog"]
-    q3 = torch.cat([q1, q1, q1])  # three tokens: never the kernel
-    assert torch.equal(ks._absorb_q(q3, w), ck.absorb_heads(q3[..., :64], w.w_uk)) and stand_in.calls == 1
-    stand_in.why = "kv_lora_rank 500: a multiple of 64 columns"  # the module's reason() refuses: cuBLAS, reported
-    assert torch.equal(ks._absorb_q(q1, w), want) and stand_in.calls == 1
-    assert "cuBLAS batched GEMM (reference (kv_lora_rank 500: a multiple of 64 columns))" in ks.op_report()[
-        "mla_prolog"]
-
-
-@gpu
-@pytest.mark.parametrize("case", ma.CHECK_CASES, ids=lambda c: f"H{c[0]}-N{c[1]}-L{c[2]}-QD{c[3]}-sp{int(c[4])}")
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"H{c[0]}-N{c[1]}-L{c[2]}-QD{c[3]}-sp{int(c[4])}")
 def test_matches_reference_gpu(case):
-    ok, stats = ma.check_case(*case, seed=7, verbose=False)
+    """The output poisoned with NaN first, then within_tolerance of the fp32 reference."""
+    heads, nope, lrank, q_dim, special = case
+    q, w = make_inputs(heads, nope, lrank, q_dim, 7, special)
+    out = torch.full((1, heads, lrank), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ma.absorb_q(q, w, out=out)
+    ok, stats = within_tolerance(out, q, w)
     assert ok, stats
 
 
-@gpu
+@pytest.mark.gpu
+@pytest.mark.tilelang
 def test_graph_replay_gpu():
-    assert ma.check_graph(verbose=False)
+    """Captured once, replayed on a new query: the result follows the new input."""
+    q, w = make_inputs(16, seed=5)
+    out = torch.empty(1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    ma.absorb_q(q, w, out=out)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        ma.absorb_q(q, w, out=out)
+    q.copy_(make_inputs(16, seed=6)[0])
+    gr.replay()
+    ok, stats = within_tolerance(out, q, w)
+    assert ok, stats

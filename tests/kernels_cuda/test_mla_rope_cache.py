@@ -1,4 +1,4 @@
-"""kernels_cuda/mla_rope_cache.py (fused kv_a_layernorm + q/k RoPE + paged latent-cache write) and its use by the
+"""kernels_cuda.mla_rope_cache (fused kv_a_layernorm + q/k RoPE + paged latent-cache write) and its use by the
 CUDA kernel set's ``mla_prolog``.
 
 Tolerances (the kernel is bf16-only; other dtypes take the composed path): against the fp32 reference computed
@@ -8,34 +8,58 @@ summation order differs; 0 observed on an H200), NaN / inf at the same positions
 untouched (bit-exact). The GPU tests skip without a CUDA device; the selection tests run anywhere.
 """
 
-import os
-import sys
-
 import pytest
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from deepinfer_npu.backends.cpu.mla import write_kv_cache
+from deepinfer_npu.backends.cpu.norm import rms_norm
+from deepinfer_npu.backends.cpu.rope import rope
+from deepinfer_npu.kernels_cuda import mla_rope_cache as mrc
+from deepinfer_npu.kernels_cuda._testing import bf16_ulps, bf16_within, rope_cache
 
-torch = pytest.importorskip("torch")
+HEAD_DIM, KV_LORA, ROPE = mrc.HEAD_DIM, mrc.KV_LORA, mrc.ROPE
 
-from kernels_cuda import mla_rope_cache as mrc  # noqa: E402 (importable without tilelang)
+CASES = [  # (num_tokens, heads, interleaved, pad_every, max_pos, special)
+    (1, 16, True, 0, 8192, False),
+    (7, 16, True, 3, 8192, True),
+    (64, 16, True, 5, 8192, False),
+    (130, 16, False, 4, 8192, False),
+    (1, 128, True, 0, 8192, False),
+    (33, 128, True, 2, 8192, True),
+    (256, 128, False, 7, 8192, False),
+    (64, 128, True, 0, 163840, False),  # long-context table (V3's max_position_embeddings)
+    (2000, 16, True, 9, 8192, False),  # prefill-sized
+    (5, 8, True, 2, 8192, True),  # H < 16 (tensor parallel shard)
+    (5, 32, False, 0, 8192, False),
+]
 
-HAS_CUDA = torch.cuda.is_available()
+
+def reference(inp, interleaved):
+    """(q_rope, the cache after the write) by the CPU reference ops, as the composed prolog computes them."""
+    c_kv, k_pe = inp["kv"].split([KV_LORA, ROPE], dim=-1)
+    q_pe = inp["q"][:, :, inp["q_off"] : inp["q_off"] + ROPE]
+    q_rope = rope(q_pe, inp["positions"], inp["cos_sin_cache"], interleaved)
+    k_rot = rope(k_pe.unsqueeze(1), inp["positions"], inp["cos_sin_cache"], interleaved).squeeze(1)
+    cache = inp["kv_cache"].clone()
+    write_kv_cache(cache, torch.cat((rms_norm(c_kv, inp["weight"], inp["eps"]), k_rot), dim=-1), inp["slot_mapping"])
+    return q_rope, cache
 
 
-def _has_tilelang():
-    try:
-        import tilelang  # noqa: F401
-
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-gpu = pytest.mark.skipif(
-    not (HAS_CUDA and _has_tilelang()), reason="no CUDA device (or no tilelang): GPU numerics run on the H200 only"
-)
+def compare_all(inp, interleaved, q_out, cache_out, cache_before):
+    """q_rope and the written k_pe <= 1 ulp (bit-exact expected), the written c_kv <= 1 ulp, every other cache row
+    untouched (bit-exact). ``inp`` holds the cache as it was before the launch."""
+    q_ref, cache_ref = reference(dict(inp, kv_cache=cache_before), interleaved)
+    slots = inp["slot_mapping"]
+    valid = slots[slots >= 0]
+    flat_o, flat_r = cache_out.view(-1, HEAD_DIM), cache_ref.view(-1, HEAD_DIM)
+    ok_q, sq_ = bf16_within(q_out, q_ref, 1)
+    ok_c, sc = bf16_within(flat_o[valid, :KV_LORA], flat_r[valid, :KV_LORA], 1)
+    ok_k, sk = bf16_within(flat_o[valid, KV_LORA:], flat_r[valid, KV_LORA:], 1)
+    untouched = torch.ones(flat_o.shape[0], dtype=torch.bool, device=flat_o.device)
+    untouched[valid] = False
+    before = cache_before.view(-1, HEAD_DIM)
+    ok_u = torch.equal(flat_o[untouched].view(torch.int16), before[untouched].view(torch.int16))
+    return ok_q and ok_c and ok_k and ok_u, dict(q_rope=sq_, c_kv=sc, k_pe=sk, rest_untouched=ok_u)
 
 
 # ---- anywhere ----------------------------------------------------------------------------------------------------
@@ -96,24 +120,49 @@ def test_prolog_on_host_tensors_takes_the_composed_path_with_a_reason():
 
 
 # ---- on a CUDA device --------------------------------------------------------------------------------------------
-@gpu
-@pytest.mark.parametrize("case", mrc.CHECK_CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-il{int(c[2])}-pad{c[3]}")
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}-il{int(c[2])}-pad{c[3]}")
 def test_mla_rope_cache_matches_reference_gpu(case):
     t_, h, il, pad, max_pos, special = case
-    ok, stats = mrc.check_case(t_, h, il, pad, max_pos, seed=100 + t_, special=special, verbose=False)
+    inp = rope_cache(t_, h, max_pos, pad, seed=100 + t_, special=special)
+    before = inp["kv_cache"].clone()
+    out = torch.full((t_, h, ROPE), float("nan"), dtype=torch.bfloat16, device="cuda")
+    mrc.mla_rope_cache(**inp, interleaved=il, out=out)
+    ok, stats = compare_all(inp, il, out, inp["kv_cache"], before)
     assert ok, stats
     assert stats["q_rope"]["exact"] and stats["k_pe"]["exact"], stats  # the rope roundings are torch's exactly
 
 
-@gpu
-@pytest.mark.parametrize("heads,interleaved", [(16, True), (128, False)])
-def test_mla_rope_cache_graph_replay_gpu(heads, interleaved):
-    """Captured once, replayed on new positions / slots / padding rows: no host read of device values."""
-    ok, stats = mrc.check_graph(40, heads, interleaved, seed=3, verbose=False)
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("tokens,heads,interleaved", [(64, 16, True), (40, 16, True), (48, 128, False)])
+def test_mla_rope_cache_graph_replay_gpu(tokens, heads, interleaved):
+    """Captured once, replayed on new inputs copied into the static buffers (new positions, new slots with padding
+    rows): no host read, the slot test is on the device."""
+    a = rope_cache(tokens, heads, seed=3, pad_every=5)
+    b = rope_cache(tokens, heads, seed=4, pad_every=3, num_blocks=a["kv_cache"].shape[0])
+    out = torch.full((tokens, heads, ROPE), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fn = lambda: mrc.mla_rope_cache(**a, interleaved=interleaved, out=out)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    for k in ("kv", "weight", "q", "positions", "slot_mapping", "kv_cache"):
+        a[k].copy_(b[k])
+    before = a["kv_cache"].clone()
+    out.fill_(float("nan"))
+    gr.replay()
+    ok, stats = compare_all(a, interleaved, out, a["kv_cache"], before)
     assert ok, stats
 
 
-@gpu
+@pytest.mark.gpu
+@pytest.mark.tilelang
 @pytest.mark.parametrize("heads,interleaved", [(16, True), (128, False)])
 def test_backend_fused_prolog_matches_composed_gpu(heads, interleaved):
     """CudaKernelSet.mla_prolog with the kernel vs the same kernel set with the kernel unavailable (the composed
@@ -128,7 +177,7 @@ def test_backend_fused_prolog_matches_composed_gpu(heads, interleaved):
     ql_f, qr_f = fused_ks.mla_prolog(hidden, w, pos, rope, c_fused, slots)
     ql_c, qr_c = comp_ks.mla_prolog(hidden, w, pos, rope, c_comp, slots)
     assert torch.equal(ql_f, ql_c) and torch.equal(qr_f, qr_c)
-    assert mrc.bf16_ulps(c_fused, c_comp).max().item() <= 1
+    assert bf16_ulps(c_fused, c_comp).max().item() <= 1
     valid = slots[slots >= 0]
     untouched = torch.ones(cache.shape[0] * 64, dtype=torch.bool, device="cuda")
     untouched[valid] = False
@@ -139,7 +188,8 @@ def test_backend_fused_prolog_matches_composed_gpu(heads, interleaved):
     assert fused_ks.syncing_ops() == {}
 
 
-@gpu
+@pytest.mark.gpu
+@pytest.mark.tilelang
 def test_backend_prolog_toy_dims_fall_back_gpu():
     from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 

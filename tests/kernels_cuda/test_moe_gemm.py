@@ -1,25 +1,26 @@
-"""kernels_cuda/moe_gemm.py on a CUDA device: the grouped expert GEMM against its fp32 reference (tolerance in
-``moe_gemm.check``: 2 bf16 ulp of |ref| + 1e-2 absolute, NaN positions equal, cosine > 0.99999), for V2-Lite
-and V3 expert shapes, batch 1 / 7 / 64 / 200 tokens, skewed routing (one expert with > 64 rows, many empty)."""
+"""kernels_cuda.moe_gemm (grouped expert GEMM over the rows sorted by expert) and its expert scan.
 
-import os
-import sys
+Tolerances: the scan equal to the host reference; the GEMM's bf16 output within 2 bf16 ulp of the fp32 reference's
+|ref| + 1e-2 absolute, NaN positions equal, cosine > 0.99999; V2-Lite and V3 expert shapes at 1 / 7 / 64 / 200
+tokens, skewed routing (one expert with more than 64 rows, many empty).
+"""
 
 import pytest
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from deepinfer_npu.kernels_cuda import moe_gemm
+from deepinfer_npu.kernels_cuda._testing import close_to, expert_rows, expert_starts_ref, grouped_gemm_fp32
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("tilelang", reason="tilelang is not installed (pip install tilelang==0.1.15)")
+CASES = [  # tokens, top_k, experts, N, K, skew
+    (1, 6, 64, 2816, 2048, False), (1, 6, 64, 2048, 1408, False), (7, 6, 64, 2816, 2048, False),
+    (64, 6, 64, 2048, 1408, False), (64, 6, 64, 2816, 2048, True), (5, 8, 256, 4096, 7168, False),
+    (200, 2, 16, 256, 512, True),
+]
 
-from kernels_cuda import moe_gemm  # noqa: E402
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
-def test_moe_gemm_matches_fp32_reference():
-    assert moe_gemm.check()
+def test_scan_reference_layout():
+    """The scan's host reference: exclusive prefix sum, then the experts with rows, -1 padded."""
+    assert expert_starts_ref(torch.tensor([2, 0, 3, 1])).tolist() == [0, 2, 2, 5, 6, 0, 2, 3, -1]
 
 
 def test_moe_gemm_rejects_mismatched_shapes():
@@ -30,3 +31,25 @@ def test_moe_gemm_rejects_mismatched_shapes():
     w = torch.zeros(2, 128, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="3 entries for 2 experts"):
         moe_gemm.moe_gemm(a, w, torch.tensor([1, 1, 1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("experts,density", [(64, 0.1), (64, 1.0), (256, 0.03), (256, 0.6), (16, 0.5), (1, 1.0),
+                                             (200, 0.0)])
+def test_expert_scan_matches_reference_gpu(experts, density):
+    g = torch.Generator().manual_seed(experts)
+    counts = torch.randint(0, 9, (experts,), generator=g) * (torch.rand(experts, generator=g) < density)
+    assert torch.equal(moe_gemm.expert_starts(counts.cuda()).cpu(), expert_starts_ref(counts))
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}-N{c[3]}-K{c[4]}-skew{int(c[5])}")
+def test_moe_gemm_matches_fp32_reference_gpu(case):
+    tokens, top_k, experts, n, k, skew = case
+    a, w, counts = expert_rows(tokens, top_k, experts, n, k, skew=skew)
+    ref = grouped_gemm_fp32(a, w, counts)
+    for bn in (64, 128) if n % 128 == 0 else (64,):
+        ok, stats = close_to(moe_gemm.moe_gemm(a, w, counts, block_n=bn), ref, 2 * 2.0**-8 * ref.abs() + 1e-2)
+        assert ok, (bn, stats)

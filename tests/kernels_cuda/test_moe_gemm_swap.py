@@ -1,26 +1,49 @@
-"""kernels_cuda/moe_gemm_swap.py: the swapped-operand expert GEMM (weight tile on wgmma's M side, SwiGLU fused into
-w13) against its fp32 reference on a CUDA device (``moe_gemm_swap.check``: bf16 within 2 ulp of |ref| + 1e-2,
+"""kernels_cuda.moe_gemm_swap: the swapped-operand expert GEMM (weight tile on wgmma's M side, SwiGLU fused into
+w13) against its fp32 reference on a CUDA device (bf16 within 2 ulp of |ref| + 1e-2,
 gated 4 ulp; NaN positions equal; cosine > 0.99999); on the CPU: its gated reference equals the CPU backend's
-expert MLP arithmetic, bad shapes are rejected with the dims named, and the backend keeps it gated."""
-
-import os
-import sys
+expert MLP arithmetic, and bad shapes are rejected with the dims named."""
 
 import pytest
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
+from deepinfer_npu.kernels_cuda._testing import close_to, expert_rows, grouped_gemm_fp32
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("tilelang", reason="tilelang is not installed (pip install tilelang==0.1.15)")
+# (tokens, top_k, experts, N, K, skew, gated, (block_n, stages) or None for the engine's choice); skew: one expert
+# gets every token, so it loops over row tiles (gated and not)
+CASES = [(1, 6, 64, 2816, 2048, False, True, None), (1, 6, 64, 2048, 1408, False, False, None),
+         (2, 6, 64, 2816, 2048, False, True, None), (7, 6, 64, 2048, 1408, False, False, None),
+         (10, 6, 64, 2816, 2048, True, True, None), (5, 8, 256, 4096, 7168, False, True, None),
+         (40, 2, 16, 256, 512, True, False, None), (20, 2, 16, 256, 512, True, True, None)]
+CASES += [(1, 6, 64, 2816, 2048, False, True, (bn, st)) for bn in (64, 128) for st in (3, 6)]
+CASES += [(4, 6, 64, 2048, 1408, False, False, (128, 3))]
 
-from kernels_cuda import moe_gemm_swap as sw  # noqa: E402
+
+def reference(a, w, tokens_per_expert, gated=False):
+    """fp32 reference (gated: the roundings of the kernel's epilogue, i.e. of the CPU reference's SwiGLU)."""
+    h = grouped_gemm_fp32(a, w, tokens_per_expert)
+    if not gated:
+        return h
+    g, u = h.to(torch.bfloat16).chunk(2, dim=-1)
+    s = torch.nn.functional.silu(g.float()).to(torch.bfloat16)
+    return (s.float() * u.float()).to(torch.bfloat16).float()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
-def test_moe_gemm_swap_matches_fp32_reference():
-    assert sw.check()
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-E{c[2]}-N{c[3]}-K{c[4]}-g{int(c[6])}-{c[7]}")
+def test_moe_gemm_swap_matches_fp32_reference_gpu(case):
+    """bf16 within 2 ulp of |ref| + 1e-2 (gated: 4 ulp, the extra roundings); NaN positions equal; cosine >
+    0.99999."""
+    from deepinfer_npu.kernels_cuda.moe_gemm import expert_starts
+
+    tokens, top_k, experts, n, k, skew, gated, tune = case
+    a, w, counts = expert_rows(tokens, top_k, experts, n, k, skew=skew)
+    ref = reference(a, w, counts, gated)
+    bn, st = tune or (None, None)
+    out = sw.moe_gemm_swap(a, w, expert_starts(counts), gated=gated, block_n=bn, num_stages=st)
+    ok, stats = close_to(out, ref, (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2)
+    assert ok, stats
 
 
 def test_gated_reference_is_the_cpu_expert_mlp():
@@ -32,7 +55,7 @@ def test_gated_reference_is_the_cpu_expert_mlp():
     counts = torch.tensor([2, 0, 3, 1])
     a = torch.randint(-2, 3, (6, 64), generator=g).to(torch.bfloat16)
     w = torch.randint(-2, 3, (4, 2 * 64, 64), generator=g).to(torch.bfloat16) * 0.125
-    got = sw.moe_gemm_swap_ref(a, w, counts, gated=True)
+    got = reference(a, w, counts, gated=True)
     want, start = [], 0
     for e, c in enumerate(counts.tolist()):
         if c:

@@ -1,42 +1,46 @@
-"""kernels_cuda/zos_fixup.py (ZOS seqlens correction and varlen re-split) and its gated use by the CUDA kernel set.
+"""kernels_cuda.zos_fixup (ZOS seqlens correction and varlen re-split) and its use by the CUDA kernel set.
 
-Everywhere: the argument checks, the kernel set's gate (DEEPINFER_CUDA_UNVERIFIED_KERNELS) and its op report, and a
+Everywhere: the argument checks and a
 NumPy mirror of the re-split kernel's selection (per-thread int32 keys, the 30-step threshold search, ties by flat
 index through an exclusive scan over threads) against the CPU reference op, with the reference's own (sequential,
 CPU) cumprod rounding. The mirror checks the algorithm, not the TileLang code.
-On a CUDA device: the kernel's ``--check`` cases (every output equal to the reference op on the same CUDA tensors,
-which rounds the cumprod with torch's CUDA scans) and a CUDA-graph replay. Not yet run on a GPU.
+On a CUDA device: every output equal to the reference op on the same CUDA tensors (which rounds the cumprod with
+torch's CUDA scans), and a CUDA-graph replay.
 """
-
-import os
-import sys
 
 import numpy as np
 import pytest
+import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from deepinfer_npu.backends.cpu.zos import zos_fixup as zos_fixup_ref
+from deepinfer_npu.kernels_cuda import zos_fixup as zf
+from deepinfer_npu.kernels_cuda._testing import zos_step
 
-torch = pytest.importorskip("torch")
+CASES = [  # (rows, k, resplit, probs, optimistic fraction)
+    (1, 1, False, "rand", 1.0),
+    (64, 3, False, "rand", 0.7),
+    (1000, 4, False, "rand", 0.5),
+    (5000, 2, False, "rand", 0.5),
+    (1, 4, True, "rand", 1.0),  # one row: cub's (sequential) scan
+    (1, 16, True, "conf", 1.0),
+    (2, 16, True, "conf", 1.0),  # Sklansky with 4 stages
+    (8, 3, True, "rand", 0.7),
+    (64, 4, True, "rand", 0.7),
+    (64, 4, True, "ties", 0.7),
+    (64, 7, True, "special", 0.7),
+    (128, 8, True, "conf", 1.0),
+    (129, 2, True, "ties", 0.6),  # 1024-thread variant
+    (1000, 4, True, "rand", 0.8),
+    (1024, 16, True, "conf", 0.9),
+    (3000, 3, True, "ties", 0.9),  # 3 rows a thread
+    (64, 4, True, "rand", 0.0),  # nothing optimistic
+    (33, 1, True, "special", 1.0),
+]
 
-from kernels_cuda import zos_fixup as zf  # noqa: E402 (importable without tilelang)
 
-HAS_CUDA = torch.cuda.is_available()
-
-
-def _has_tilelang():
-    try:
-        import tilelang  # noqa: F401
-
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-gpu = pytest.mark.skipif(
-    not (HAS_CUDA and _has_tilelang()), reason="no CUDA device (or no tilelang): GPU numerics run on the H200 only"
-)
+def assert_same(out, ref):
+    for a, b in zip(out, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
 
 
 # ---- NumPy mirror of zos_resplit -------------------------------------------------------------------------------
@@ -117,8 +121,8 @@ def resplit_mirror(sq, sk, opt, slots, corr, probs, caps, threads, rpt, scan):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_resplit_mirror_matches_reference_cpu(rows, k, probs, threads, rpt, seed):
     """The kernel's selection (threshold search + ties by flat index) picks exactly the reference's drafts."""
-    sq, sk, opt, slots, corr, dp, caps = zf.make_problem(rows, k, True, probs, 0.7, seed=seed, device="cpu")
-    ref_q, ref_k = zf.zos_fixup_ref(sq, sk, opt, slots, corr, dp, caps)
+    sq, sk, opt, slots, corr, dp, caps = zos_step(rows, k, True, probs, 0.7, seed=seed, device="cpu")
+    ref_q, ref_k = zos_fixup_ref(sq, sk, opt, slots, corr, dp, caps)
     q, kk = resplit_mirror(sq.numpy(), sk.numpy(), opt.numpy(), slots.numpy(), corr.numpy(), dp.numpy(),
                            caps.numpy(), threads, rpt, "sequential")  # the CPU reference's cumprod is sequential
     assert np.array_equal(q, ref_q.numpy()) and np.array_equal(kk, ref_k.numpy())
@@ -133,12 +137,12 @@ def test_resplit_mirror_edge_counts():
     corr = torch.tensor([1, 0, 2])
     dp = torch.tensor([[0.5, 0.5, 0.5], [0.9, 0.1, 0.0], [0.3, 0.3, 0.3]])
     for caps in (torch.tensor([1, 1, 0]), torch.tensor([3, 3, 3])):
-        ref = zf.zos_fixup_ref(sq, sk, opt, slots, corr, dp, caps)
+        ref = zos_fixup_ref(sq, sk, opt, slots, corr, dp, caps)
         got = resplit_mirror(sq.numpy(), sk.numpy(), opt.numpy(), slots.numpy(), corr.numpy(), dp.numpy(),
                              caps.numpy(), 32, 1, "sequential")
         assert np.array_equal(got[0], ref[0].numpy()) and np.array_equal(got[1], ref[1].numpy())
     sq0 = torch.ones(3, dtype=torch.int32)  # num_slots 0
-    ref = zf.zos_fixup_ref(sq0, sk, opt, slots, corr, dp, torch.tensor([3, 3, 3]))
+    ref = zos_fixup_ref(sq0, sk, opt, slots, corr, dp, torch.tensor([3, 3, 3]))
     got = resplit_mirror(sq0.numpy(), sk.numpy(), opt.numpy(), slots.numpy(), corr.numpy(), dp.numpy(),
                          np.array([3, 3, 3]), 32, 1, "sequential")
     assert np.array_equal(got[0], ref[0].numpy()) and np.array_equal(got[1], ref[1].numpy())
@@ -151,7 +155,7 @@ def test_sklansky_is_a_prefix_product():
 
 
 def test_reason_and_launch():
-    sq, sk, opt, slots, corr, dp, caps = zf.make_problem(8, 3, True, seed=0, device="cpu")
+    sq, sk, opt, slots, corr, dp, caps = zos_step(8, 3, True, seed=0, device="cpu")
     assert zf.reason(sq, sk, opt, slots, corr, dp, caps) is None
     assert zf.reason(sq, sk, opt, slots, corr) is None
     assert "drafts a row" in zf.reason(sq, sk, opt, slots, corr, torch.zeros(corr.shape[0], 17), caps)
@@ -159,69 +163,43 @@ def test_reason_and_launch():
     assert "optimistic" in zf.reason(sq, sk, opt.int(), slots, corr)
     assert zf.resplit_launch(1) == (128, 1) and zf.resplit_launch(129) == (1024, 1)
     assert zf.resplit_launch(3000) == (1024, 3)
-    assert "one CTA" in zf.reason(*zf.make_problem(4097, 2, True, device="cpu"))
-
-
-# ---- the kernel set's gate ---------------------------------------------------------------------------------------
-def test_kernel_set_gate(monkeypatch):
-    """Verified on an H200 (session 3): the kernel set takes zos_fixup by default; a module put back in
-    UNVERIFIED_KERNELS keeps the reference, with the reason in the op report, unless the environment enables it."""
-    from deepinfer_npu.backends.cuda import kernels as ck
-
-    monkeypatch.delenv(ck.UNVERIFIED_ENV, raising=False)
-    assert "zos_fixup" not in ck.UNVERIFIED_KERNELS and ck.unverified_kernel_enabled("zos_fixup")
-    args = zf.make_problem(6, 3, True, seed=3, device="cpu")
-    ks = ck.CudaKernelSet()
-    assert ks.op_report()["zos_fixup"].startswith("pending (kernels_cuda.zos_fixup")
-    ks.zos_fixup(*args)  # host tensors: the reference, with the reason
-    assert ks.op_report()["zos_fixup"] == "fallback (reference (tensor not on a CUDA device))"
-    monkeypatch.setattr(ck, "UNVERIFIED_KERNELS", {"zos_fixup"})
-    ks = ck.CudaKernelSet()
-    out = ks.zos_fixup(*args)
-    ref = zf.zos_fixup_ref(*args)
-    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
-    assert ks.op_report()["zos_fixup"] == ("fallback (reference (kernels_cuda.zos_fixup not yet verified on a GPU: "
-                                           "DEEPINFER_CUDA_UNVERIFIED_KERNELS=1 enables it))")
-    monkeypatch.setenv(ck.UNVERIFIED_ENV, "1")
-    assert ck.unverified_kernel_enabled("zos_fixup")
-    ks = ck.CudaKernelSet()
-    ks.zos_fixup(*args)
-    assert ks.op_report()["zos_fixup"] == "fallback (reference (tensor not on a CUDA device))"
+    assert "one CTA" in zf.reason(*zos_step(4097, 2, True, device="cpu"))
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
-@gpu
-@pytest.mark.parametrize("case", zf.CHECK_CASES, ids=lambda c: f"B{c[0]}-k{c[1]}-{'resplit' if c[2] else 'fix'}-{c[3]}")
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-k{c[1]}-{'resplit' if c[2] else 'fix'}-{c[3]}")
 def test_zos_fixup_matches_reference_gpu(case):
-    ok, stats = zf.check_case(*case, seed=sum(case[:2]), verbose=False)
-    assert ok, stats
+    """Both outputs equal (values and dtypes) to the CPU reference op on the same CUDA tensors."""
+    args = zos_step(*case, seed=sum(case[:2]))
+    assert zf.reason(*args) is None, zf.reason(*args)
+    assert_same(zf.zos_fixup(*args), zos_fixup_ref(*args))
 
 
-@gpu
+@pytest.mark.gpu
+@pytest.mark.tilelang
 def test_zos_fixup_graph_replay_gpu():
-    assert zf.check_graph(verbose=False)
+    """The re-split captured in a CUDA graph and replayed on new probabilities."""
+    args = zos_step(64, 4, seed=9)
+    zf.zos_fixup(*args)
+    torch.cuda.synchronize()
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        out = zf.zos_fixup(*args)
+    args[5].copy_(zos_step(64, 4, seed=10)[5])
+    gr.replay()
+    assert_same(out, zos_fixup_ref(*args))
 
 
-@gpu
-def test_zos_fixup_check_script_gpu():
-    """``python kernels_cuda/zos_fixup.py --check`` as the lead runs it."""
-    import subprocess
-
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "kernels_cuda", "zos_fixup.py"), "--check"],
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0 and "CHECK PASS" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
-
-
-@gpu
-def test_kernel_set_runs_the_kernel_when_enabled_gpu(monkeypatch):
+@pytest.mark.gpu
+@pytest.mark.tilelang
+def test_kernel_set_runs_the_kernel_gpu():
     from deepinfer_npu.backends.cuda import kernels as ck
 
-    monkeypatch.setenv(ck.UNVERIFIED_ENV, "1")
     ks = ck.CudaKernelSet()
     for resplit in (False, True):
-        args = zf.make_problem(64, 4, resplit, seed=7)
-        out = ks.zos_fixup(*args)
-        ref = zf.zos_fixup_ref(*args)
-        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+        args = zos_step(64, 4, resplit, seed=7)
+        assert_same(ks.zos_fixup(*args), zos_fixup_ref(*args))
     rep = ks.op_report()["zos_fixup"]
     assert rep.startswith("native (kernels_cuda.zos_fixup (correction;") and "re-split" in rep, rep
