@@ -9,7 +9,7 @@ against that reference, and a graph replay.
 import pytest
 import torch
 
-from deepinfer_npu.backends.cuda import kernels as ck
+from deepinfer_npu.backends.cuda.ops.mla_prolog import absorb_heads
 from deepinfer_npu.kernels_cuda import mla_absorb as ma
 from deepinfer_npu.kernels_cuda._testing import absorb as make_inputs
 from deepinfer_npu.kernels_cuda._testing import bf16_ulps
@@ -58,7 +58,7 @@ def test_reference_is_the_backends_absorption():
     """absorb_ref (what the GPU test compares with) is the arithmetic of the path it replaces, absorb_heads, in fp32."""
     q, w = make_inputs(4, 64, 128, 96, device="cpu")
     q, w = q.float(), w.float()
-    torch.testing.assert_close(absorb_ref(q, w), ck.absorb_heads(q[..., :64], w), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(absorb_ref(q, w), absorb_heads(q[..., :64], w), rtol=1e-6, atol=1e-6)
 
 
 def test_tolerance_accepts_another_summation_order_and_rejects_errors():

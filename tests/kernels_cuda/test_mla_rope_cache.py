@@ -171,8 +171,7 @@ def test_backend_fused_prolog_matches_composed_gpu(heads, interleaved):
 
     hidden, w, pos, rope, cache, slots = _prolog_inputs(13, heads, "cuda", interleaved)
     fused_ks, comp_ks = CudaKernelSet(), CudaKernelSet()
-    comp_ks._kernel_modules["mla_rope_cache"] = None
-    comp_ks._kernel_error["mla_rope_cache"] = "disabled by the test"
+    comp_ks.modules.disable("mla_rope_cache", "disabled by the test")
     c_fused, c_comp = cache.clone(), cache.clone()
     ql_f, qr_f = fused_ks.mla_prolog(hidden, w, pos, rope, c_fused, slots)
     ql_c, qr_c = comp_ks.mla_prolog(hidden, w, pos, rope, c_comp, slots)

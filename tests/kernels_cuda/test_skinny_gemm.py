@@ -84,17 +84,14 @@ def test_cuda_kernel_set_keeps_the_reference_linear_off_cuda():
 
 def test_parallel_branches_in_order_at_one_row_with_pdl(monkeypatch):
     """run_parallel's stream choice: one token row keeps the branches in order (a stream fork would break the
-    programmatic launch chain), more rows fork a second stream; never without a device or with the branches off."""
+    programmatic launch chain), more rows fork a second stream; never without a device."""
     from deepinfer_npu.backends.cuda import kernels as ck
 
     ks = ck.CudaKernelSet()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert [ks.parallel_branches(r) for r in (1, 2, 16, None)] == [False, True, True, True]
-    monkeypatch.setattr(ck, "PARALLEL_BRANCHES", False)
-    assert not ks.parallel_branches(16)
-    monkeypatch.setattr(ck, "PARALLEL_BRANCHES", True)
+    assert [ks.branches.parallel(r) for r in (1, 2, 16, None)] == [False, True, True, True]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not ks.parallel_branches(16)
+    assert not ks.branches.parallel(16)
 
 
 @pytest.mark.gpu
@@ -183,25 +180,25 @@ def _mla_weights(h=16, v=128, lat=512, d=2048, device="cpu"):
 
 
 def test_w_uv_skinny_only_for_one_cuda_token(monkeypatch):
-    """mla_epilogue's W_UV through skinny_gemm applies to one token on a CUDA device with SKINNY_W_UV on; on host
-    tensors the reference arithmetic runs. The per-head scan is not made inside a graph capture (None: cuBLAS then).
-    (The warm-up's W_UV configuration: tests/cuda/test_cuda_kernel_warmup.py.)"""
+    """mla_epilogue's W_UV through skinny_gemm applies to one token on a CUDA device; on host tensors the
+    reference arithmetic runs. The per-head scan is not made inside a graph capture (None: cuBLAS then).
+    (The warm-up's W_UV configuration: tests/cuda/test_kernel_warmup_configs.py.)"""
     from deepinfer_npu.backends.cuda import kernels as ck
 
-    monkeypatch.setattr(ck, "SKINNY_W_UV", True)
     ks = ck.CudaKernelSet()
+    epilogue = ks.impl("mla_epilogue")
     w = _mla_weights()
     lat = torch.randn(1, 16, 512).bfloat16()
-    assert ks._w_uv_skinny(lat, w) is None  # host tensor
+    assert epilogue.w_uv_skinny(lat, w) is None  # host tensor
     out = ks.mla_epilogue(lat, w)
     want = torch.nn.functional.linear(torch.einsum("thl,hvl->thv", lat, w.w_uv).reshape(1, -1), w.o_proj)
     assert torch.equal(out, want)
     assert "reference arithmetic" in ks.op_report()["mla_epilogue"]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert ks._head_scan(16, "cpu") is None and not ks._head_scans
+    assert epilogue.head_scan(16, "cpu") is None and not epilogue._head_scans
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert ks._head_scan(4, "cpu").tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
-    assert ks._head_scan(4, "cpu") is ks._head_scans[(4, "cpu")]  # made once
+    assert epilogue.head_scan(4, "cpu").tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert epilogue.head_scan(4, "cpu") is epilogue._head_scans[(4, "cpu")]  # made once
 
 
 @pytest.mark.gpu
@@ -211,14 +208,14 @@ def test_w_uv_skinny_matches_reference_gpu(monkeypatch):
     |ref| + 1e-3, the same rows; more tokens keep cuBLAS."""
     from deepinfer_npu.backends.cuda import kernels as ck
 
-    monkeypatch.setattr(ck, "SKINNY_W_UV", True)
     ks = ck.CudaKernelSet()
     w = _mla_weights(device="cuda")
     lat = (torch.randn(1, 16, 512, device="cuda") * 0.5).bfloat16()
-    got = ks._w_uv_skinny(lat, w)
+    got = ks.impl("mla_epilogue").w_uv_skinny(lat, w)
     assert got is not None and got.shape == (1, 16 * 128)
     ref = torch.einsum("thl,hvl->thv", lat.float(), w.w_uv.float()).reshape(1, -1)
     tol = 2 * 2.0**-8 * ref.abs() + 1e-3
     assert bool(((got.float() - ref).abs() <= tol).all()), float((got.float() - ref).abs().max())
-    assert ks._w_uv_skinny(lat.expand(2, 16, 512).contiguous(), w) is None
+    assert ks.impl("mla_epilogue").w_uv_skinny(lat.expand(2, 16, 512).contiguous(), w) is None
+    ks.mla_epilogue(lat, w)
     assert "skinny_gemm grouped" in ks.op_report()["mla_epilogue"]
