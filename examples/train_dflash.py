@@ -25,11 +25,11 @@ The target is read with ``examples/reference_model`` (the plain-torch twin of th
 DeepSeek-V3 MLA/MoE in the exported per-expert naming); the corpus comes from
 ``examples/reference_model/corpus.py`` (``build_corpus``) when ``--data`` has no ``train.npy`` yet.
 
-Example (the shipped drafter; see the DFLASH card for the exact command and numbers)::
+Run from the repository root. Example (the shipped drafter; the model card has the exact command and numbers)::
 
-    python examples/train_dflash.py --stage train --target deepinfer_npu/assets/reference \\
+    python -m examples.train_dflash --stage train --target deepinfer_npu/assets/reference \\
         --data .carry_ref/data --out runs/dflash --device cuda --max-minutes 3
-    python examples/train_dflash.py --stage eval --target deepinfer_npu/assets/reference \\
+    python -m examples.train_dflash --stage eval --target deepinfer_npu/assets/reference \\
         --data .carry_ref/data --out runs/dflash
 """
 
@@ -47,17 +47,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-if str(REPO) not in sys.path:
-    sys.path.insert(1, str(REPO))
-
-from reference_model.model import apply_rope_interleave, load_ref_model, rope_cos_sin  # noqa: E402
-
-from deepinfer_npu.spec.dflash import DFlashConfig, DFlashModel, save_dflash  # noqa: E402
-
-DEFAULT_TARGET = REPO / "deepinfer_npu" / "assets" / "reference"
+from deepinfer_npu.config import REFERENCE_MODEL_DIR as DEFAULT_TARGET
+from deepinfer_npu.spec.dflash import DFlashConfig, DFlashModel, save_dflash
+from examples.reference_model.model import apply_rope_interleave, load_ref_model, rope_cos_sin
 
 
 def parse_args(argv=None):
@@ -110,7 +102,7 @@ def parse_args(argv=None):
 def ensure_corpus(data: Path) -> None:
     if (data / "train.npy").exists() and (data / "heldout.npy").exists():
         return
-    from reference_model.corpus import build_corpus
+    from examples.reference_model.corpus import build_corpus
 
     build_corpus(data)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
-from _sched_helpers import snapshot
+from tests.core.scheduler_driver import snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
