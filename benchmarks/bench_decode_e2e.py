@@ -28,7 +28,16 @@ import os
 import time
 import traceback
 
-from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
+from benchmarks.decode_workload import (
+    TINY,
+    V2_LITE,
+    append_jsonl,
+    pdl_enabled,
+    prompts_for,
+    sync,
+    warmup_summary,
+    write_model_dir,
+)
 from deepinfer_npu.benchmark_meta import row_meta
 
 _GPU_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
@@ -338,10 +347,7 @@ def main(argv=None) -> int:
     if "op_report" in eng:
         print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, **eng["op_report"]}),
               flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in lines:
-                f.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, lines)
     return 0
 
 

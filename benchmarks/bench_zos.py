@@ -29,7 +29,7 @@ import json
 import statistics
 import time
 
-from benchmarks.decode_workload import TINY, V2_LITE, prompts_for, sync, warmup_summary, write_model_dir
+from benchmarks.decode_workload import TINY, V2_LITE, append_jsonl, prompts_for, sync, warmup_summary, write_model_dir
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -129,10 +129,7 @@ def main(argv=None) -> int:
                 f"idle gap mean {r['idle_gap_ms_mean']:.3f} ms (p50 {r['idle_gap_ms_p50']:.3f})")
             print(json.dumps(row), flush=True)
             lines.append(row)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in lines:
-                f.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, lines)
     return 0
 
 

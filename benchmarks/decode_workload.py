@@ -44,6 +44,14 @@ def sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
+def append_jsonl(path: str | None, rows: list[dict]) -> None:
+    """Append the rows to ``path`` as JSON lines (``--out``); nothing without a path."""
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
 def warmup_summary(engine) -> str:
     """The engine's start-up kernel warm-up (``EngineConfig.kernel_warmup``, ``KernelSet.warmup``), for the logs."""
     summary = getattr(engine.worker, "kernel_warmup", None)

@@ -88,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pending: list[dict] = []  # steps scheduled but not yet updated, oldest first
         self.max_new: dict[int, int] = {}
 
-    # -------------------------------------------------------------- helpers
+    # -------------------------------------------------------------- state queries
     def _status(self, sid):
         return self.s.get_seq_status(sid)
 
