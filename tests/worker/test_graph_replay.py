@@ -12,7 +12,7 @@ import torch
 
 from deepinfer_npu import LLM, SamplingParams
 from deepinfer_npu.config import EngineConfig
-from deepinfer_npu.hal.graph_runner import GraphRunner
+from deepinfer_npu.hal.graph_runner import EagerReplayRunner, GraphRunner
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from tests.reference_assets import CODE_PROMPTS as PROMPTS  # 5 rows: a decode step of 5 pads to a graph of 8
 from tests.reference_assets import SPEC_METHODS as METHODS
