@@ -12,11 +12,11 @@ experts + the routed experts expected to be hit at that batch (E * (1 - (1 - k/E
 + the latent KV cache read (B * context * 576 values per layer at the mean context of the timed window), in the
 weights' dtype. Output, one JSON line per batch::
 
-    {"bench": "decode_e2e", "hardware": ..., "batch": B, "engine_tok_s": x, "hf_tok_s": y,
-     "roofline_tok_s": z, "frac_of_roofline": f, ...}
+    {"bench": "decode_e2e", "batch": B, "engine_tok_s": x, "hf_tok_s": y, "roofline_tok_s": z,
+     "frac_of_roofline": f, ..., "date": ..., "commit": ..., "hardware": ..., "command": ...}
 
-GPU:  python benchmarks/bench_decode_e2e.py --backend cuda --out benchmarks/results/h200_decode_e2e.jsonl
-CPU rehearsal (tiny shapes):  python benchmarks/bench_decode_e2e.py --backend cpu --tiny
+GPU:  python -m benchmarks.bench_decode_e2e --backend cuda --out benchmarks/results/h200_decode_e2e.jsonl
+CPU rehearsal (tiny shapes):  python -m benchmarks.bench_decode_e2e --backend cpu --tiny
 """
 
 from __future__ import annotations
@@ -25,45 +25,20 @@ import argparse
 import gc
 import json
 import os
-import platform
-import tempfile
 import time
 import traceback
 
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
-    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
-    "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax",
-    "moe_layer_freq": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
-    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16", "initializer_range": 0.02,
-}
-# Same structure, tiny sizes: the CPU rehearsal of every code path (engine, transformers, roofline).
-TINY = dict(V2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
-            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
-            n_shared_experts=1, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)
-
-
-def hardware(device_type: str) -> str:
-    import torch
-
-    if device_type == "cuda":
-        return torch.cuda.get_device_name()
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
-
+from benchmarks.decode_workload import (
+    TINY,
+    V2_LITE,
+    append_jsonl,
+    pdl_enabled,
+    prompts_for,
+    sync,
+    warmup_summary,
+    write_model_dir,
+)
+from deepinfer_npu.benchmark_meta import row_meta
 
 _GPU_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
 
@@ -99,13 +74,6 @@ def gpu_state(device_type: str) -> dict | None:
             values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
             return dict(zip(fields, values))
     return None
-
-
-def sync(device_type: str) -> None:
-    import torch
-
-    if device_type == "cuda":
-        torch.cuda.synchronize()
 
 
 def copy_bandwidth(device_type: str) -> float:
@@ -160,19 +128,6 @@ def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2) -> 
             "total": (weights + kv) * itemsize}
 
 
-def prompts_for(batch: int, prompt_len: int, vocab: int, salt: int = 0) -> list[list[int]]:
-    return [[(7 * i + 13 * b + 101 * salt) % (vocab - 3) + 3 for i in range(prompt_len)] for b in range(batch)]
-
-
-def precompile_engine_kernels(engine, batches, max_model_len: int) -> str:
-    """Redundant now: the engine compiles every TileLang configuration its steps can reach at start-up
-    (``EngineConfig.kernel_warmup``, ``KernelSet.warmup``), before this is called; these batches' MLA decode
-    configurations included. Kept for the scripts that import it (bench_zos.py, profile_decode.py): returns the
-    engine's warm-up summary for their logs. ``batches`` and ``max_model_len`` are no longer used."""
-    summary = getattr(engine.worker, "kernel_warmup", None)
-    return f"engine warm-up: {summary}" if summary is not None else "engine warm-up off (kernel_warmup=False)"
-
-
 def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     from deepinfer_npu import LLM, SamplingParams
 
@@ -186,7 +141,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
         f"blocks={blocks}")
-    log("kernels: " + precompile_engine_kernels(engine, args.batch, max_model_len))
+    log("kernels: " + warmup_summary(engine))
     for batch in args.batch:
         # warm-up: prefill + a few decode steps (compiles this batch's kernel configurations, cuBLAS plans)
         for i, p in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=1)):
@@ -305,13 +260,6 @@ def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
     return out
 
 
-def _pdl_enabled() -> bool:
-    """kernels_cuda/_pdl.py's switch (its default included), for the result rows."""
-    from deepinfer_npu.kernels_cuda._pdl import pdl_enabled
-
-    return pdl_enabled()
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cuda")
@@ -340,12 +288,10 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    hw = hardware(device)
+    meta = row_meta(device)
     bw = copy_bandwidth(device)
-    log(f"hardware: {hw}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
-    tmp = tempfile.mkdtemp(prefix="bench_decode_e2e_")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    log(f"hardware: {meta['hardware']}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+    tmp = write_model_dir(cfg, "bench_decode_e2e_")
     eng, hf = {}, {}
     if not args.no_engine:
         try:
@@ -368,7 +314,7 @@ def main(argv=None) -> int:
         roof = batch / (by["total"] / bw)
         e_tok = eng.get(batch, {}).get("engine_tok_s")
         row = {
-            "bench": "decode_e2e", "hardware": hw, "batch": batch,
+            "bench": "decode_e2e", **meta, "batch": batch,
             "engine_tok_s": round(e_tok, 2) if e_tok is not None else None,
             "hf_tok_s": round(hf[batch]["hf_tok_s"], 2) if batch in hf else None,
             "roofline_tok_s": round(roof, 1),
@@ -392,7 +338,7 @@ def main(argv=None) -> int:
             "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
         }
         if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
-            row["pdl"] = _pdl_enabled()
+            row["pdl"] = pdl_enabled()
         # the engine switches set in the environment (A/B runs), cache locations left out
         row["env"] = {k: v for k, v in sorted(os.environ.items())
                       if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}
@@ -401,10 +347,7 @@ def main(argv=None) -> int:
     if "op_report" in eng:
         print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, **eng["op_report"]}),
               flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in lines:
-                f.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, lines)
     return 0
 
 

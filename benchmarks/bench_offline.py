@@ -4,20 +4,22 @@ Runs the engine on a small DeepSeek-V3 config with random weights (``load_format
 Prints JSON lines::
 
     {"bench": "offline", "phase": "prefill"|"decode", "tok_s": ..., "step_ms": ..., "model_ms": ...,
-     "outside_model_frac": ..., "hardware": ..., ...}
+     "outside_model_frac": ..., "date": ..., "commit": ..., "hardware": ..., "command": ..., ...}
 
 ``outside_model_frac`` = 1 - (time in the model forward + logits) / (whole engine step time): scheduling, input
 preparation, sampling / verification and post-processing.
+
+Run:  python -m benchmarks.bench_offline [--backend cpu] [--batch 1 8 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import tempfile
 import time
+
+from benchmarks.decode_workload import write_model_dir
+from deepinfer_npu.benchmark_meta import row_meta
 
 SMALL_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 4096,
@@ -32,33 +34,17 @@ SMALL_V3 = {
 }
 
 
-def hardware() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu} ({os.cpu_count()} cores)"
-
-
 def run(args) -> None:
     from deepinfer_npu import LLM, SamplingParams
 
     model, load_format = args.model, "auto"
     if model is None:
-        tmp = tempfile.mkdtemp(prefix="bench_offline_")
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(SMALL_V3, f)
-        model, load_format = tmp, "dummy"
+        model, load_format = write_model_dir(SMALL_V3, "bench_offline_"), "dummy"
     llm = LLM(model, load_format=load_format, backend=args.backend, max_model_len=args.prompt_len + args.gen + 8,
               max_num_seqs=max(args.batch), max_num_batched_tokens=max(args.batch) * args.prompt_len)
     engine = llm.llm_engine
     vocab = engine.vocab_size
-    hw = hardware() if engine.backend.device_type == "cpu" else engine.backend.name
+    meta = row_meta(engine.backend.device_type)
     for batch in args.batch:
         prompts = [{"prompt_token_ids": [(7 * i + 13 * b) % (vocab - 3) + 3 for i in range(args.prompt_len)]}
                    for b in range(batch)]
@@ -95,7 +81,7 @@ def run(args) -> None:
                 "tokens": tokens, "tok_s": round(tokens / elapsed, 1), "steps": steps,
                 "step_ms": round(step_ms / steps, 3), "model_ms": round(model_ms / steps, 3),
                 "outside_model_frac": round(1.0 - model_ms / step_ms, 4) if step_ms else None,
-                "backend": engine.backend.name, "hardware": hw,
+                "backend": engine.backend.name, **meta,
                 "model": "small-v3-dummy" if args.model is None else args.model,
             }), flush=True)
 

@@ -1,35 +1,22 @@
 """Scheduler step cost: schedule() + update() per decode step in steady state (CPU only, no model).
 
 Prints one JSON line per configuration:
-    {"bench": "scheduler", "running": N, "nextn": k, "varlen": bool, "us_per_step": x, "us_schedule": y, ...}
+    {"bench": "scheduler", "running": N, "nextn": k, "varlen": bool, "us_per_step": x, "us_schedule": y, ...,
+     "date": ..., "commit": ..., "hardware": ..., "command": ...}
 
-Run: python benchmarks/bench_scheduler.py [--steps-scale 1.0]
+Run: python -m benchmarks.bench_scheduler [--steps-scale 1.0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 
 import numpy as np
 
 from deepinfer_npu import _core as C
-
-
-def hardware() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model} x{os.cpu_count()} ({platform.system()})"
+from deepinfer_npu.benchmark_meta import row_meta
 
 
 def run(n: int, nextn: int, varlen: bool, steps: int, warmup: int, prompt_len: int = 512) -> dict:
@@ -97,7 +84,7 @@ def run(n: int, nextn: int, varlen: bool, steps: int, warmup: int, prompt_len: i
         "us_schedule": round(t_sched / steps * 1e6, 2),
         "tokens_per_step": int(out.num_tokens),
         "steps": steps,
-        "hardware": hardware(),
+        **row_meta(),
     }
 
 

@@ -7,28 +7,26 @@ JSON lines:
 * ``{"bench": "spec_throughput", "method": ..., "varlen": bool, "concurrency": c, "tok_s": ...,
   "mean_verify_length": ..., "mean_accepted_length": ...}`` plus the no-speculation baseline;
 * with ``--plot FILE.png``, the profiled step-time curve with the total_q values varlen chose.
+
+Every row also carries date, commit, hardware and command. Run:  python -m benchmarks.bench_spec --backend cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from deepinfer_npu.benchmark_meta import row_meta
 
 
 def heldout_prompts(n: int, chars: int = 160) -> list[str]:
     """Prompts cut from held-out stdlib files (the reference model's split), or built-in prompts."""
-    sys.path.insert(0, str(ROOT / "examples"))
     try:
-        from reference_model.corpus import is_heldout, list_stdlib_files, stdlib_root
+        from examples.reference_model.corpus import is_heldout, list_stdlib_files, stdlib_root
 
         root = stdlib_root()
         files = [f for f in list_stdlib_files(root) if is_heldout(f)]
@@ -41,22 +39,11 @@ def heldout_prompts(n: int, chars: int = 160) -> list[str]:
                     return prompts
         if prompts:
             return prompts
-    except Exception as e:  # the corpus helpers are optional for this benchmark
+    except Exception as e:  # the corpus is optional for this benchmark
         print(f"# held-out prompts unavailable ({e}); using built-in prompts", file=sys.stderr)
     from deepinfer_npu.run import DEFAULT_PROMPTS
 
     return (DEFAULT_PROMPTS * (n // len(DEFAULT_PROMPTS) + 1))[:n]
-
-
-def hardware() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main() -> None:
@@ -86,12 +73,7 @@ def main() -> None:
     from deepinfer_npu.config import REFERENCE_MODEL_DIR
 
     methods = [m for m in args.methods if m != "dflash" or (REFERENCE_MODEL_DIR / "dflash").exists()]
-    if args.backend == "cuda":
-        import torch
-
-        hw = torch.cuda.get_device_name()
-    else:
-        hw = hardware() if args.backend == "cpu" else args.backend
+    meta = row_meta(args.backend)
     extra = {"enable_graphs": args.graphs, **({"graph_capture": "startup"} if args.graphs else {}),
              **({"dtype": args.dtype} if args.dtype else {})}
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -107,7 +89,7 @@ def main() -> None:
             "mean_accepted_length": round(s["mean_accepted_length"], 4),
             "per_position_acceptance": [round(x, 4) if x is not None else None for x in s["per_position_acceptance"]],
             "emitted_tokens_per_step_all_requests": round(s["spec_emitted_tokens"] / max(s["spec_verify_steps"], 1), 3),
-            "hardware": hw,
+            **meta,
         })
 
     chosen: Counter = Counter()
@@ -131,7 +113,7 @@ def main() -> None:
             s = llm.get_stats()  # of the last repeat (greedy: every repeat runs the same steps)
             line = {"bench": "spec_throughput", "method": method or "none", "varlen": varlen, "k": args.k,
                     "concurrency": conc, "tok_s": round(statistics.median(rates), 1), "decode_steps": s["decode_steps"],
-                    "hardware": hw}
+                    **meta}
             if args.repeat > 1:
                 line["tok_s_runs"] = [round(r, 1) for r in rates]
             if method:
@@ -163,7 +145,7 @@ def main() -> None:
         ax.set_xlabel("total_q (tokens in the decode step)")
         ax.set_ylabel("forward ms")
         ax2.set_ylabel("steps")
-        ax.set_title(f"Varlen verification on {hw}")
+        ax.set_title(f"Varlen verification on {meta['hardware']}")
         fig.legend(loc="upper left")
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

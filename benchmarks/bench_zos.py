@@ -12,12 +12,13 @@ step's first device op, one with its sample-end event. For consecutive decode st
 Model: DeepSeek-V2-Lite shape with random bf16 weights (``load_format="dummy"``), prompt ``--prompt-len``, greedy,
 ``--gen`` decode steps timed. One JSON line per (batch, zos, graphs)::
 
-    {"bench": "zos", "hardware": ..., "batch": B, "zos": true, "graphs": true, "step_ms": ..., "device_span_ms": ...,
-     "idle_gap_ms_mean": ..., "idle_gap_ms_p50": ..., "idle_frac": ..., "tok_s": ...}
+    {"bench": "zos", "batch": B, "zos": true, "graphs": true, "step_ms": ..., "device_span_ms": ...,
+     "idle_gap_ms_mean": ..., "idle_gap_ms_p50": ..., "idle_frac": ..., "tok_s": ..., "date": ..., "commit": ...,
+     "hardware": ..., "command": ...}
 
-GPU:  python benchmarks/bench_zos.py --backend cuda --batch 1 64 --graphs --out benchmarks/results/h200_zos.jsonl
+GPU:  python -m benchmarks.bench_zos --backend cuda --batch 1 64 --graphs --out benchmarks/results/h200_zos.jsonl
 CPU rehearsal (tiny shapes; host events, so "idle" is host time between steps):
-      python benchmarks/bench_zos.py --backend cpu --tiny --batch 1 4
+      python -m benchmarks.bench_zos --backend cpu --tiny --batch 1 4
 """
 
 from __future__ import annotations
@@ -25,14 +26,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_e2e import TINY, V2_LITE, hardware, precompile_engine_kernels, prompts_for, sync  # noqa: E402
+from benchmarks.decode_workload import TINY, V2_LITE, append_jsonl, prompts_for, sync, warmup_summary, write_model_dir
+from deepinfer_npu.benchmark_meta import row_meta
 
 
 def run_config(args, model_dir: str, cfg: dict, batch: int, zos: bool, log) -> dict:
@@ -45,7 +43,7 @@ def run_config(args, model_dir: str, cfg: dict, batch: int, zos: bool, log) -> d
               zero_overhead_scheduling=zos)
     engine = llm.llm_engine
     dev = engine.backend.device_type
-    log(f"precompile: {precompile_engine_kernels(engine, [batch], max_model_len)}")
+    log(f"precompile: {warmup_summary(engine)}")
     worker = engine.worker
     results = {}
     for rnd in ("warm", "timed"):
@@ -115,15 +113,13 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    hw = hardware("cuda" if args.backend == "cuda" else "cpu")
-    tmp = tempfile.mkdtemp(prefix="bench_zos_")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    meta = row_meta("cuda" if args.backend == "cuda" else "cpu")
+    tmp = write_model_dir(cfg, "bench_zos_")
     lines = []
     for batch in args.batch:
         for zos in (False, True):
             r = run_config(args, tmp, cfg, batch, zos, log)
-            row = {"bench": "zos", "hardware": hw, "batch": batch, "zos": zos, "graphs": args.graphs,
+            row = {"bench": "zos", **meta, "batch": batch, "zos": zos, "graphs": args.graphs,
                    **{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()},
                    "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
                    "dtype": args.dtype, "prompt_len": args.prompt_len, "backend": args.backend,
@@ -133,10 +129,7 @@ def main(argv=None) -> int:
                 f"idle gap mean {r['idle_gap_ms_mean']:.3f} ms (p50 {r['idle_gap_ms_p50']:.3f})")
             print(json.dumps(row), flush=True)
             lines.append(row)
-    if args.out:
-        with open(args.out, "a") as f:
-            for row in lines:
-                f.write(json.dumps(row) + "\n")
+    append_jsonl(args.out, lines)
     return 0
 
 

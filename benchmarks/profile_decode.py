@@ -4,10 +4,11 @@ DeepSeek-V2-Lite shape, random bf16 weights, prompt ``--prompt-len``, greedy; ``
 after a warm-up, at each ``--batch``, eager or from captured graphs (``--graphs``). One JSON line per batch::
 
     {"bench": "profile_decode", "batch": B, "graphs": g, "wall_ms_per_step": w, "kernel_ms_per_step": k,
-     "kernels_per_step": n, "top": [[name, ms_per_step, calls_per_step], ...]}
+     "kernels_per_step": n, "top": [[name, ms_per_step, calls_per_step], ...], "date": ..., "commit": ...,
+     "hardware": ..., "command": ...}
 
-GPU:  python benchmarks/profile_decode.py --backend cuda --batch 1 64 --graphs
-CPU rehearsal:  python benchmarks/profile_decode.py --backend cpu --tiny --batch 2
+GPU:  python -m benchmarks.profile_decode --backend cuda --batch 1 64 --graphs
+CPU rehearsal:  python -m benchmarks.profile_decode --backend cpu --tiny --batch 2
 """
 
 from __future__ import annotations
@@ -15,20 +16,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
-import sys
-import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_e2e import TINY, V2_LITE, hardware, precompile_engine_kernels, prompts_for, sync  # noqa: E402
-
-
-def _pdl_enabled() -> bool:
-    """kernels_cuda/_pdl.py's switch (its default included), for the result rows."""
-    from deepinfer_npu.kernels_cuda._pdl import pdl_enabled
-
-    return pdl_enabled()
+from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
+from deepinfer_npu.benchmark_meta import row_meta
 
 
 def main(argv=None) -> int:
@@ -50,9 +41,7 @@ def main(argv=None) -> int:
     from deepinfer_npu import LLM, SamplingParams
 
     cfg = TINY if args.tiny else V2_LITE
-    tmp = tempfile.mkdtemp(prefix="profile_decode_")
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    tmp = write_model_dir(cfg, "profile_decode_")
     max_model_len = 64 * -(-(args.prompt_len + 3 * args.steps + 16) // 64)
     llm = LLM(tmp, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=max(args.batch) * (max_model_len // 64) + 2,
@@ -60,7 +49,8 @@ def main(argv=None) -> int:
               zero_overhead_scheduling=bool(args.zos))
     engine = llm.llm_engine
     dev = engine.backend.device_type
-    print("precompile:", precompile_engine_kernels(engine, args.batch, max_model_len), flush=True)
+    print("precompile:", warmup_summary(engine), flush=True)
+    meta = row_meta(dev)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     for batch in args.batch:
         params = SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True)
@@ -98,12 +88,12 @@ def main(argv=None) -> int:
         top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]
         cpu_top = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()),
                          key=lambda t: -t[1])[:15]
-        row = {"bench": "profile_decode", "hardware": hardware(dev), "batch": batch, "graphs": args.graphs,
+        row = {"bench": "profile_decode", **meta, "batch": batch, "graphs": args.graphs,
                "zos": bool(args.zos), "steps": args.steps, "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
                "kernels_per_step": round(count / args.steps, 1),
                # kernels_cuda/_pdl.py: with PDL a kernel is placed early and waits, so its span includes the wait
-               "pdl": _pdl_enabled(),
+               "pdl": pdl_enabled(),
                "sequence": [[n[:70], round(us, 2)] for _t, n, us in sorted(kernels)[: args.sequence]],
                "top": [[n[:90], round(v[0] / 1e3 / args.steps, 4), round(v[1] / args.steps, 1)] for n, v in top],
                "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]

@@ -1,7 +1,7 @@
 """Offline inference with the vLLM-style API: batch generation, sampling, speculative decoding, step-level engine.
 
-    python examples/offline_inference.py                 # the shipped reference model on the CPU backend
-    python examples/offline_inference.py --model DIR --backend cuda --speculative mtp
+    python -m examples.offline_inference                 # the shipped reference model on the CPU backend
+    python -m examples.offline_inference --model DIR --backend cuda --speculative mtp
 """
 
 from __future__ import annotations

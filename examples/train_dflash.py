@@ -25,11 +25,11 @@ The target is read with ``examples/reference_model`` (the plain-torch twin of th
 DeepSeek-V3 MLA/MoE in the exported per-expert naming); the corpus comes from
 ``examples/reference_model/corpus.py`` (``build_corpus``) when ``--data`` has no ``train.npy`` yet.
 
-Example (the shipped drafter; see the DFLASH card for the exact command and numbers)::
+Run from the repository root. Example (the shipped drafter; the model card has the exact command and numbers)::
 
-    python examples/train_dflash.py --stage train --target deepinfer_npu/assets/reference \\
+    python -m examples.train_dflash --stage train --target deepinfer_npu/assets/reference \\
         --data .carry_ref/data --out runs/dflash --device cuda --max-minutes 3
-    python examples/train_dflash.py --stage eval --target deepinfer_npu/assets/reference \\
+    python -m examples.train_dflash --stage eval --target deepinfer_npu/assets/reference \\
         --data .carry_ref/data --out runs/dflash
 """
 
@@ -47,17 +47,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-if str(REPO) not in sys.path:
-    sys.path.insert(1, str(REPO))
-
-from reference_model.model import apply_rope_interleave, load_ref_model, rope_cos_sin  # noqa: E402
-
-from deepinfer_npu.spec.dflash import DFlashConfig, DFlashModel, save_dflash  # noqa: E402
-
-DEFAULT_TARGET = REPO / "deepinfer_npu" / "assets" / "reference"
+from deepinfer_npu.config import REFERENCE_MODEL_DIR as DEFAULT_TARGET
+from deepinfer_npu.spec.dflash import DFlashConfig, DFlashModel, save_dflash
+from examples.reference_model.model import load_ref_model, rope_cos_sin
 
 
 def parse_args(argv=None):
@@ -110,7 +102,7 @@ def parse_args(argv=None):
 def ensure_corpus(data: Path) -> None:
     if (data / "train.npy").exists() and (data / "heldout.npy").exists():
         return
-    from reference_model.corpus import build_corpus
+    from examples.reference_model.corpus import build_corpus
 
     build_corpus(data)
 
@@ -118,25 +110,6 @@ def ensure_corpus(data: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Frozen target (plain torch, batched): full pass with captures + per-layer K/V, and greedy continuation
 # ----------------------------------------------------------------------------------------------------------------
-def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The reference model's MLA projections (reference_model.model.Attention.forward up to the attention)."""
-    c = attn.cfg
-    b, t, _ = x.shape
-    h = c.num_attention_heads
-    q = attn.q_proj(x) if c.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
-    q = q.view(b, t, h, c.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q, [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-    kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-    kv_nope = attn.kv_a_layernorm(kv_nope)
-    k_rot = k_rot.view(b, 1, t, c.qk_rope_head_dim)
-    q_rot = apply_rope_interleave(q_rot, cos, sin)
-    k_rot = apply_rope_interleave(k_rot, cos, sin)
-    kv = attn.kv_b_proj(kv_nope).view(b, t, h, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
-    k_nope, v = torch.split(kv, [c.qk_nope_head_dim, c.v_head_dim], dim=-1)
-    k = torch.cat([k_nope, k_rot.expand(b, h, t, c.qk_rope_head_dim)], dim=-1)
-    return torch.cat([q_pass, q_rot], dim=-1), k, v
-
-
 class FrozenTarget:
     def __init__(self, model_dir: Path, device: torch.device, capture_ids: list[int]):
         self.ref = load_ref_model(model_dir).to(device).eval().requires_grad_(False)
@@ -153,7 +126,7 @@ class FrozenTarget:
         x = self.ref.model.embed_tokens(ids)
         caps, kvs = {}, []
         for i, layer in enumerate(self.layers):
-            q, k, v = _qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.self_attn.scaling)
             x = x + layer.self_attn.o_proj(o.transpose(1, 2).flatten(2))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -184,7 +157,7 @@ class FrozenTarget:
             )
             x = self.ref.model.embed_tokens(toks)
             for li, layer in enumerate(self.layers):
-                q, kb, vb = _qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+                q, kb, vb = layer.self_attn.qkv(layer.input_layernorm(x), cos, sin)
                 k = torch.cat([pref[li][0], kb], dim=2)
                 v = torch.cat([pref[li][1], vb], dim=2)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling)

@@ -13,9 +13,9 @@ Stages (``--stage``):
 The corpus depends on the interpreter's standard library, so build it with the Python the card names
 (3.11.7 for the shipped model) and carry ``<data>`` to the training machine. Example (the shipped model)::
 
-    python examples/train_reference_model.py --stage corpus --data .carry_ref/data
-    python examples/train_reference_model.py --stage train --data .carry_ref/data --out OUT --device cuda
-    python examples/train_reference_model.py --stage eval --data .carry_ref/data --out OUT
+    python -m examples.train_reference_model --stage corpus --data .carry_ref/data
+    python -m examples.train_reference_model --stage train --data .carry_ref/data --out OUT --device cuda
+    python -m examples.train_reference_model --stage eval --data .carry_ref/data --out OUT
 """
 
 from __future__ import annotations
@@ -32,10 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from reference_model.corpus import build_corpus  # noqa: E402
-from reference_model.model import DeepseekV3Ref, RefConfig, count_params, export_state_dict  # noqa: E402
+from examples.reference_model.corpus import build_corpus
+from examples.reference_model.model import DeepseekV3Ref, RefConfig, count_params, export_state_dict
 
 
 def parse_args(argv=None):
@@ -241,7 +239,7 @@ def main(argv=None):
     if a.stage in ("all", "train"):
         train(a)
     if a.stage in ("all", "eval"):
-        from reference_model.evaluate import run_eval
+        from examples.reference_model.evaluate import run_eval
 
         res = run_eval(a.out, a.data)
         check = res.pop("heldout_check")

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from npu_emulation import CALLS, emulated_npu
 
 from deepinfer_npu import LLM, SamplingParams
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
-from helpers import make_hf_model, save_hf  # noqa: E402
+from parity_tests.npu_emulation import CALLS, emulated_npu
+from tests.model.tiny_models import make_hf_model, save_hf
+from tests.reference_assets import HAS_REFERENCE_MODEL, NO_REFERENCE_MODEL
 
 FUSED = {
     "npu_rms_norm",
@@ -68,10 +66,8 @@ def small_v3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_model(tmp_path_factory):
-    if not (REFERENCE_MODEL_DIR / "model.safetensors").exists():
-        pytest.skip(
-            f"the reference model is not shipped yet ({REFERENCE_MODEL_DIR} has no model.safetensors)"
-        )
+    if not HAS_REFERENCE_MODEL:
+        pytest.skip(NO_REFERENCE_MODEL)
     # A private copy: the reference model may be re-trained (rewritten) while the suite runs.
     dst = tmp_path_factory.mktemp("reference") / "model"
     shutil.copytree(REFERENCE_MODEL_DIR, dst)
@@ -430,7 +426,7 @@ def test_npu_graph_emulation_keeps_what_a_graph_keeps():
     """The emulated ``torch.npu.NPUGraph`` replays recorded device work, not the Python: device inputs flow in,
     host values of capture time stay baked, views alias the static storage; what a real capture rejects (host
     reads, data-dependent shapes) raises."""
-    from npu_emulation import ContractError
+    from parity_tests.npu_emulation import ContractError
 
     with emulated_npu() as npu:
         ns = npu.npu_namespace
@@ -517,7 +513,7 @@ def test_npu_graph_fia_host_lengths_reissued_per_step_with_negative_controls():
     attends the wrong keys; an update may not swap tensors."""
     from deepinfer_npu.backends.ascend import ops_mla
     from deepinfer_npu.backends.cpu import mla as ref
-    from npu_emulation import ContractError
+    from parity_tests.npu_emulation import ContractError
 
     from deepinfer_npu.hal import get_backend
 
@@ -590,7 +586,6 @@ def test_reference_model_npu_graphs_zos_equal_cpu_without_host_reads(reference_m
 def _force_host_c_tilelang(monkeypatch) -> list:
     """Make the start-up probe say "usable" and build the kernels for the host C target; returns the list the
     backend's TileLangAscendKernels instance lands in."""
-    pytest.importorskip("tilelang")
     from deepinfer_npu.backends.ascend import tilelang_ascend
 
     real = tilelang_ascend.TileLangAscendKernels
@@ -605,6 +600,7 @@ def _force_host_c_tilelang(monkeypatch) -> list:
     return made
 
 
+@pytest.mark.tilelang
 def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_model, monkeypatch):
     """The TileLang-Ascend wiring, end to end: with the kernels forced usable and built for the host C target
     (the same kernels_ascend programs; on an NPU they would be built by bisheng), zos_fixup, spec_verify and sample
@@ -630,6 +626,7 @@ def test_reference_model_with_tilelang_kernels_host_c_build_equal_cpu(reference_
     assert report["sample"].startswith("native (TileLang-Ascend kernels_ascend.sample_pieces")
 
 
+@pytest.mark.tilelang
 def test_reference_model_gating_and_sampling_on_tilelang_host_c_build_equal_cpu(reference_model, monkeypatch):
     """On the strict A2/A3 profile the reference model's gating (8 experts, topk_group 1) does not fit
     npu_moe_gating_top_k: with the kernels forced usable (host C build), it runs on kernels_ascend.gating_topk and

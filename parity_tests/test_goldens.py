@@ -15,6 +15,7 @@ import pytest
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
 from deepinfer_npu.parity import recorder, rules
 from deepinfer_npu.parity.__main__ import compare_docs
+from tests.reference_assets import needs_reference_model
 
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
 
@@ -66,9 +67,8 @@ def test_bf16_rule_negative_control_fails_outside_top5():
     assert not v.ok and "position 2" in v.message
 
 
+@needs_reference_model
 def test_recorder_end_to_end_on_cpu_with_negative_control(tmp_path):
-    if not (REFERENCE_MODEL_DIR / "model.safetensors").exists():
-        pytest.skip(f"the reference model is not shipped yet ({REFERENCE_MODEL_DIR})")
     doc = recorder.record("cpu", "float32", REFERENCE_MODEL_DIR, max_tokens=8)
     path = recorder.write(doc, tmp_path / "cpu-float32.json")
     again = json.loads(path.read_text())

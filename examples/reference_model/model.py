@@ -172,7 +172,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False)
         self.scaling = cfg.qk_head_dim**-0.5  # rope_scaling is null: no YaRN mscale
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The MLA projections with RoPE applied: x [B, T, D] -> q, k [B, H, T, qk_head_dim], v [B, H, T, v_dim]."""
         c = self.cfg
         b, t, _ = x.shape
         h = c.num_attention_heads
@@ -190,9 +191,13 @@ class Attention(nn.Module):
         kv = self.kv_b_proj(kv_nope).view(b, t, h, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)
         k_nope, v = torch.split(kv, [c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rot.expand(b, h, t, c.qk_rope_head_dim)], dim=-1)
-        q = torch.cat([q_pass, q_rot], dim=-1)
+        return torch.cat([q_pass, q_rot], dim=-1), k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, cos, sin)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, h * c.v_head_dim))
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.cfg.num_attention_heads * self.cfg.v_head_dim))
 
 
 class Gate(nn.Module):

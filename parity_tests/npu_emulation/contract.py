@@ -1,4 +1,4 @@
-"""Shared helpers: contract violations raise, and every emulated op call is counted (tests assert which fused
+"""Contract bookkeeping for the emulated ops: violations raise, and every emulated op call is counted (tests assert which fused
 ops the backend actually used)."""
 
 from __future__ import annotations

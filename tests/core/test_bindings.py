@@ -6,7 +6,7 @@ import gc
 
 import numpy as np
 import pytest
-from _sched_helpers import make_cfg, make_sched, prefill_all
+from tests.core.scheduler_driver import make_cfg, make_sched, prefill_all
 
 from deepinfer_npu import _core as C
 

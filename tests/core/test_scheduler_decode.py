@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _sched_helpers import make_sched, prefill_all, snapshot, step_once
+from tests.core.scheduler_driver import make_sched, prefill_all, snapshot, step_once
 
 from deepinfer_npu import _core as C
 

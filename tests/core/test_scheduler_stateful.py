@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import numpy as np
-from _sched_helpers import snapshot
+from tests.core.scheduler_driver import snapshot
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -88,7 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.pending: list[dict] = []  # steps scheduled but not yet updated, oldest first
         self.max_new: dict[int, int] = {}
 
-    # -------------------------------------------------------------- helpers
+    # -------------------------------------------------------------- state queries
     def _status(self, sid):
         return self.s.get_seq_status(sid)
 

@@ -1,6 +1,6 @@
-"""The suite's own layout: test folders have no __init__.py, so pytest imports test modules by basename and two
-files with the same name in different folders break collection of the whole run (seen twice). Fail early, with
-the names."""
+"""The suite's own layout: pytest imports a test module in a folder without ``__init__.py`` by its basename, so two
+files with the same name in such folders break collection of the whole run. Basenames stay unique across the suite,
+so that any folder may be a package or not; this fails early, with the names."""
 
 from collections import defaultdict
 from pathlib import Path

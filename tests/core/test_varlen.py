@@ -9,7 +9,7 @@ import itertools
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from _sched_helpers import make_sched, prefill_all
+from tests.core.scheduler_driver import make_sched, prefill_all
 from hypothesis import given, settings
 
 from deepinfer_npu import _core as C

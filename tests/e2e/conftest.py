@@ -3,14 +3,10 @@ transformers' own greedy continuation as the reference."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-from helpers import make_hf_model, save_hf  # noqa: E402
+from tests.model.tiny_models import make_hf_model, save_hf
 
 CASES = {
     "v3_grouped": ("v3", dict(n_group=2, topk_group=1, first_k_dense_replace=1)),

@@ -114,7 +114,7 @@ def test_streams_seeds_offsets_give_different_noise() -> None:
         assert (other == base).float().mean() < 0.01
 
 
-def test_seed_helpers() -> None:
+def test_seeds_wrap_to_int64_and_derive_distinct_reproducible_children() -> None:
     assert seed_to_int64(2**64 - 1) == -1 and seed_to_int64(-1) == -1 and seed_to_int64(5) == 5
     assert seed_to_int64(2**63) == -(2**63)
     a, b = random.Random(0), random.Random(0)

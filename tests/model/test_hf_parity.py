@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .helpers import YARN, PagedRunner, hf_logits, load_ours, make_hf_model, max_rel_err, save_hf
+from .tiny_models import YARN, PagedRunner, hf_logits, load_ours, make_hf_model, max_rel_err, save_hf
 
 TOL = 1e-4
 # Prompt lengths cross the block boundaries (block_size 16): 5 < 16 < 17, 32 < 33.

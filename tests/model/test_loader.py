@@ -24,7 +24,7 @@ from deepinfer_npu.model_executor import (
 )
 from deepinfer_npu.model_executor.loader import dequantize_fp8_block
 
-from .helpers import PagedRunner, hf_logits, load_ours, make_hf_model, max_rel_err, save_hf
+from .tiny_models import PagedRunner, hf_logits, load_ours, make_hf_model, max_rel_err, save_hf
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84]
 

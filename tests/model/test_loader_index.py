@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_npu.model_executor.loader import CheckpointError
 
-from .helpers import load_ours, make_hf_model, save_hf
+from .tiny_models import load_ours, make_hf_model, save_hf
 
 
 def test_wrong_shard_in_index_is_named(tmp_path):

@@ -4,13 +4,10 @@ held-out loss recomputed by Hugging Face transformers (test-only dependency) on 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-import deepinfer_npu
-
-REF = Path(deepinfer_npu.__file__).resolve().parent / "assets" / "reference"
+from deepinfer_npu.config import REFERENCE_MODEL_DIR as REF
 REQUIRED = (
     "config.json",
     "model.safetensors",
@@ -137,39 +134,13 @@ def test_transformers_greedy_matches_training_module(hf_model):
 
 def _hf_mtp(hf_model):
     """transformers' generic MtpModel with the checkpoint's layer num_hidden_layers mapped in."""
-    import torch
-    from safetensors.torch import load_file
-
     try:
-        from transformers.modeling_layers import MtpModel
+        from transformers.modeling_layers import MtpModel  # noqa: F401
     except ImportError:
         pytest.skip("transformers without MtpModel")
-    n = hf_model.config.num_hidden_layers
-    mtp = MtpModel(hf_model, 1).float().eval()
-    pre = f"model.layers.{n}."
-    new, experts = {}, {}
-    for k, v in load_file(str(REF / "model.safetensors")).items():
-        if not k.startswith(pre):
-            continue
-        rest = k[len(pre) :]
-        if rest.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
-            new[f"layers.0.{rest}"] = v
-        elif rest == "shared_head.norm.weight":
-            new["layers.0.post_norm.weight"] = v
-        elif rest.startswith("mlp.experts."):
-            _, _, e, proj, _ = rest.split(".")
-            experts.setdefault(proj, {})[int(e)] = v
-        else:
-            new[f"layers.0.mtp_block.{rest}"] = v
-    ne = len(experts["gate_proj"])
-    new["layers.0.mtp_block.mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([experts["gate_proj"][e], experts["up_proj"][e]]) for e in range(ne)]
-    )
-    new["layers.0.mtp_block.mlp.experts.down_proj"] = torch.stack([experts["down_proj"][e] for e in range(ne)])
-    target = mtp.state_dict()
-    assert not [k for k in target if k not in new and not k.startswith(("embed_tokens", "shared_head"))]
-    mtp.load_state_dict({k: v.float() for k, v in new.items()}, strict=False)
-    return mtp
+    from examples.reference_model.evaluate import load_hf_mtp
+
+    return load_hf_mtp(hf_model, REF)
 
 
 def test_mtp_layer_loss_through_transformers_mtp_model(hf_model):

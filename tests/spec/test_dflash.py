@@ -6,23 +6,21 @@ loads) stands in for the shipped model; the trained-weights smoke test uses the 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = REPO / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from deepinfer_npu.hal import get_backend
+from deepinfer_npu.model_executor import DeepseekModelConfig, build_model, load_weights
+from deepinfer_npu.spec.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_dflash
+from examples import train_dflash
+from examples.reference_model.model import DeepseekV3Ref, RefConfig, export_state_dict
+from tests.reference_assets import needs_dflash
 
-from deepinfer_npu.hal import get_backend  # noqa: E402
-from deepinfer_npu.model_executor import DeepseekModelConfig, build_model, load_weights  # noqa: E402
-from deepinfer_npu.spec.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_dflash  # noqa: E402
-
-SHIPPED_TARGET = REPO / "deepinfer_npu" / "assets" / "reference"
+SHIPPED_TARGET = REFERENCE_MODEL_DIR
 SHIPPED_DFLASH = SHIPPED_TARGET / "dflash"
 
 K = 5
@@ -30,18 +28,9 @@ W = 8
 LAYER_IDS = [0, 2]
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 # ---- fixtures ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_target_dir(tmp_path_factory) -> Path:
-    from reference_model.model import DeepseekV3Ref, RefConfig, export_state_dict
     from safetensors.torch import save_file
 
     cfg = RefConfig(
@@ -338,17 +327,16 @@ def test_zero_and_clone_slots(tiny_target):
 def test_training_forward_matches_inference(tiny_target_dir, tiny_target):
     """The training script's dense forward (context gathered from one full target pass) equals the inference
     path (paged target forward in two chunks with capture into the ring, then propose)."""
-    from train_dflash import FrozenTarget, PagedTarget, drafter_outputs
 
     dr = _drafter(tiny_target, slots=3)
-    ft = FrozenTarget(tiny_target_dir, torch.device("cpu"), LAYER_IDS)
+    ft = train_dflash.FrozenTarget(tiny_target_dir, torch.device("cpu"), LAYER_IDS)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     caps, _, _ = ft.full(ids)
     p = 31
     anchors = torch.tensor([[p, 5]])
     prev = torch.cat([ids[:, [p, 5]].T, torch.randint(3, 128, (2, K - 1))], 1)
-    h_dense, _, _ = drafter_outputs(dr.model, dr.cfg, caps, ids, anchors, prev)
-    pt = PagedTarget(tiny_target, 16)
+    h_dense, _, _ = train_dflash.drafter_outputs(dr.model, dr.cfg, caps, ids, anchors, prev)
+    pt = train_dflash.PagedTarget(tiny_target, 16)
     toks = ids[0].tolist()
     for lo, hi in ((0, 20), (20, p)):
         _, c, pos = pt.forward([(0, toks[lo:hi], lo)], LAYER_IDS)
@@ -361,9 +349,8 @@ def test_training_forward_matches_inference(tiny_target_dir, tiny_target):
 
 def test_greedy_continuation_labels(tiny_target_dir):
     """The batched continuation (prefix K/V + per-anchor blocks) equals plain greedy decoding from x_0..x_P."""
-    from train_dflash import FrozenTarget
 
-    ft = FrozenTarget(tiny_target_dir, torch.device("cpu"), LAYER_IDS)
+    ft = train_dflash.FrozenTarget(tiny_target_dir, torch.device("cpu"), LAYER_IDS)
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     _, logits, kvs = ft.full(ids)
     rows, anc = torch.tensor([0, 1, 1]), torch.tensor([3, 10, 22])
@@ -378,7 +365,6 @@ def test_greedy_continuation_labels(tiny_target_dir):
 
 # ---- training script ---------------------------------------------------------------------------------------------
 def test_training_script_runs(tmp_path, tiny_target_dir):
-    import train_dflash
 
     data = tmp_path / "data"
     data.mkdir()
@@ -458,17 +444,15 @@ def walk_files(root, suffix=".py"):
 '''
 
 
+@needs_dflash
 def test_shipped_weights_accept(tmp_path):
-    if not (SHIPPED_DFLASH / "dflash.safetensors").is_file() or not (SHIPPED_TARGET / "model.safetensors").is_file():
-        pytest.skip("shipped reference model / DFlash drafter not present")
     from tokenizers import Tokenizer
-    from train_dflash import load_engine_target, simulate
 
-    target = load_engine_target(SHIPPED_TARGET)
+    target = train_dflash.load_engine_target(SHIPPED_TARGET)
     dr = DFlashDrafter.from_pretrained(SHIPPED_DFLASH, target, num_state_slots=2)
     tok = Tokenizer.from_file(str(SHIPPED_TARGET / "tokenizer.json"))
     ids = tok.encode(PROMPT).ids
-    res = simulate(target, dr, [ids], new_tokens=48, eos=target.config.eos_token_id, with_baseline=1)
+    res = train_dflash.simulate(target, dr, [ids], new_tokens=48, eos=target.config.eos_token_id, with_baseline=1)
     assert all(res["lossless_check"]["identical_to_plain_greedy"])
     assert res["mean_accepted_length"] >= 1.5, res
     assert res["per_position_acceptance"][0] >= 0.4, res

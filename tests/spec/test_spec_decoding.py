@@ -9,22 +9,14 @@ import itertools
 import pytest
 
 from deepinfer_npu import LLM, SamplingParams
-from deepinfer_npu.config import REFERENCE_MODEL_DIR
 from deepinfer_npu.hal.sync_guard import HostReadDetector
+from tests.reference_assets import CODE_PROMPTS as PROMPTS
+from tests.reference_assets import SPEC_METHODS as METHODS
+from tests.reference_assets import needs_reference_model
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
-                                reason="the reference model is not installed in deepinfer_npu/assets/reference")
+pytestmark = needs_reference_model
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for",
-]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-HAS_DFLASH = (REFERENCE_MODEL_DIR / "dflash" / "dflash_config.json").exists()
-METHODS = [None, "mtp"] + (["dflash"] if HAS_DFLASH else [])
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_npu import LLM, SamplingParams
-from deepinfer_npu.config import REFERENCE_MODEL_DIR
 from deepinfer_npu.worker.worker import Worker
+from tests.reference_assets import needs_reference_model
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
-                                reason="the reference model is not installed in deepinfer_npu/assets/reference")
+pytestmark = needs_reference_model
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n",
            "    for i in range(len(items)):\n"]

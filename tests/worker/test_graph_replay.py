@@ -11,38 +11,17 @@ import pytest
 import torch
 
 from deepinfer_npu import LLM, SamplingParams
-from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
+from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.hal.graph_runner import EagerReplayRunner, GraphRunner
-from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+from tests.reference_assets import CODE_PROMPTS as PROMPTS  # 5 rows: a decode step of 5 pads to a graph of 8
+from tests.reference_assets import SPEC_METHODS as METHODS
+from tests.reference_assets import needs_reference_model
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
-                                reason="the reference model is not installed in deepinfer_npu/assets/reference")
+pytestmark = needs_reference_model
 
-PROMPTS = [  # 5 rows: a plain decode step of 5 tokens replays the graph of 8 (3 padding rows)
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n\ndef main():\n",
-    "class Stack:\n    def __init__(self):\n",
-    "    for i in range(len(items)):\n",
-    "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for",
-]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-HAS_DFLASH = (REFERENCE_MODEL_DIR / "dflash" / "dflash_config.json").exists()
-METHODS = [None, "mtp"] + (["dflash"] if HAS_DFLASH else [])
 SMALL_KV = dict(block_size=16, num_kv_blocks=64)  # small pool: the per-step KV snapshots stay cheap
-
-
-@pytest.fixture
-def graph_runners(monkeypatch):
-    """Give the CPU backend an EagerReplayRunner; -> the list of runners handed out."""
-    made: list[EagerReplayRunner] = []
-
-    def factory(self):
-        made.append(EagerReplayRunner())
-        return made[-1]
-
-    monkeypatch.setattr(type(get_backend("cpu")), "graph_runner", factory)
-    return made
 
 
 @pytest.fixture

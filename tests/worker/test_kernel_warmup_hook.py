@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 
 from deepinfer_npu import LLM
-from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
+from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.hal.graph_runner import EagerReplayRunner
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.hal.types import KernelWarmupPlan
 from deepinfer_npu.run import build_parser
+from tests.reference_assets import needs_reference_model
 
-needs_model = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
-                                 reason="the reference model is not installed in deepinfer_npu/assets/reference")
 SMALL_KV = dict(block_size=16, num_kv_blocks=64)
 
 
@@ -40,7 +39,7 @@ def warmups(monkeypatch):
     return calls, runners
 
 
-@needs_model
+@needs_reference_model
 def test_cpu_engine_calls_the_hook_once(warmups):
     calls, _ = warmups
     llm = LLM(max_num_seqs=4, **SMALL_KV)
@@ -56,7 +55,7 @@ def test_cpu_engine_calls_the_hook_once(warmups):
     assert engine.worker.kernel_warmup == "nothing to warm up"
 
 
-@needs_model
+@needs_reference_model
 def test_hook_runs_before_startup_capture_with_the_graph_sizes(warmups):
     calls, runners = warmups
     llm = LLM(speculative_method="mtp", num_speculative_tokens=2, max_num_seqs=4, enable_graphs=True,
@@ -68,7 +67,7 @@ def test_hook_runs_before_startup_capture_with_the_graph_sizes(warmups):
     assert plan.num_speculative_tokens == 2 and plan.speculative_method == "mtp" and plan.varlen
 
 
-@needs_model
+@needs_reference_model
 def test_kernel_warmup_off(warmups):
     calls, _ = warmups
     llm = LLM(max_num_seqs=4, kernel_warmup=False, **SMALL_KV)
@@ -86,7 +85,7 @@ def test_cli_flag():
     assert build_parser().parse_args(["--no-kernel-warmup"]).kernel_warmup is False
 
 
-@needs_model
+@needs_reference_model
 def test_a_failing_plan_skips_the_warmup_and_the_engine_serves(warmups, monkeypatch):
     """An unusual model layout that the plan builder cannot read must not stop start-up."""
     from deepinfer_npu.worker import worker as worker_mod

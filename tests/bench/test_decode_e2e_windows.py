@@ -2,15 +2,10 @@
 each window blocked on the device, and (``--gpu-state``) the GPU's clocks after each window from nvidia-smi, read
 defensively (no device, no nvidia-smi, an older driver without ``clocks_event_reasons``)."""
 
-import os
 import subprocess
-import sys
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import bench_decode_e2e as bench  # noqa: E402
+from benchmarks import bench_decode_e2e as bench
 
 
 def test_gpu_state_parses_and_falls_back(monkeypatch):

@@ -1,15 +1,14 @@
-"""Regression tests for bugs found in review: fork limits and logprobs, out-of-vocabulary stop ids, n > 1,
-varlen calibrator memory, abort ids."""
+"""Request edge cases on the reference model: a forked child's own max_tokens and aligned logprobs,
+out-of-vocabulary stop ids, n > 1, the varlen calibrator forgetting finished requests, abort ids."""
 
 from __future__ import annotations
 
 import pytest
 
 from deepinfer_npu import LLM, SamplingParams
-from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from tests.reference_assets import needs_reference_model
 
-pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "config.json").exists(),
-                                reason="the reference model is not installed")
+pytestmark = needs_reference_model
 
 
 def _run_until_done(engine, on_out=None, max_steps=200):

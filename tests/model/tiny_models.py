@@ -1,4 +1,4 @@
-"""Shared test helpers: small random HF DeepSeek models, and a tiny paged-cache driver for our model."""
+"""Small random HF DeepSeek models (transformers) saved in HF layout, and a tiny paged-cache driver for our model."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared helpers for the C++ core tests: configs and a tiny fake engine that drives a Scheduler."""
+"""Scheduler configs for the C++ core tests and a tiny fake engine that drives a Scheduler step by step."""
 
 from __future__ import annotations
 

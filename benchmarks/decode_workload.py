@@ -1,0 +1,65 @@
+"""The synthetic decode workload the decode benchmarks share: DeepSeek-V2-Lite-shaped configs with random weights
+(``load_format="dummy"``), deterministic prompts, and the device synchronisation their timers need."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "n_shared_experts": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax",
+    "moe_layer_freq": 1, "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16", "initializer_range": 0.02,
+}
+# Same structure, tiny sizes: the CPU rehearsal of every code path (engine, transformers, roofline).
+TINY = dict(V2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=1, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)
+
+
+def write_model_dir(cfg: dict, prefix: str) -> str:
+    """A temporary model directory holding only ``config.json`` (the engine's dummy load needs nothing else)."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return tmp
+
+
+def prompts_for(batch: int, prompt_len: int, vocab: int, salt: int = 0) -> list[list[int]]:
+    return [[(7 * i + 13 * b + 101 * salt) % (vocab - 3) + 3 for i in range(prompt_len)] for b in range(batch)]
+
+
+def sync(device_type: str) -> None:
+    import torch
+
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+
+
+def append_jsonl(path: str | None, rows: list[dict]) -> None:
+    """Append the rows to ``path`` as JSON lines (``--out``); nothing without a path."""
+    if path:
+        with open(path, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+def warmup_summary(engine) -> str:
+    """The engine's start-up kernel warm-up (``EngineConfig.kernel_warmup``, ``KernelSet.warmup``), for the logs."""
+    summary = getattr(engine.worker, "kernel_warmup", None)
+    return f"engine warm-up: {summary}" if summary is not None else "engine warm-up off (kernel_warmup=False)"
+
+
+def pdl_enabled() -> bool:
+    """kernels_cuda/_pdl.py's switch (its default included), for the result rows."""
+    from deepinfer_npu.kernels_cuda._pdl import pdl_enabled as enabled
+
+    return enabled()
