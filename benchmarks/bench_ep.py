@@ -6,9 +6,9 @@ shape (hidden 2048, 64 routed experts, top-6, expert intermediate 1408) with ran
 expert-parallel MoE layer split into gating / dispatch / experts / combine. Prints JSON lines (rank 0's
 medians; bytes = the rows this rank sends, hidden-size x dtype each).
 
-    python benchmarks/bench_ep.py --world 2 --tokens 1 16 64 256
-    python benchmarks/bench_ep.py --world 8 --backend cuda --dtype bfloat16   # one GPU per rank
-    python benchmarks/bench_ep.py --memory parity_tests/models/deepseek-v2-lite-dims-2l --ep 1 2 4
+    python -m benchmarks.bench_ep --world 2 --tokens 1 16 64 256
+    python -m benchmarks.bench_ep --world 8 --backend cuda --dtype bfloat16   # one GPU per rank
+    python -m benchmarks.bench_ep --memory parity_tests/models/deepseek-v2-lite-dims-2l --ep 1 2 4
 
 ``--memory DIR``: weight bytes per rank of the engine at each EP size (dummy weights, DIR's config with the
 vocabulary of DeepSeek-V2-Lite), measured on the rank processes, and scaled to ``--scale-layers`` layers from the

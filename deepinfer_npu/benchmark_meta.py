@@ -45,7 +45,8 @@ def hardware(device: str | None = None) -> str:
 
 def row_meta(device: str | None = None, argv: list[str] | None = None) -> dict[str, str]:
     """``{"date", "commit", "hardware", "command"}`` for one benchmark row."""
-    argv = sys.argv if argv is None else argv
+    # sys.orig_argv keeps "-m module" (sys.argv has the module's path instead)
+    argv = list(getattr(sys, "orig_argv", sys.argv))[1:] if argv is None else argv
     return {
         "date": datetime.date.today().isoformat(),
         "commit": commit(),

@@ -96,7 +96,11 @@ def save_hf_dir(model: DeepseekV3Ref, out: Path, data: Path | None) -> None:
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": cfg.pad_token_id,
-        "do_sample": False,
+        # the defaults the shipped model is served with: the only setting tried that reads without loops
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
     }
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     if data is not None:

@@ -53,12 +53,12 @@ for l in open('$OUT/h200_kernels.jsonl'):
              timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
              --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
-    zos) timeout $LIM python3 benchmarks/bench_zos.py --backend cuda --batch 1 64 --graphs \
+    zos) timeout $LIM python3 -m benchmarks.bench_zos --backend cuda --batch 1 64 --graphs \
              --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;
-    spec) timeout $LIM python3 benchmarks/bench_spec.py --backend cuda --methods ${SPEC_METHODS:-mtp dflash} \
+    spec) timeout $LIM python3 -m benchmarks.bench_spec --backend cuda --methods ${SPEC_METHODS:-mtp dflash} \
              --concurrency 1 32 --graphs --max-tokens 128 --repeat ${SPEC_REPEAT:-3} --out "$OUT/h200_spec.jsonl" 2>&1 \
              | filt > /tmp/spec.log; grep -v '^{' /tmp/spec.log | tail -14 ;;
-    profile) timeout $LIM python3 benchmarks/profile_decode.py --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs \
+    profile) timeout $LIM python3 -m benchmarks.profile_decode --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs \
              --sequence 200 2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
              grep '^{' /tmp/profile.log > "$OUT/profile.jsonl"
              python3 -c "

@@ -53,7 +53,7 @@ def test_cli_json_keeps_finish_message():
     r = _run(
         "-m", "deepinfer_npu.run", "--json", "--max-model-len", "3", "--prompt", "def fibonacci(n):", "--no-progress"
     )
-    assert r.returncode == 0, r.stderr[-400:]
+    assert r.returncode == 1, r.stderr[-400:]  # every prompt was ignored: nothing generated
     first = json.loads(r.stdout.splitlines()[0])
     assert first["finish_reason"] == "ignored"
     assert first.get("finish_message"), first
