@@ -1,5 +1,5 @@
 """``tilelang`` and its language module ``T`` when tilelang is importable, else None: importing a kernel module (its
-host-side checks and configuration helpers) needs no tilelang; building or launching a kernel does."""
+host-side checks and configuration functions) needs no tilelang; building or launching a kernel does."""
 
 try:
     import tilelang

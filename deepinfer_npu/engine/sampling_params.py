@@ -185,7 +185,7 @@ class SamplingParams:
             out.append(v)
         return out
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ checks
     @property
     def is_greedy(self) -> bool:
         """True when decoding is greedy (``temperature < 1e-5``)."""

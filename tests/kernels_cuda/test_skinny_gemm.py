@@ -1,5 +1,5 @@
 """kernels_cuda.skinny_gemm (CUDA-core GEMM for decode row counts: dense, gated SwiGLU epilogue, grouped over the
-experts hit): host helpers and the CUDA kernel set's routing without a GPU; on a CUDA device, against
+experts hit): host-side functions and the CUDA kernel set's routing without a GPU; on a CUDA device, against
 the fp32 GEMM rounded like the reference (bf16 within 2 ulp of |ref| + 1e-2, gated 4; fp32 within 1e-5 relative +
 1e-5; NaN positions equal; cosine > 0.99999)."""
 
