@@ -202,4 +202,4 @@ def test_kernel_set_runs_the_kernel_gpu():
         args = zos_step(64, 4, resplit, seed=7)
         assert_same(ks.zos_fixup(*args), zos_fixup_ref(*args))
     rep = ks.op_report()["zos_fixup"]
-    assert rep.startswith("native (kernels_cuda.zos_fixup (correction;") and "re-split" in rep, rep
+    assert rep.startswith("native (kernels_cuda.zos_fixup (correction)") and "(correction + re-split)" in rep, rep
