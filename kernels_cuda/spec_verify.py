@@ -31,7 +31,7 @@ full, index_put, + 1, ...); for sampled rows it also materialises [T, V] int64 h
 kernels over the vocabulary).
 
 Checked on an H200: every output equal to the CPU reference op run on the same CUDA tensors
-(tests/kernels_cuda/test_spec_verify.py).
+(tests/kernels_cuda/test_spec_verify_kernel.py).
 """
 
 import torch

@@ -29,7 +29,7 @@ Kernels (no host reads; CUDA-graph capturable):
   sort), scatter, ...).
 
 Checked on an H200: both outputs equal to the CPU reference op on the same CUDA tensors
-(tests/kernels_cuda/test_zos_fixup.py).
+(tests/kernels_cuda/test_zos_fixup_kernel.py).
 """
 
 import torch

@@ -119,6 +119,18 @@ class DPEngine:
         self.shutdown()
         raise RuntimeError(message)
 
+    def _fail_with_cause(self, rank: int, error: str) -> None:
+        """A rank's collective fails when a peer died: name the dead peer first, then the failure it caused."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if r != rank and p.exitcode not in (None, 0)]
+            if dead:
+                r, code = dead[0]
+                self._fail(f"DP rank {r} exited with code {code}; every rank was stopped (rank {rank} then failed: "
+                           f"{error.strip().splitlines()[-1]})")
+            time.sleep(0.05)
+        self._fail(f"DP rank {rank} failed:\n{error}")
+
     def _check_alive(self) -> None:
         now = time.monotonic()
         for rank, proc in enumerate(self._procs):
@@ -149,7 +161,7 @@ class DPEngine:
                         self._release(out.request_id)
                 outputs.extend(msg[2])
             elif kind == "fatal":
-                self._fail(f"DP rank {rank} failed:\n{msg[2]}")
+                self._fail_with_cause(rank, msg[2])
             try:
                 msg = self._outbox.get_nowait()
             except queue_mod.Empty:

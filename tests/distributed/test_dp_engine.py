@@ -26,7 +26,8 @@ def _params(i: int) -> SamplingParams:  # greedy, and sampling seeded by the fro
 
 @pytest.fixture(scope="module")
 def dp_llm():
-    llm = LLM(max_num_seqs=8, seed=3, data_parallel_size=2, distributed_timeout_s=60)
+    # every rank holds every expert here (pure data parallelism); expert parallelism: test_ep_engine.py
+    llm = LLM(max_num_seqs=8, seed=3, data_parallel_size=2, enable_expert_parallel=False, distributed_timeout_s=60)
     yield llm
     llm.llm_engine.shutdown()
 

@@ -92,7 +92,7 @@ def _spawn(world: int, tmp_path, tokens_per_rank, replicas=False):
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.mark.parametrize("world,tokens,replicas", [(2, [5, 0], False), (4, [3, 7, 1, 4], True)])
+@pytest.mark.parametrize("world,tokens,replicas", [(2, [5, 0], False), (2, [3, 7], True)])
 def test_ep_moe_equals_single_process(world, tokens, replicas, tmp_path):
     results = _spawn(world, tmp_path, tokens, replicas)
     for rank, res in enumerate(results):

