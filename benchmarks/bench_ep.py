@@ -102,7 +102,7 @@ def _rank_main(rank: int, args, port: int, queue) -> None:
             med = {k: statistics.median(v) for k, v in split.items()}
             if rank == 0:
                 queue.put({
-                    "bench": "ep_dispatch_combine", **row_meta(str(device)), "backend": args.backend,
+                    "bench": "ep_dispatch_combine", "backend": args.backend,
                     "world": args.world, "tokens_per_rank": tokens, "hidden": args.hidden, "top_k": args.top_k,
                     "experts": args.experts, "dtype": args.dtype, "bytes_sent": sent,
                     **{k: round(v, 1) for k, v in med.items()},
@@ -187,8 +187,10 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_rank_main, args=(args, port, queue), nprocs=args.world, join=True, start_method="spawn")
+    meta = row_meta("cuda:0" if args.backend == "cuda" else None)  # the parent's command line, not a child's
     while not queue.empty():
-        print(json.dumps(queue.get()), flush=True)
+        row = queue.get()
+        print(json.dumps({"bench": row.pop("bench"), **meta, **row}), flush=True)
 
 
 if __name__ == "__main__":
