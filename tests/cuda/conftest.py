@@ -135,3 +135,14 @@ def kernel_set():
 def reachable():
     """-> reachable(plan, sm90=False, skip=()): the configurations the warm-up compiles for ``plan``."""
     return _reachable
+
+
+@pytest.fixture
+def cuda_backend():
+    """The registry's CUDA backend, built fresh for the test (GPU tests only)."""
+    from deepinfer_npu.hal import registry
+
+    registry.clear_cache()
+    be = registry.get_backend("cuda")
+    yield be
+    registry.clear_cache()

@@ -45,14 +45,6 @@ def test_unavailable_here_with_a_readable_reason():
         registry.get_backend("cuda")
 
 
-@pytest.fixture
-def cuda_backend():
-    registry.clear_cache()
-    be = registry.get_backend("cuda")
-    yield be
-    registry.clear_cache()
-
-
 @pytest.mark.gpu
 def test_backend_hooks(cuda_backend):
     be = cuda_backend

@@ -163,14 +163,6 @@ def test_absorb_heads_equals_the_reference_einsums(tokens):
 
 
 # ---- on a CUDA device ------------------------------------------------------------------------------------------
-@pytest.fixture
-def cuda_backend():
-    registry.clear_cache()
-    be = registry.get_backend("cuda")
-    yield be
-    registry.clear_cache()
-
-
 @pytest.mark.gpu
 def test_forbid_sync_arms_warn_then_error_and_restores(cuda_backend, monkeypatch):
     be = cuda_backend
