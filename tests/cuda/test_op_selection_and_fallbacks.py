@@ -12,7 +12,6 @@ import torch
 
 from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 from deepinfer_npu.backends.cuda.ops import OpConfig
-from deepinfer_npu.hal import registry
 
 
 def _attention_inputs(device, batch, heads, lrank, rdim, q_len, dtype, block=64, seed=0):
