@@ -38,7 +38,7 @@ def _tokens(outputs) -> list[list[int]]:
 def test_one_llm_hammered_from_8_threads_matches_single_threaded(llm):
     jobs = _jobs()
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    long_greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    long_greedy = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     expected = [_tokens(llm.generate(p, sp, use_tqdm=False)) for p, sp in jobs]
     expected_direct = _tokens(llm.generate([PROMPTS[0], PROMPTS[1]], [greedy, long_greedy], use_tqdm=False))
     expected_last = _tokens(llm.generate(PROMPTS[2:4], greedy, use_tqdm=False))
@@ -94,7 +94,12 @@ def test_one_llm_hammered_from_8_threads_matches_single_threaded(llm):
     direct = results["direct"]
     assert direct["direct-a"].outputs[0].token_ids == expected_direct[0]
     b = direct["direct-b"].outputs[0]
-    assert b.finish_reason == "abort" and b.token_ids == expected_direct[1][: len(b.token_ids)]
+    # Other threads step the engine too, so direct-b may have run to its length before the abort landed;
+    # either way its tokens are the single-threaded ones.
+    if b.finish_reason == "length":
+        assert b.token_ids == expected_direct[1]
+    else:
+        assert b.finish_reason == "abort" and b.token_ids == expected_direct[1][: len(b.token_ids)]
     assert results["last"] == expected_last
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
