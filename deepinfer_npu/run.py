@@ -21,9 +21,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Engine flags carry ``EngineConfig`` field names as ``dest`` so they pass to ``LLM`` unchanged."""
-    p = argparse.ArgumentParser(prog="python -m deepinfer_npu.run", description=__doc__.splitlines()[0],
+def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | None = None,
+                 engine_only: bool = False) -> argparse.ArgumentParser:
+    """Engine flags carry ``EngineConfig`` field names as ``dest`` so they pass to ``LLM`` unchanged.
+    ``engine_only``: just the model and engine flags (``--seed`` included), for other entry points (serve)."""
+    p = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
     add("--model", default=None, help="model directory (HF layout); None: the shipped reference model")
@@ -31,16 +33,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="model dtype")
     add("--load-format", dest="load_format", default="auto", choices=["auto", "dummy", "dummy_portable"],
         help="auto: safetensors; dummy: random weights from config.json")
-    add("--prompt", action="append", default=None, help="prompt text (repeatable); None: built-in prompts")
-    add("--prompt-token-ids", action="append", default=None,
-        help="comma-separated token ids (repeatable), for models without a tokenizer")
+    if engine_only:
+        add("--seed", type=int, default=0, help="engine seed (requests without a seed draw theirs from it)")
+    else:
+        add("--prompt", action="append", default=None, help="prompt text (repeatable); None: built-in prompts")
+        add("--prompt-token-ids", action="append", default=None,
+            help="comma-separated token ids (repeatable), for models without a tokenizer")
 
-    s = p.add_argument_group("sampling (None: the model's generation_config.json, else greedy)")
-    s.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
-    s.add_argument("--temperature", type=float, default=None, help="0: greedy")
-    s.add_argument("--top-k", type=int, default=None, help="0: off")
-    s.add_argument("--top-p", type=float, default=None, help="1: off")
-    s.add_argument("--seed", type=int, default=0, help="engine seed and every request's sampling seed")
+        s = p.add_argument_group("sampling (None: the model's generation_config.json, else greedy)")
+        s.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt")
+        s.add_argument("--temperature", type=float, default=None, help="0: greedy")
+        s.add_argument("--top-k", type=int, default=None, help="0: off")
+        s.add_argument("--top-p", type=float, default=None, help="1: off")
+        s.add_argument("--seed", type=int, default=0, help="engine seed and every request's sampling seed")
 
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="None: the model's max_position_embeddings")
@@ -97,11 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
                     help="seconds any wait across rank processes may take before the run stops naming the rank")
 
+    if engine_only:
+        return p
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
     o.add_argument("--list-ops", action="store_true", help="print the backend's op report (native / fallback)")
     o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields among parsed flags (all but ``model``)."""
+    from deepinfer_npu.config import EngineConfig
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+            if f.name != "model" and hasattr(args, f.name)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +185,7 @@ def _main(argv: list[str] | None) -> int:
         prompts = list(DEFAULT_PROMPTS)
     if args.speculative_method is None and args.num_speculative_tokens != 5:
         return _error("--num-speculative-tokens needs --speculative mtp|dflash")
-    engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+    engine_args = engine_kwargs(args)
     try:
         config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
         params = _sampling_params(args, config.model_dir)

@@ -1,0 +1,1 @@
+"""Serving entry points: the asyncio engine (``AsyncLLM``), chat templates, metrics and the OpenAI server."""

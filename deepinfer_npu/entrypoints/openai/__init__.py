@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: request models, completion / chat handlers and the FastAPI application."""
