@@ -79,14 +79,28 @@ def main(argv: list[str] | None = None) -> int:
                 chat_template.origin if chat_template else "none")
     logger.info("routes: %s", ", ".join(r["path"] for r in describe_routes(app)))
     print(f"serving {name} on http://{host}:{port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                                          access_log=args.log_level == "debug"))
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                                            timeout_graceful_shutdown=args.shutdown_timeout))
     try:
         server.run(sockets=[sock])
     finally:
         llm.shutdown()
     print("server stopped", flush=True)
     return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn re-raises the signal that stopped it once it has shut down (the process then dies of it);
+        a shutdown asked for by SIGTERM / Ctrl-C that completed is a clean exit here (status 0)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
 
 
 def _bind(host: str, port: int) -> socket.socket:

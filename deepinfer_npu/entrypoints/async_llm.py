@@ -103,7 +103,8 @@ class AsyncLLM:
             self.engine = LLMEngine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self.max_model_len = int(self.engine.max_model_len)
+        self.max_model_len = int(_engine_value(self.engine, "max_model_len"))
+        self.vocab_size = int(_engine_value(self.engine, "vocab_size"))
         self.max_waiting_requests = max_waiting_requests
         self._observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -293,3 +294,11 @@ class AsyncLLM:
                 return
             if command[0] == "add" and not command[-1].done():
                 command[-1].set_exception(EngineDeadError(reason))
+
+
+def _engine_value(engine, name: str):
+    """An ``LLMEngine`` attribute, or the value data-parallel ranks reported when they started."""
+    value = getattr(engine, name, None)
+    if value is None:
+        value = engine.rank_info[0][name]
+    return value

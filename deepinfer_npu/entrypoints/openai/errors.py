@@ -28,7 +28,7 @@ def bad_request(error: Exception | str, param: str | None = None) -> OpenAIError
     message = str(error)
     if param is None:
         m = _PARAM.match(message)
-        param = m.group(1) if m and m.group(1) not in ("the", "a", "an", "this") else None
+        param = m.group(1) if m and m.group(1).split("[")[0] in _request_fields() else None
     return OpenAIError(HTTPStatus.BAD_REQUEST, message, param)
 
 
@@ -39,3 +39,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 def error_response(e: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param), status_code=int(e.status), headers=e.headers)
+
+
+def _request_fields() -> set[str]:
+    from deepinfer_npu.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    return set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)

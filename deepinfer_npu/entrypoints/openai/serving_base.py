@@ -23,6 +23,7 @@ class ServingBase:
         self.model_name = served_model_name
         self.tokenizer = llm.tokenizer
         self.retry_after_s = retry_after_s
+        self.vocab_size = llm.vocab_size
 
     # ------------------------------------------------------------------ checks
     def check_model(self, model: str | None) -> None:

@@ -31,6 +31,10 @@ class OpenAIServingCompletion(ServingBase):
                 ids, text = list(p), None
             if not ids:
                 raise bad_request(f"prompt[{i}] is empty", param="prompt")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"prompt[{i}]: token id {bad[0]} is out of the vocabulary [0, {self.vocab_size})",
+                                  param="prompt")
             self.check_length(len(ids), body.max_tokens, param="prompt")
             prompts.append({"prompt_token_ids": ids})
             texts.append(text)
