@@ -1,0 +1,71 @@
+"""One request's grammar state: an xgrammar matcher advanced on the tokens the request keeps, and the rows of
+the token bitmask for its next sampling position and for each draft position after it.
+
+Draft positions: the matcher accepts the drafts tentatively, fills the mask at each position and is rolled back,
+so a draft the grammar rejects makes every later position's mask all-false beyond it (the verifier then rejects
+there). The bitmask layout is xgrammar's: int32 words, bit ``t % 32`` of word ``t // 32`` allows token ``t``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+__all__ = ["RequestGrammar", "allowed_mask", "new_bitmask"]
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool ``[rows, vocab_size]`` from an int32 bitmask ``[rows, ceil(vocab / 32)]`` (the reference unpacking;
+    any device)."""
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    unpacked = (bitmask.unsqueeze(-1) >> bits) & 1
+    return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class RequestGrammar:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.failed = False  # a kept token the grammar did not accept (only possible for a bug or a forced token)
+
+    def accept(self, tokens: list[int]) -> None:
+        """Advance over the tokens the request kept (stops at the grammar's end)."""
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return
+            if not self.matcher.accept_token(int(t)):
+                self.failed = True
+                return
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] | np.ndarray = ()) -> None:
+        """Fill rows ``row .. row + len(drafts)`` of ``bitmask``: the next position, then the position after each
+        draft. Past a draft the grammar rejects, rows are all-false (the verifier rejects that draft anyway)."""
+        accepted = 0
+        for k in range(len(drafts) + 1):
+            if self.matcher.is_terminated():
+                self._only_stop(bitmask, row + k)  # the grammar ended: only a stop token may follow
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, row + k)
+            if k == len(drafts):
+                break
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[k])):
+                bitmask[row + k + 1: row + len(drafts) + 1].zero_()
+                break
+            accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+
+    def _only_stop(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].zero_()
+        for t in self.matcher.stop_token_ids:
+            bit = 1 << (t % 32)
+            bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words: bit 31 is the sign
