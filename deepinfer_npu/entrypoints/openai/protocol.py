@@ -47,6 +47,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    structured_outputs: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -80,10 +81,25 @@ class _SamplingFields(BaseModel):
                 kwargs[name] = value
         if self.logit_bias:
             kwargs["logit_bias"] = {_token_id(k): v for k, v in self.logit_bias.items()}
+        constraint = self.structured_outputs_params()
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint
         try:
             return SamplingParams(**kwargs)
         except TypeError as e:  # a control this engine build does not have
             raise ValueError(str(e).replace("SamplingParams.__init__()", "this server")) from e
+
+    def structured_outputs_params(self):
+        """vLLM's ``structured_outputs`` body field (``json``, ``regex``, ``choice``, ``grammar``,
+        ``json_object``) as :class:`StructuredOutputsParams`; chat's ``response_format`` adds to it."""
+        if not self.structured_outputs:
+            return None
+        from deepinfer_npu.structured_output import StructuredOutputsParams
+
+        try:
+            return StructuredOutputsParams(**self.structured_outputs)
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}".replace("StructuredOutputsParams.__init__() ", "")) from e
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +145,22 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+
+    def structured_outputs_params(self):
+        """``response_format`` (``json_object``, ``json_schema``) or ``structured_outputs``, not both."""
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return super().structured_outputs_params()
+        if self.structured_outputs:
+            raise ValueError("response_format and structured_outputs cannot be combined; use one")
+        from deepinfer_npu.structured_output import StructuredOutputsParams
+
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (fmt.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format.json_schema.schema must be a JSON schema object")
+        return StructuredOutputsParams(json=schema)
 
     def message_dicts(self) -> list[dict[str, Any]]:
         """Messages as the template sees them: text parts of a list content joined, other parts rejected."""

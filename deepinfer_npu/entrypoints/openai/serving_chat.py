@@ -27,9 +27,6 @@ class OpenAIServingChat(ServingBase):
         if self.chat_template is None:
             raise bad_request("this model has no chat template (tokenizer_config.json 'chat_template' or "
                               "chat_template.jinja); start the server with --chat-template FILE", param="messages")
-        if body.response_format is not None and body.response_format.type != "text":
-            raise bad_request(f"response_format type {body.response_format.type!r} is not supported by this "
-                              "server yet", param="response_format")
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
