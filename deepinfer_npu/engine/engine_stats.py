@@ -49,6 +49,9 @@ def stats_report(engine) -> dict:
     s = dict(engine.stats)
     s["preemptions"] = int(engine.scheduler.num_preemptions)  # finished or recomputed
     s["kv_usage"] = float(engine.scheduler.kv_usage())
+    s["state_slot_usage"] = float(engine.scheduler.state_manager.usage())
+    s["num_waiting"] = int(engine.scheduler.num_waiting)
+    s["num_running"] = int(engine.scheduler.num_running)
     s["num_kv_blocks"] = engine.runner.num_kv_blocks
     s["backend"] = engine.backend.name
     graphs = engine.worker.graphs
