@@ -16,13 +16,14 @@ from .reference import full_logits, greedy_reference
 
 pytestmark = needs_reference_model
 
-PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n\ndef main():\n"]
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\n\ndef main():\n",
+           "x = [0, 0, 0, 0, 0, 0, 0, 0, 0, 0"]
 LOOPING = PROMPTS[1]  # greedy decoding repeats "self.stack = []" on this prompt
 N = 12
 
 
-def _greedy(**kw) -> SamplingParams:
-    return SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, **kw)
+def _greedy(max_tokens: int = N, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
 
 
 CONTROLLED = [  # (prompt index, params)
@@ -30,6 +31,7 @@ CONTROLLED = [  # (prompt index, params)
     (1, _greedy(repetition_penalty=1.6)),
     (2, _greedy(logit_bias={562: -3.0, 13: 2.0}, presence_penalty=-0.5)),
     (1, _greedy(frequency_penalty=2.0, n=2)),  # forks: both completions decode with their own counts
+    (3, _greedy(frequency_penalty=2.0)),  # drafts repeat a token the penalty is about: counted per position
 ]
 
 
@@ -68,10 +70,29 @@ def test_penalties_and_bias_match_the_reference(references, plain, method, zos):
         for completion in out.outputs:
             assert completion.token_ids == ref
     assert [o.outputs[0].token_ids for o in outs[len(CONTROLLED):]] == plain
-    assert [len(o.outputs) for o in outs[:len(CONTROLLED)]] == [1, 1, 1, 2]
+    assert [len(o.outputs) for o in outs[:len(CONTROLLED)]] == [1, 1, 1, 2, 1]
     if method:
         assert engine.get_stats()["mean_accepted_length"] > 1.0
     assert engine.llm_engine.scheduler.kv_block_manager.usage() == 0.0
+
+
+@pytest.mark.parametrize("zos", [True, False])
+def test_fork_of_a_running_request_rebuilds_its_counts(zos):
+    # Under ZOS the parent's device counts run a step ahead of the host's token lists the child inherits: the
+    # child's counts are rebuilt from those lists, so it continues exactly as its (greedy) parent.
+    engine = LLM(max_num_seqs=8, zero_overhead_scheduling=zos).llm_engine
+    engine.add_request("parent", PROMPTS[3], _greedy(frequency_penalty=2.0, max_tokens=16))
+    final, forked = {}, False
+    for _ in range(100):
+        for out in engine.step():
+            if out.request_id == "parent" and not forked and len(out.outputs[0].token_ids) >= 3:
+                engine.fork_request("parent", "child")
+                forked = True
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert forked and final["child"] == final["parent"]
 
 
 def test_frequency_penalty_breaks_a_greedy_loop(llm):
