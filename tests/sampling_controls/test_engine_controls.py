@@ -81,7 +81,7 @@ def test_fork_of_a_running_request_rebuilds_its_counts(zos):
     # Under ZOS the parent's device counts run a step ahead of the host's token lists the child inherits: the
     # child's counts are rebuilt from those lists, so it continues exactly as its (greedy) parent.
     engine = LLM(max_num_seqs=8, zero_overhead_scheduling=zos).llm_engine
-    engine.add_request("parent", PROMPTS[3], _greedy(frequency_penalty=2.0, max_tokens=16))
+    engine.add_request("parent", PROMPTS[3], _greedy(frequency_penalty=1.0, max_tokens=16))
     final, forked = {}, False
     for _ in range(100):
         for out in engine.step():
