@@ -32,6 +32,8 @@ CONTROLLED = [  # (prompt index, params)
     (2, _greedy(logit_bias={562: -3.0, 13: 2.0}, presence_penalty=-0.5)),
     (1, _greedy(frequency_penalty=2.0, n=2)),  # forks: both completions decode with their own counts
     (3, _greedy(frequency_penalty=2.0)),  # drafts repeat a token the penalty is about: counted per position
+    # min_p = 1 keeps only the most likely token: sampling at temperature 1 gives the greedy tokens
+    (0, SamplingParams(max_tokens=N, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True)),
 ]
 
 
@@ -70,9 +72,18 @@ def test_penalties_and_bias_match_the_reference(references, plain, method, zos):
         for completion in out.outputs:
             assert completion.token_ids == ref
     assert [o.outputs[0].token_ids for o in outs[len(CONTROLLED):]] == plain
-    assert [len(o.outputs) for o in outs[:len(CONTROLLED)]] == [1, 1, 1, 2, 1]
+    assert [len(o.outputs) for o in outs[:len(CONTROLLED)]] == [1, 1, 1, 2, 1, 1]
     if method:
         assert engine.get_stats()["mean_accepted_length"] > 1.0
+    # seeded n = 2 with every control: two different completions, reproducible (with speculation only per
+    # verification schedule, which varlen verification makes timing-dependent: tests/spec says why)
+    seeded = SamplingParams(n=2, max_tokens=N, temperature=0.9, seed=9, ignore_eos=True, frequency_penalty=0.5,
+                            repetition_penalty=1.1, min_p=0.02, logit_bias={13: 1.0})
+    first, again = (engine.generate(PROMPTS[:2], seeded, use_tqdm=False) for _ in range(2))
+    for a, b in zip(first, again):
+        assert a.finished and a.outputs[0].token_ids != a.outputs[1].token_ids
+        if not method:
+            assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert engine.llm_engine.scheduler.kv_block_manager.usage() == 0.0
 
 
