@@ -30,8 +30,8 @@ from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
-from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker import penalty_state
+from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.slot_state import SlotState
@@ -534,7 +534,8 @@ class Worker:
             p_ids, p_lps = host["plp_top_ids"].tolist(), host["plp_top_logprobs"].tolist()
             pos = 0
             for row, count in step.prompt_lp_rows:
-                result.prompt_logprobs[row] = [(lps[r], ranks[r], p_ids[r], p_lps[r]) for r in range(pos, pos + count)]
+                result.prompt_logprobs[row] = [(lps[r], ranks[r], p_ids[r], p_lps[r])
+                                               for r in range(pos, pos + count)]
                 pos += count
         if step.draft_probs is not None:
             result.draft_probs = host["draft_probs"].float().numpy()

@@ -1,7 +1,8 @@
 """The step's small kernels, each where its module's ``reason`` accepts the step, else the reference op on CUDA
 tensors (sync-free): ``spec_verify`` (row arg-max + one accept kernel: all-greedy steps, and temperature rows
-without drafts, no logprobs, bans, top-k / top-p, penalties, min-p or logit bias), ``zos_fixup`` (the seqlens_k
-correction and the varlen re-split in one launch), ``decode_inputs`` (one launch for the ~45 small torch ops of the reference)."""
+without drafts, no logprobs, bans, top-k / top-p, penalties, min-p or logit bias), ``zos_fixup`` (the
+seqlens_k correction and the varlen re-split in one launch), ``decode_inputs`` (one launch for the ~45 small torch
+ops of the reference)."""
 
 from __future__ import annotations
 
