@@ -75,7 +75,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+        """Run every prompt to completion; outputs come back in the order of ``prompts``, one ``RequestOutput``
+        per prompt holding ``SamplingParams.n`` completions.
 
         All prompts and parameters are validated before any is queued, so one bad entry raises ``ValueError`` /
         ``TypeError`` (naming its index) and leaves nothing queued. ``sampling_params=None`` takes
