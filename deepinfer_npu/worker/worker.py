@@ -332,14 +332,7 @@ class Worker:
                 slot_of_token = step.slots.index_select(0, step.row_of_token)
                 is_prompt = positions < prompt_lens.index_select(0, step.row_of_token)
                 penalty_state.record_prefill(self.slots, slot_of_token, is_prompt, step.input_ids)
-            # Sampled rows: one per prompt that ends here, then the first tokens of completions 1..n-1.
-            src, seeds, fork_rows = list(range(len(rows))), [reqs.seeds[i] for i in rows], []
-            for r, i in enumerate(rows):
-                extra = reqs.fork_seeds[i] if reqs.fork_seeds is not None else ()
-                if extra:
-                    fork_rows.append((int(i), len(extra)))
-                    src += [r] * len(extra)
-                    seeds += list(extra)
+            src, seeds, fork_rows = _prefill_samples(reqs, rows)
             m = len(src)
             sample_rows = rows[np.asarray(src, dtype=np.int64)] if m else rows
             t = SamplingTensors.from_params([reqs.params[i] for i in sample_rows], seeds, [0] * m,
@@ -542,6 +535,20 @@ class Worker:
             result.proposing_rows = step.proposing_rows
         step.host = None
         return result
+
+
+def _prefill_samples(reqs: StepRequests, rows: np.ndarray) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A prefill's sampled rows: one per prompt that ends in the step (``rows``), then the first tokens of the
+    completions 1..n-1 of ``n > 1`` requests. -> (index into ``rows`` per sample, seed per sample,
+    ``(plan row, number of extra samples)`` per forking row)."""
+    src, seeds, fork_rows = list(range(len(rows))), [reqs.seeds[i] for i in rows], []
+    for r, i in enumerate(rows):
+        extra = reqs.fork_seeds[i] if reqs.fork_seeds is not None else ()
+        if extra:
+            fork_rows.append((int(i), len(extra)))
+            src += [r] * len(extra)
+            seeds += list(extra)
+    return src, seeds, fork_rows
 
 
 def dummy_plan(is_prefill: bool) -> StepPlan:

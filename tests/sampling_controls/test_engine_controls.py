@@ -198,3 +198,15 @@ def test_add_request_checks_logit_bias_ids_against_the_vocabulary(llm):
     with pytest.raises(ValueError, match=rf"logit_bias token id\(s\) \[{vocab}\] are outside the vocabulary"):
         llm.generate(PROMPTS[:1], SamplingParams(logit_bias={vocab: 1.0, 3: 1.0}), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_recomputed_requests_keep_their_counts(llm):
+    # 12 blocks of 16 tokens for four sequences growing to ~50 tokens: preempted requests are recomputed, their
+    # earlier outputs re-prefilled; the penalties must count those outputs as generated, not as prompt.
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.7,
+                            presence_penalty=0.3, repetition_penalty=1.2)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    tight = LLM(max_num_seqs=8, block_size=16, num_kv_blocks=12, stop_preempted_request=False)
+    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    assert tight.get_stats()["preemptions"] > 0
+    assert got == want
