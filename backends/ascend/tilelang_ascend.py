@@ -236,6 +236,7 @@ class TileLangAscendKernels:
         (sample_pieces), the per-row acceptance scan and, for all-greedy batches, the emitted tokens come from the
         kernels."""
         from deepinfer_npu.backends.cpu import spec_verify as ref
+        from deepinfer_npu.backends.cpu.logits_processors import apply_post_temperature, apply_pre_temperature
         from deepinfer_npu.backends.cpu.sampling import compute_logprobs, top_k_top_p_mask
 
         from deepinfer_npu.sampling.rng import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE
@@ -246,6 +247,8 @@ class TileLangAscendKernels:
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
         if ban_mask is not None:
             logits = logits.masked_fill(ban_mask, float("-inf"))
+        if t.needs_processing:  # bias and penalties, as the reference (torch ops)
+            logits = apply_pre_temperature(logits, t)
         counts = torch.zeros(num_rows, dtype=i64, device=device).index_add_(
             0, row_of_token, torch.ones_like(row_of_token))
         cu = torch.zeros(num_rows + 1, dtype=i32, device=device)
@@ -263,7 +266,7 @@ class TileLangAscendKernels:
             target_tokens, emitted, accepted = target.to(i64), emitted.to(i64), accepted.to(i64)
         else:
             safe = draft_next.clamp(min=0)
-            scaled = logits / t.temperature[:, None]
+            scaled = apply_post_temperature(logits / t.temperature[:, None], t)
             if t.need_top_k or t.need_top_p:
                 keep = top_k_top_p_mask(scaled, t.top_k, t.top_p, t.need_top_k, t.need_top_p)
                 scaled = scaled.masked_fill(~keep, float("-inf"))

@@ -5,15 +5,17 @@ what :func:`sample` draws; :func:`sample` is the oracle the sampling tests compa
 
 For a random row with temperature ``T``:
 
-1. ``z = logits / T`` (after ``min_tokens`` bans set some logits to ``-inf``);
+1. ``z = logits / T`` (after ``min_tokens`` bans set some logits to ``-inf``, and the logit bias and penalties
+   of ``logits_processors.py`` were applied), then ``min_p`` removes unlikely tokens of ``softmax(z)``;
 2. top-k keeps the ``k`` largest ``z`` (ties: lower token id first, via a stable descending sort);
 3. top-p, on the softmax of the kept ``z``, keeps the shortest prefix of that order whose mass reaches ``p``
    (a token is kept iff the mass strictly before it is ``< p``; the top token is always kept);
 4. the token is ``argmax(z_kept + g)`` with Gumbel noise ``g = -log(-log(u))``, ``u`` from the hash RNG keyed
    by the row's ``(seed, offset)`` — an exact sample from ``softmax(z)`` restricted to the kept tokens.
 
-Greedy rows take ``argmax(logits)`` (lowest id on ties). Logprobs are those of the raw distribution
-``log_softmax(logits)`` (temperature 1, unfiltered, before bans), as vLLM returns by default.
+Greedy rows take ``argmax(logits)`` (lowest id on ties; after bans, bias and penalties). Logprobs are those of
+the raw distribution ``log_softmax(logits)`` (temperature 1, unfiltered, before bans and the processors), as vLLM
+returns by default.
 Every step is a pure function of the inputs, so other backends can be tested against this one bit for bit
 (up to the last ulp of ``log``).
 """
@@ -24,6 +26,8 @@ import torch
 
 from deepinfer_npu.sampling.metadata import LogprobsTensors, SamplerOutput, SamplingTensors
 from deepinfer_npu.sampling.rng import STREAM_SAMPLE, hash_uniform
+
+from .logits_processors import apply_post_temperature, apply_pre_temperature
 
 # The op's types are re-exported here: ``SamplingTensors`` in, ``SamplerOutput`` out.
 __all__ = [
@@ -105,13 +109,15 @@ def sample(logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.banned_rows is not None and t.banned_token_ids is not None:
         logits = logits.clone()
         logits[t.banned_rows, t.banned_token_ids] = float("-inf")
+    if t.needs_processing:
+        logits = apply_pre_temperature(logits, t)
 
     greedy_ids = logits.argmax(dim=-1) if not t.all_random else None
     if t.all_greedy:
         assert greedy_ids is not None
         token_ids = greedy_ids
     else:
-        scaled = logits / t.temperature[:, None]
+        scaled = apply_post_temperature(logits / t.temperature[:, None], t)
         if t.need_top_k or t.need_top_p:
             keep = top_k_top_p_mask(scaled, t.top_k, t.top_p, t.need_top_k, t.need_top_p)
             scaled = scaled.masked_fill(~keep, float("-inf"))

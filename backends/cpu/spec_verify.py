@@ -10,8 +10,11 @@ for the next position (``draft_next[r]``, -1 at a row's last token) and per-toke
   rejection emit a sample of ``p_j`` with the rejected token removed (stream ``STREAM_RESIDUAL``); when every draft
   is accepted the bonus is an ordinary sample of ``p_d`` (stream ``STREAM_SAMPLE``, exactly what ``sample`` draws).
 
-``p_j`` is the temperature / top-k / top-p distribution of the ``sample`` op (with ``min_tokens`` bans), so a row
-with no drafts reduces to ``sample``. The output distribution of every emitted token equals the target's.
+``p_j`` is the temperature / top-k / top-p distribution of the ``sample`` op (with ``min_tokens`` bans, and the
+logit bias, penalties and ``min_p`` of ``logits_processors.py``), so a row with no drafts reduces to ``sample``.
+For penalties, the caller's ``t.output_counts`` row of token ``j`` already counts the drafts before ``j``
+(the row's tokens are a continuation being verified), so every position is judged exactly as if decoded alone.
+The output distribution of every emitted token equals the target's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from deepinfer_npu.sampling.rng import (
     hash_uniform_cols,
 )
 
+from .logits_processors import apply_post_temperature, apply_pre_temperature
 from .sampling import compute_logprobs, top_k_top_p_mask
 
 
@@ -69,6 +73,8 @@ def spec_verify(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_num_logprobs is not None else None
     if ban_mask is not None:
         logits = logits.masked_fill(ban_mask, float("-inf"))
+    if t.needs_processing:
+        logits = apply_pre_temperature(logits, t)
     has_draft = draft_next >= 0
     safe_draft = draft_next.clamp(min=0)
 
@@ -77,7 +83,7 @@ def spec_verify(
     bonus = greedy_tok
     residual = greedy_tok
     if not t.all_greedy:
-        scaled = logits / t.temperature[:, None]
+        scaled = apply_post_temperature(logits / t.temperature[:, None], t)
         if t.need_top_k or t.need_top_p:
             keep = top_k_top_p_mask(scaled, t.top_k, t.top_p, t.need_top_k, t.need_top_p)
             scaled = scaled.masked_fill(~keep, float("-inf"))

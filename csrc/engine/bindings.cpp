@@ -190,10 +190,12 @@ PYBIND11_MODULE(_core, m) {
           "Queue a request (WAITING, FIFO). max_new_tokens bounds reservations only; Python decides when it "
           "finishes (finish()).")
       .def("fork_seq", &Scheduler::fork_seq, py::arg("parent_id"), py::arg("child_id"),
-           py::arg("max_new_tokens") = -1,
+           py::arg("max_new_tokens") = -1, py::arg("last_token") = -1,
            "Child shares the parent's blocks and state slot (pinned), PROMPTED; copy-on-write (last partial "
            "block and the slot) happens in the child's first decode step (clone_blocks / clone_states). "
-           "max_new_tokens: the child's limit counted from the prompt (-1: the parent's).")
+           "max_new_tokens: the child's limit counted from the prompt (-1: the parent's). last_token >= 0 replaces "
+           "the child's last token (its own first sample when forked right after the parent's prefill, n > 1); "
+           "the parent's last token must not be computed yet.")
       .def("abort", &Scheduler::abort, py::arg("seq_id"),
            "Abort in any state (including in flight); frees at once. False if unknown or already finished.")
       .def("finish", &Scheduler::finish, py::arg("seq_id"), py::arg("status"),

@@ -190,7 +190,7 @@ void Scheduler::add_seq(int64_t seq_id, const int32_t* prompt, int64_t prompt_le
   finished_status_.erase(seq_id);
 }
 
-void Scheduler::fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_tokens) {
+void Scheduler::fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_tokens, int32_t last_token) {
   if (max_new_tokens == 0 || max_new_tokens < -1 || max_new_tokens > INT32_MAX / 2) {
     throw std::invalid_argument("fork_seq: max_new_tokens must be >= 1, or -1 for the parent's (got " +
                                 std::to_string(max_new_tokens) + ")");
@@ -204,9 +204,16 @@ void Scheduler::fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_to
   }
   if (by_id_.count(child_id))
     throw std::invalid_argument("fork_seq: child id " + id_str(child_id) + " is already in use");
+  // last_token >= 0: the child's own last output token (a sample of its own at the parent's prompt end, n > 1).
+  // Only a token not yet in the KV cache can be replaced: the parent must not have computed its last token.
+  if (last_token >= 0 && (p->len() <= p->num_prompt_tokens || p->num_computed_tokens >= p->len())) {
+    throw std::invalid_argument("fork_seq: last_token needs a parent whose last token is an output token not "
+                                "yet computed (parent " + id_str(parent_id) + ")");
+  }
   Sequence* c = new_seq();
   c->seq_id = child_id;
   c->tokens = p->tokens;
+  if (last_token >= 0) c->tokens.back() = last_token;
   c->num_prompt_tokens = p->num_prompt_tokens;
   // The child's own generation limit (counted from the same prompt); -1 keeps the parent's.
   c->max_new_tokens = max_new_tokens == -1 ? p->max_new_tokens : max_new_tokens;

@@ -52,7 +52,7 @@ class Scheduler {
   Scheduler& operator=(const Scheduler&) = delete;
 
   void add_seq(int64_t seq_id, const int32_t* prompt, int64_t prompt_len, int64_t max_new_tokens);
-  void fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_tokens = -1);
+  void fork_seq(int64_t parent_id, int64_t child_id, int64_t max_new_tokens = -1, int32_t last_token = -1);
   bool abort(int64_t seq_id);
   bool finish(int64_t seq_id, SeqStatus status);
   int32_t prefill_vote();

@@ -68,6 +68,10 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
     next_tokens = np.full(n, -1, dtype=np.int64)
     caps = np.zeros(n, dtype=np.int64)
     max_lp = None
+    fork_seeds: list[list[int]] = [[] for _ in range(n)]
+    prompt_lp = np.full(n, -1, dtype=np.int64)
+    uses_penalties = False
+    rebuild: list[tuple[int, list[int], list[int]]] = []
     k = nextn
     for i, seq_id in enumerate(plan.seq_ids.tolist()):
         req = requests_by_seq.get(seq_id)
@@ -84,6 +88,15 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
         ban_ids.append(min_tokens_banned_ids(p, 0, eos_ids) if p.min_tokens > 0 else [])
         if p.logprobs is not None:
             max_lp = p.logprobs if max_lp is None else max(max_lp, p.logprobs)
+        uses_penalties = uses_penalties or p.uses_penalties
+        if plan.is_prefill:
+            if plan.is_last_chunk[i] and req.fork_seeds:
+                fork_seeds[i] = list(req.fork_seeds)
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) < len(req.prompt_token_ids):
+                prompt_lp[i] = p.prompt_logprobs
+        elif req.rebuild_penalties:  # a fork's first step: its counts from the host's lists
+            rebuild.append((i, req.prompt_token_ids, req.output_token_ids[:-1]))
+            req.rebuild_penalties = False
         if plan.is_prefill and not plan.is_last_chunk[i]:
             all_tokens = req.prompt_token_ids + req.output_token_ids
             next_tokens[i] = all_tokens[int(plan.seqlens_k[i])]
@@ -97,4 +110,6 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
                 far = far and req.num_output_tokens + 2 * k1 <= p.max_tokens
             caps[i] = k if far else int(plan.seqlens_q[i]) - 1
     return StepRequests(params=params, seeds=seeds, prompt_lens=prompt_lens, min_tokens=min_tokens,
-                        ban_ids=ban_ids, next_tokens=next_tokens, draft_caps=caps, max_num_logprobs=max_lp)
+                        ban_ids=ban_ids, next_tokens=next_tokens, draft_caps=caps, max_num_logprobs=max_lp,
+                        fork_seeds=fork_seeds, prompt_logprobs=prompt_lp, uses_penalties=uses_penalties,
+                        penalty_rebuild=rebuild)

@@ -75,7 +75,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of ``prompts``.
+        """Run every prompt to completion; outputs come back in the order of ``prompts``, one ``RequestOutput``
+        per prompt holding ``SamplingParams.n`` completions.
 
         All prompts and parameters are validated before any is queued, so one bad entry raises ``ValueError`` /
         ``TypeError`` (naming its index) and leaves nothing queued. ``sampling_params=None`` takes
@@ -129,7 +130,7 @@ class LLM:
             if bar is not None:
                 bar.close(len(waiter.final), waiter.num_tokens())
         outputs = [waiter.final[rid] for rid in ids]
-        preempted = sum(1 for o in outputs if o.outputs[0].finish_reason == "preempted")
+        preempted = sum(1 for o in outputs if any(c.finish_reason == "preempted" for c in o.outputs))
         if preempted:
             logger.warning(
                 "%d of %d requests were preempted for lack of KV cache blocks and finished early "
@@ -152,7 +153,7 @@ class _Waiter:
             self.done.set()
 
     def deliver(self, out: RequestOutput) -> None:
-        self.tokens[out.request_id] = len(out.outputs[0].token_ids)
+        self.tokens[out.request_id] = sum(len(c.token_ids) for c in out.outputs)
         if out.finished:
             self.final[out.request_id] = out
             if len(self.final) == self.num_requests:

@@ -28,12 +28,13 @@ from deepinfer_npu.engine.generation_config import load_generation_defaults
 from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
 from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
 from deepinfer_npu.engine.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
-from deepinfer_npu.engine.request import Request
+from deepinfer_npu.engine.request import Request, RequestGroup
 from deepinfer_npu.engine.sampling_params import SamplingParams
 from deepinfer_npu.engine.stop_checker import StopChecker
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+from deepinfer_npu.sampling import derive_seed
 from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -183,19 +184,33 @@ class LLMEngine:
     def _enqueue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                  output_sink: OutputSink | None) -> None:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
-        req = Request(request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=ids,
-                      params=params, seed=seed)
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        if params.logprobs is not None:
-            req.logprobs = []
-            req.cumulative_logprob = 0.0
-        req.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(ids))
-        self._next_seq_id += 1
+        req = self._new_request(request_id, text, ids, params, seed)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        if params.n > 1:  # completions 1..n-1 fork off this one at the prompt's end, each with its own seed
+            req.group = RequestGroup(request_id, params.n, [req])
+            req.fork_seeds = [derive_seed(seed, i) for i in range(1, params.n)]
         self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
         self._requests[request_id] = req
         self._by_seq[req.seq_id] = req
         self._router.register(request_id, output_sink)
+
+    def _new_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                     seed: int) -> Request:
+        """A Request with its detokenizer, stop checker and logprob lists, on a new sequence id."""
+        req = Request(request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=list(ids),
+                      params=params, seed=seed)
+        self._next_seq_id += 1
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                                     params.skip_special_tokens)
+        if params.logprobs is not None:
+            req.logprobs = []
+            req.cumulative_logprob = 0.0
+        req.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(ids))
+        if params.uses_penalties:  # the device token counts exist from the first request that needs them
+            self.worker.slots.enable_penalties(self.vocab_size)
+        return req
 
     def _max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         # max_tokens=None: limited by max_model_len only (a prompt too long for it is ignored by the scheduler).
@@ -203,15 +218,16 @@ class LLMEngine:
 
     def _check_params(self, request_id: str, params: SamplingParams) -> None:
         """Checks that need the model (SamplingParams validated the rest at construction)."""
-        if params.n != 1:
-            raise ValueError(
-                f"request {request_id!r}: n={params.n} is not supported yet (one completion per request); "
-                "use LLMEngine.fork_request to branch a running request"
-            )
         bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
         if bad:
             raise ValueError(
                 f"request {request_id!r}: stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
+            )
+        bad = sorted(t for t in params.logit_bias or {} if t >= self.vocab_size)
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias token id(s) {bad} are outside the vocabulary "
+                f"[0, {self.vocab_size})"
             )
 
     @functools.cached_property
@@ -248,19 +264,14 @@ class LLMEngine:
         if status not in (_core.SeqStatus.PROMPTED, _core.SeqStatus.RUNNING):
             raise ValueError(f"fork_request: parent {parent_id!r} has not finished its prefill (status {status})")
         params = sampling_params if sampling_params is not None else parent.params
+        if params.n != 1:
+            raise ValueError(f"fork_request: a forked request is one completion (n=1), got n={params.n}")
         self._check_params(child_id, params)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
-        child = Request(request_id=child_id, seq_id=self._next_seq_id, prompt=parent.prompt,
-                        prompt_token_ids=list(parent.prompt_token_ids), params=params, seed=seed)
-        if self.tokenizer is not None:
-            child.detokenizer = IncrementalDetokenizer(self.tokenizer, child.prompt_token_ids,
-                                                       params.skip_special_tokens)
-        if params.logprobs is not None:
-            child.logprobs, child.cumulative_logprob = [], 0.0
-        child.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(child.prompt_token_ids))
+        child = self._new_request(child_id, parent.prompt, parent.prompt_token_ids, params, seed)
+        child.rebuild_penalties = params.uses_penalties
         child_max = self._max_new_tokens(params, len(child.prompt_token_ids))
         self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max)
-        self._next_seq_id += 1
         self._requests[child_id] = child
         self._by_seq[child.seq_id] = child
         if parent.output_token_ids:
@@ -283,11 +294,13 @@ class LLMEngine:
         with self.lock:
             for rid in ids:
                 req = self._requests.get(str(rid))
-                if req is None or req.finished:
+                if req is None or req.done:
                     continue
-                self.scheduler.abort(req.seq_id)
+                for member in (req.group.members if req.group is not None else [req]):
+                    if not member.finished:
+                        self.scheduler.abort(member.seq_id)
+                        self._finish(member, "abort", message="aborted by the caller", notify_scheduler=False)
                 self.stats["aborted_requests"] += 1
-                self._finish(req, "abort", message="aborted by the caller", notify_scheduler=False)
                 self._pending_outputs.append(self._make_output(req))
 
     def has_unfinished_requests(self) -> bool:
@@ -411,14 +424,54 @@ class LLMEngine:
             counts = np.array([len(t) for t in res.token_ids], dtype=np.int32)
             flat = np.array([t for toks in res.token_ids for t in toks], dtype=np.int32)
             self.scheduler.update(res.seq_ids, counts, flat)
+            touched: dict[str, Request] = {}  # one output per request (a group's completions share it)
             for i, seq_id in enumerate(res.seq_ids.tolist()):
                 req = self._by_seq.get(seq_id)
                 tokens = res.token_ids[i]
-                if req is None or req.finished or not tokens:
+                if req is None or req.finished:
                     continue
+                if i in res.prompt_logprobs:
+                    self._append_prompt_logprobs(req, res.prompt_logprobs[i])
+                if not tokens:
+                    continue
+                forked = self._fork_completions(req, res.fork_tokens[i]) if i in res.fork_tokens else []
                 self._append_tokens(req, tokens, res.logprobs[i] if res.logprobs else None)
-                outputs.append(self._make_output(req))
+                for child, (token, entry) in forked:
+                    self._append_tokens(child, [token], [entry] if entry is not None else None)
+                touched.setdefault(req.request_id, req)
+            outputs += [self._make_output(req) for req in touched.values()]
         return outputs
+
+    def _fork_completions(self, parent: Request, samples: list[tuple]) -> list[tuple[Request, tuple]]:
+        """Completions ``1..n-1`` of ``parent``'s group, forked at its prompt's end: each shares the prompt's KV
+        blocks copy-on-write and starts from its own first sample (``samples[i-1]``: token, logprob entry)."""
+        if not parent.fork_seeds or parent.group is None:
+            return []
+        forked = []
+        child_max = self._max_new_tokens(parent.params, len(parent.prompt_token_ids))
+        for index, (seed, sample) in enumerate(zip(parent.fork_seeds, samples), start=1):
+            child = self._new_request(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.params,
+                                      seed)
+            child.index, child.group = index, parent.group
+            child.prompt_logprobs = parent.prompt_logprobs
+            child.rebuild_penalties = parent.params.uses_penalties
+            self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max, last_token=int(sample[0]))
+            parent.group.members.append(child)
+            self._by_seq[child.seq_id] = child
+            forked.append((child, sample))
+        parent.fork_seeds = []
+        return forked
+
+    def _append_prompt_logprobs(self, req: Request, entries: list[tuple]) -> None:
+        """Prompt positions computed by a prefill chunk, in order (a recomputed prompt adds nothing)."""
+        if req.prompt_logprobs is None:
+            return
+        prompt = req.prompt_token_ids
+        for lp, rank, top_ids, top_lps in entries:
+            pos = len(req.prompt_logprobs)
+            if pos >= len(prompt):
+                break
+            req.prompt_logprobs.append(self._logprob_dict(prompt[pos], (lp, rank, top_ids, top_lps)))
 
     def _record_spec(self, res: StepResult) -> None:
         live = np.array([self._by_seq.get(int(s)) is not None for s in res.seq_ids], dtype=bool)
@@ -449,7 +502,7 @@ class LLMEngine:
         return make_logprobs_dict(top_ids, top_lps, token_id, sampled_lp, sampled_rank, decode)
 
     def _finished_by_scheduler(self, finished) -> list[RequestOutput]:
-        outputs = []
+        touched: dict[str, Request] = {}
         for seq_id, status, message in finished:
             req = self._by_seq.get(int(seq_id))
             if req is None or req.finished:
@@ -460,8 +513,8 @@ class LLMEngine:
             elif reason == "ignored":
                 self.stats["ignored_requests"] += 1
             self._finish(req, reason, message=str(message), notify_scheduler=False)
-            outputs.append(self._make_output(req))
-        return outputs
+            touched.setdefault(req.request_id, req)
+        return [self._make_output(req) for req in touched.values()]
 
     def _finish(self, req: Request, reason: str, message: str | None = None, notify_scheduler: bool = True):
         req.finished = True
@@ -472,26 +525,43 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         if notify_scheduler and reason in _FINISH_STATUS:
             self.scheduler.finish(req.seq_id, _FINISH_STATUS[reason])
-        self._requests.pop(req.request_id, None)
         self._by_seq.pop(req.seq_id, None)
+        if req.group is not None and req.fork_seeds:  # ended before its prompt did: so do the other completions
+            for index in range(1, req.group.n):
+                twin = Request(request_id=req.request_id, seq_id=-1, prompt=req.prompt,
+                               prompt_token_ids=req.prompt_token_ids, params=req.params, seed=req.fork_seeds[0],
+                               finished=True, finish_reason=reason, finish_message=message, index=index,
+                               group=req.group, logprobs=[] if req.logprobs is not None else None,
+                               cumulative_logprob=req.cumulative_logprob)
+                req.group.members.append(twin)
+            req.fork_seeds = []
+        if req.done:
+            self._requests.pop(req.request_id, None)
 
     def _make_output(self, req: Request) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=req.output_text,
-            token_ids=list(req.output_token_ids),
-            cumulative_logprob=req.cumulative_logprob,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            finish_message=req.finish_message,
-        )
+        """The request's cumulative output: one CompletionOutput per completion (``n``), finished when all are."""
+        members = req.group.members if req.group is not None else [req]
+        completions = [
+            CompletionOutput(
+                index=m.index,
+                text=m.output_text,
+                token_ids=list(m.output_token_ids),
+                cumulative_logprob=m.cumulative_logprob,
+                logprobs=list(m.logprobs) if m.logprobs is not None else None,
+                finish_reason=m.finish_reason,
+                stop_reason=m.stop_reason,
+                finish_message=m.finish_message,
+            )
+            for m in members
+        ]
+        first = members[0]
         return RequestOutput(
             request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.finished,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=req.done,
+            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
         )
 
     # ------------------------------------------------------------------ stats

@@ -148,10 +148,12 @@ class RequestOutput:
         request_id: the id given to ``add_request`` (a string).
         prompt: the prompt text, or ``None`` when the request came as token ids.
         prompt_token_ids: the prompt's token ids.
-        outputs: one :class:`CompletionOutput` per completion.
-        finished: whether the whole request finished.
+        outputs: one :class:`CompletionOutput` per completion (``SamplingParams.n``; ``index`` 0..n-1).
+        finished: whether the whole request finished (every completion).
         metrics: optional timing information.
-        prompt_logprobs: always ``None`` for now (kept for vLLM compatibility).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: one entry per prompt token, ``None`` for the
+            first, then ``{token_id: Logprob}`` holding the prompt token (its logprob and rank under the model's
+            distribution at the previous position) and the top-``k`` there; ``None`` otherwise.
     """
 
     request_id: str

@@ -210,7 +210,9 @@ class KernelSet(abc.ABC):
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
         """Verify a decode step's drafts (greedy: longest matching prefix + bonus; sampling: lossless rejection
-        sampling with one-hot proposals) -> ``VerifyOutput``. Contract in ``backends/cpu/spec_verify.py``."""
+        sampling with one-hot proposals) -> ``VerifyOutput``. Contract in ``backends/cpu/spec_verify.py``. When
+        ``t.needs_processing`` the target distribution also gets the logit bias, penalties and ``min_p`` of
+        ``backends/cpu/logits_processors.py`` (every backend calls those torch functions; no host sync)."""
 
     @abc.abstractmethod
     def zos_fixup(self, seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs=None, caps=None):

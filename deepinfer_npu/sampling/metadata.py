@@ -56,6 +56,12 @@ class SamplingTensors:
         banned_rows / banned_token_ids: int64 [K] pairs ``(row, token)`` whose logit is set to ``-inf`` before
             sampling (``min_tokens``); ``None`` when there are none.
         all_greedy / all_random / need_top_k / need_top_p: host-side flags for fast paths.
+        presence_penalty / frequency_penalty / repetition_penalty: float32 [B] when some row uses a penalty
+            (``need_penalties``), else None; ``output_counts`` int32 [B, V] (tokens this completion generated
+            before the sampled one) and ``prompt_mask`` bool [B, V] (tokens of its prompt) are set by the worker
+            from its device state.
+        min_p: float32 [B] when some random row uses it (``need_min_p``), else None.
+        logit_bias: float32 [B, V] dense biases when some row has a ``logit_bias``, else None.
     """
 
     temperature: torch.Tensor
@@ -71,6 +77,27 @@ class SamplingTensors:
     all_random: bool = False
     need_top_k: bool = False
     need_top_p: bool = False
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    logit_bias: torch.Tensor | None = None
+
+    @property
+    def need_penalties(self) -> bool:
+        return self.presence_penalty is not None
+
+    @property
+    def need_min_p(self) -> bool:
+        return self.min_p is not None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Some row uses a penalty, ``min_p`` or ``logit_bias`` (the processors of
+        ``backends/cpu/logits_processors.py`` run); False keeps the plain sampling path."""
+        return self.presence_penalty is not None or self.min_p is not None or self.logit_bias is not None
 
     @property
     def num_rows(self) -> int:
@@ -144,6 +171,26 @@ class SamplingTensors:
             return host.pin_memory().to(device, non_blocking=True)  # no pageable (blocking) copy on devices
 
         random_rows = [not g for g in greedy]
+        extra = {}
+        if any(p.uses_penalties for p in params):
+            extra["presence_penalty"] = t([p.presence_penalty for p in params], torch.float32)
+            extra["frequency_penalty"] = t([p.frequency_penalty for p in params], torch.float32)
+            extra["repetition_penalty"] = t([p.repetition_penalty for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p, r in zip(params, random_rows) if r):
+            extra["min_p"] = t([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+        if any(p.logit_bias for p in params):
+            if vocab_size is None:
+                raise ValueError("logit_bias needs vocab_size")
+            b_rows, b_ids, b_vals = [], [], []
+            for row, p in enumerate(params):
+                for tid, v in (p.logit_bias or {}).items():
+                    if 0 <= tid < vocab_size:
+                        b_rows.append(row)
+                        b_ids.append(tid)
+                        b_vals.append(v)
+            bias = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
+            bias.index_put_((t(b_rows, torch.int64), t(b_ids, torch.int64)), t(b_vals, torch.float32))
+            extra["logit_bias"] = bias
         return cls(
             temperature=t(temperature, torch.float32),
             top_k=t(top_k, torch.int64),
@@ -158,6 +205,7 @@ class SamplingTensors:
             all_random=all(random_rows),
             need_top_k=any(k > 0 for k, r in zip(top_k, random_rows) if r),
             need_top_p=any(p < 1.0 for p, r in zip(top_p, random_rows) if r),
+            **extra,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingTensors:
@@ -167,6 +215,18 @@ class SamplingTensors:
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        return replace(self, **moved)
+
+    def select_rows(self, index: torch.Tensor) -> SamplingTensors:
+        """Per-row tensors gathered by ``index`` (``index[r]`` = source row of new row ``r``): per-request rows
+        -> per-token rows of a speculative step, or a row repeated for the ``n`` first samples of a request."""
+        moved = {
+            f.name: getattr(self, f.name).index_select(0, index)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in ("banned_rows", "banned_token_ids")
+        }
+        if self.banned_rows is not None:
+            raise ValueError("select_rows: banned_rows pairs cannot be re-indexed; pass a ban mask instead")
         return replace(self, **moved)
 
 

@@ -71,6 +71,10 @@ class StepRequests:
     position of a sampled token is ``position + 1 - prompt_len``); ``min_tokens`` and ``ban_ids`` (EOS and stop
     ids banned while fewer than ``min_tokens`` tokens were generated); ``next_tokens`` (prefill: the prompt token
     after the chunk, -1 when the chunk ends the prompt); ``draft_caps`` (decode: most drafts a row may verify).
+    Sampling controls: ``fork_seeds`` (prefill: per row the seeds of completions ``1..n-1`` sampled at the prompt's
+    end, empty for most rows); ``prompt_logprobs`` (prefill: per row ``k`` or -1); ``uses_penalties`` (some row
+    has a penalty: the worker keeps its device counts); ``penalty_rebuild`` (decode: ``(row, prompt ids, output
+    ids before the last)`` of forked rows whose counts are rebuilt from the host lists).
     """
 
     params: list
@@ -81,6 +85,10 @@ class StepRequests:
     next_tokens: np.ndarray
     draft_caps: np.ndarray
     max_num_logprobs: int | None = None
+    fork_seeds: list[list[int]] | None = None
+    prompt_logprobs: np.ndarray | None = None
+    uses_penalties: bool = False
+    penalty_rebuild: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -90,7 +98,9 @@ class StepResult:
     ``token_ids[i]`` holds the tokens emitted for ``seq_ids[i]`` (empty for a prefill chunk that does not finish
     its prompt). ``logprobs[i]`` is a list (one entry per emitted token) of ``(sampled_logprob, sampled_rank,
     top_ids, top_logprobs)`` or None. Decode steps also report per row the drafts verified and accepted, and the
-    confidences of the drafts proposed for the next step (``draft_probs``, rows that proposed).
+    confidences of the drafts proposed for the next step (``draft_probs``, rows that proposed). Prefill steps
+    may carry ``fork_tokens`` (row -> ``[(token, logprob entry or None)]``: the first tokens of completions
+    ``1..n-1``) and ``prompt_logprobs`` (row -> one logprob entry per prompt token predicted in the chunk).
     """
 
     step_id: int
@@ -103,6 +113,8 @@ class StepResult:
     num_accepted: np.ndarray | None = None
     draft_probs: np.ndarray | None = None
     proposing_rows: np.ndarray | None = None
+    fork_tokens: dict[int, list[tuple]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[tuple]] = field(default_factory=dict)
     num_tokens: int = 0
     forward_ms: float = 0.0
     sample_ms: float = 0.0
@@ -125,6 +137,11 @@ class DeviceStepState:
     logprob_rows: torch.Tensor | None = None  # int64 [B, Qmax] logits row of each emitted token
     draft_probs: torch.Tensor | None = None
     proposing_rows: np.ndarray | None = None
+    fork_rows: list[tuple[int, int]] | None = None  # (row, number of extra first samples) of the prefill
+    fork_tokens: torch.Tensor | None = None  # int64 [E] the extra first samples, in fork_rows order
+    fork_logprobs: object | None = None  # LogprobsTensors of the extra samples
+    prompt_lp_rows: list[tuple[int, int]] | None = None  # (row, number of prompt positions) in prompt_lp order
+    prompt_lp: object | None = None  # LogprobsTensors per predicted prompt token
     sample_end_event: object | None = None
     host: dict | None = None  # host copies of the results, filled asynchronously before sample_end_event
     start_event: object | None = None  # timing event before the step's first device op (Worker.step_events)

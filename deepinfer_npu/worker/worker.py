@@ -28,7 +28,9 @@ from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
+from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
+from deepinfer_npu.worker import penalty_state
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -308,7 +310,7 @@ class Worker:
             _key, _params, t, prompt_len_of_token, planned = cached
         else:
             row = step.row_of_token
-            t = _expand(self._row_tensors(reqs, np.arange(plan.num_seqs)), row)
+            t = self._row_tensors(reqs, np.arange(plan.num_seqs)).select_rows(row)
             t.max_num_logprobs = reqs.max_num_logprobs
             prompt_len_of_token = self._dev(reqs.prompt_lens).index_select(0, row)
             planned = self._dev(plan.seqlens_q.astype(np.int64))
@@ -325,16 +327,33 @@ class Worker:
             rows = np.nonzero(plan.is_last_chunk)[0]
             ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
             anchor = self._dev(ends[rows])
-            t = self._row_tensors(reqs, rows)
             row_idx = self._dev(rows)
-            t.offsets = positions.index_select(0, anchor) + 1 - prompt_lens.index_select(0, row_idx)
+            if reqs.uses_penalties and self.slots.has_penalties:  # prompt tokens and recomputed outputs
+                slot_of_token = step.slots.index_select(0, step.row_of_token)
+                is_prompt = positions < prompt_lens.index_select(0, step.row_of_token)
+                penalty_state.record_prefill(self.slots, slot_of_token, is_prompt, step.input_ids)
+            src, seeds, fork_rows = _prefill_samples(reqs, rows)
+            m = len(src)
+            sample_rows = rows[np.asarray(src, dtype=np.int64)] if m else rows
+            t = SamplingTensors.from_params([reqs.params[i] for i in sample_rows], seeds, [0] * m,
+                                            vocab_size=self.runner.model_config.vocab_size, device=self.device)
+            offsets = positions.index_select(0, anchor) + 1 - prompt_lens.index_select(0, row_idx)
+            logits, src_idx = step.logits, torch.arange(len(rows), device=self.device)
+            if m > len(rows):
+                src_idx = self._dev(np.asarray(src, dtype=np.int64))
+                logits, offsets = logits.index_select(0, src_idx), offsets.index_select(0, src_idx)
+            t.offsets = offsets
             t.max_num_logprobs = reqs.max_num_logprobs
-            ban = self._ban_mask(reqs, torch.arange(len(rows), device=self.device), t.offsets, rows)
-            vo = self.kernels.spec_verify(step.logits, torch.full((len(rows),), -1, dtype=torch.int64,
-                                          device=self.device), torch.arange(len(rows), device=self.device),
-                                          torch.zeros(len(rows), dtype=torch.int64, device=self.device),
-                                          len(rows), 1, t, ban)
-            sampled = vo.emitted[:, 0]
+            if t.need_penalties:
+                t.output_counts, t.prompt_mask = penalty_state.row_counts(
+                    self.slots, step.slots.index_select(0, self._dev(sample_rows)))
+            ban = self._ban_mask(reqs, src_idx, t.offsets, rows)
+            vo = self.kernels.spec_verify(logits, torch.full((m,), -1, dtype=torch.int64, device=self.device),
+                                          torch.arange(m, device=self.device),
+                                          torch.zeros(m, dtype=torch.int64, device=self.device), m, 1, t, ban)
+            sampled = vo.emitted[: len(rows), 0]
+            if fork_rows:
+                step.fork_rows, step.fork_tokens = fork_rows, vo.emitted[len(rows):, 0]
             emitted = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
             emitted[row_idx, 0] = sampled
             step.emitted, step.num_emitted = emitted, self._dev(plan.is_last_chunk.astype(np.int64))
@@ -347,6 +366,7 @@ class Worker:
             chunk_ends = self._dev(ends)
             target[chunk_ends] = self._dev(reqs.next_tokens)
             target[anchor] = sampled
+            self._launch_prompt_logprobs(step, reqs, target)
             bonus, bonus_slots = sampled, step.slots.index_select(0, row_idx)
             self.slots.correction.index_fill_(0, bonus_slots, 0)
             step.proposing_rows = rows
@@ -355,7 +375,17 @@ class Worker:
             t, prompt_len_of_token, planned = self._decode_sampling_inputs(step, reqs)
             t.offsets = positions + 1 - prompt_len_of_token
             ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
-            vo = self.kernels.spec_verify(step.logits, step.draft_next, row, j, n, max(self.k + 1, 1), t, ban)
+            max_q = max(self.k + 1, 1)
+            if t.need_penalties:
+                if reqs.penalty_rebuild:
+                    self._rebuild_penalty_rows(plan, reqs)
+                slot_of_token = step.slots.index_select(0, row)
+                t.output_counts, t.prompt_mask = penalty_state.decode_counts(
+                    self.slots, slot_of_token, row, j, step.input_ids, n, max_q)
+            vo = self.kernels.spec_verify(step.logits, step.draft_next, row, j, n, max_q, t, ban)
+            if t.need_penalties:
+                penalty_state.record_decode(self.slots, slot_of_token, j, vo.accepted.index_select(0, row),
+                                            step.input_ids)
             cu = attn.cu_seqlens_q.to(torch.int64)
             anchor = cu[:-1] + vo.accepted
             bonus = vo.emitted.gather(1, vo.accepted[:, None]).squeeze(1)
@@ -389,6 +419,35 @@ class Worker:
         # Free what post-processing does not need (activations can be large).
         step.hidden = step.captured = step.logits = None
 
+    def _rebuild_penalty_rows(self, plan: StepPlan, reqs: StepRequests) -> None:
+        """Forked rows' penalty counts from the host's token lists (the parent's slot may have moved on)."""
+        slots = plan.state_slots.astype(np.int64)
+        rows = [r for r, _, _ in reqs.penalty_rebuild]
+        p_slots = np.concatenate([np.full(len(p), slots[r], np.int64) for r, p, _ in reqs.penalty_rebuild])
+        p_ids = np.concatenate([np.asarray(p, np.int64) for _, p, _ in reqs.penalty_rebuild])
+        o_slots = np.concatenate([np.full(len(o), slots[r], np.int64) for r, _, o in reqs.penalty_rebuild])
+        o_ids = np.concatenate([np.asarray(o, np.int64) for _, _, o in reqs.penalty_rebuild])
+        penalty_state.rebuild(self.slots, *self._dev_many([(slots[rows], torch.int64), (p_slots, torch.int64),
+                                                           (p_ids, torch.int64), (o_slots, torch.int64),
+                                                           (o_ids, torch.int64)]))
+
+    def _launch_prompt_logprobs(self, step: DeviceStepState, reqs: StepRequests, target: torch.Tensor) -> None:
+        """Prefill rows with ``prompt_logprobs``: the logprobs of each prompt token this chunk predicts (every
+        chunk token's next token, except the sample after the prompt's last token)."""
+        if reqs.prompt_logprobs is None:
+            return
+        plan = step.plan
+        wanted = np.nonzero(reqs.prompt_logprobs >= 0)[0]
+        if not wanted.size:
+            return
+        starts = plan.row_starts
+        counts = plan.seqlens_q.astype(np.int64)[wanted] - plan.is_last_chunk[wanted].astype(np.int64)
+        index = np.concatenate([np.arange(starts[i], starts[i] + c) for i, c in zip(wanted, counts)])
+        step.prompt_lp_rows = [(int(i), int(c)) for i, c in zip(wanted, counts)]
+        rows = self._dev(index)
+        step.prompt_lp = prompt_logprobs(lambda r: self.runner.logits(step.hidden, r), rows,
+                                         target.index_select(0, rows), int(reqs.prompt_logprobs.max()))
+
     # ---------------------------------------------------------------- phase 2 / 4
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the
@@ -414,6 +473,12 @@ class Worker:
                              sampled_rank=h(lp.sampled_rank), top_ids=h(lp.top_ids), top_logprobs=h(lp.top_logprobs))
         if step.draft_probs is not None:
             step.host["draft_probs"] = h(step.draft_probs)
+        if step.fork_tokens is not None:
+            step.host["fork_tokens"] = h(step.fork_tokens)
+        if step.prompt_lp is not None:
+            lp = step.prompt_lp
+            step.host.update(plp_logprob=h(lp.sampled_logprob), plp_rank=h(lp.sampled_rank),
+                             plp_top_ids=h(lp.top_ids), plp_top_logprobs=h(lp.top_logprobs))
 
     def _post_process(self, step: DeviceStepState) -> StepResult:
         t_wait = time.perf_counter()
@@ -443,6 +508,28 @@ class Worker:
             result.num_drafts = host["seqlens_q"].numpy().astype(np.int64) - 1
             result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
             result.num_accepted = host["accepted"].numpy()
+        if step.fork_rows:  # the first tokens of completions 1..n-1 (sampled after the main rows)
+            tokens = host["fork_tokens"].tolist()
+            lp_row = int((plan.is_last_chunk).sum())
+            pos = 0
+            for row, count in step.fork_rows:
+                entries = []
+                for tok in tokens[pos:pos + count]:
+                    entry = None
+                    if step.logprobs is not None:
+                        entry = (sampled[lp_row], rank[lp_row], top_ids[lp_row], top_lps[lp_row])
+                    entries.append((tok, entry))
+                    pos += 1
+                    lp_row += 1
+                result.fork_tokens[row] = entries
+        if step.prompt_lp is not None:
+            lps, ranks = host["plp_logprob"].tolist(), host["plp_rank"].tolist()
+            p_ids, p_lps = host["plp_top_ids"].tolist(), host["plp_top_logprobs"].tolist()
+            pos = 0
+            for row, count in step.prompt_lp_rows:
+                result.prompt_logprobs[row] = [(lps[r], ranks[r], p_ids[r], p_lps[r])
+                                               for r in range(pos, pos + count)]
+                pos += count
         if step.draft_probs is not None:
             result.draft_probs = host["draft_probs"].float().numpy()
             result.proposing_rows = step.proposing_rows
@@ -450,10 +537,18 @@ class Worker:
         return result
 
 
-def _expand(t: SamplingTensors, index: torch.Tensor) -> SamplingTensors:
-    """Per-request sampling tensors -> per-token rows (``index[r]`` = request row of token ``r``)."""
-    fields = ("temperature", "top_k", "top_p", "is_greedy", "seeds", "offsets")
-    return replace(t, **{f: getattr(t, f).index_select(0, index) for f in fields})
+def _prefill_samples(reqs: StepRequests, rows: np.ndarray) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """A prefill's sampled rows: one per prompt that ends in the step (``rows``), then the first tokens of the
+    completions 1..n-1 of ``n > 1`` requests. -> (index into ``rows`` per sample, seed per sample,
+    ``(plan row, number of extra samples)`` per forking row)."""
+    src, seeds, fork_rows = list(range(len(rows))), [reqs.seeds[i] for i in rows], []
+    for r, i in enumerate(rows):
+        extra = reqs.fork_seeds[i] if reqs.fork_seeds is not None else ()
+        if extra:
+            fork_rows.append((int(i), len(extra)))
+            src += [r] * len(extra)
+            seeds += list(extra)
+    return src, seeds, fork_rows
 
 
 def dummy_plan(is_prefill: bool) -> StepPlan:

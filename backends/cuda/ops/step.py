@@ -1,7 +1,8 @@
 """The step's small kernels, each where its module's ``reason`` accepts the step, else the reference op on CUDA
 tensors (sync-free): ``spec_verify`` (row arg-max + one accept kernel: all-greedy steps, and temperature rows
-without drafts, no logprobs, bans or top-k / top-p), ``zos_fixup`` (the seqlens_k correction and the varlen
-re-split in one launch), ``decode_inputs`` (one launch for the ~45 small torch ops of the reference)."""
+without drafts, no logprobs, bans, top-k / top-p, penalties, min-p or logit bias), ``zos_fixup`` (the
+seqlens_k correction and the varlen re-split in one launch), ``decode_inputs`` (one launch for the ~45 small torch
+ops of the reference)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,11 @@ class StepKernels(OpImpl):
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):
-        mod, path = self.checked("spec_verify", logits, logits, draft_next, row_of_token, j_of_token, num_rows,
-                                 max_q, t, ban_mask)
+        if t.needs_processing:  # logit bias / penalties / min_p: the reference's torch ops (sync-free)
+            mod, path = None, "reference (logit bias / penalties / min_p)"
+        else:
+            mod, path = self.checked("spec_verify", logits, logits, draft_next, row_of_token, j_of_token,
+                                     num_rows, max_q, t, ban_mask)
         if mod is None:
             self.note("spec_verify", path, False)
             return ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
