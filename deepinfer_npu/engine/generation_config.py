@@ -1,8 +1,8 @@
 """Sampling defaults from a model directory's ``generation_config.json``, read as vLLM does.
 
-vLLM takes ``temperature``, ``top_k`` and ``top_p`` from the checkpoint's generation config as the defaults of
-requests that give no ``SamplingParams`` (``do_sample`` is not consulted). Keys the sampler lacks (e.g.
-``repetition_penalty``) are left out, and so are values ``SamplingParams`` would reject, with a warning.
+vLLM takes ``temperature``, ``top_k``, ``top_p``, ``min_p`` and ``repetition_penalty`` from the checkpoint's
+generation config as the defaults of requests that give no ``SamplingParams`` (``do_sample`` is not consulted).
+Other keys are left out, and so are values ``SamplingParams`` would reject, with a warning.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from deepinfer_npu.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 GENERATION_CONFIG = "generation_config.json"
-_KEYS = ("temperature", "top_k", "top_p")
+_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
 def load_generation_defaults(model_dir: str | Path) -> dict:
-    """``{"temperature": ..., "top_k": ..., "top_p": ...}`` (only the keys present); ``{}`` without the file."""
+    """``{"temperature": ..., "top_k": ..., ...}`` (only the keys present); ``{}`` without the file."""
     path = Path(model_dir) / GENERATION_CONFIG
     if not path.is_file():
         return {}

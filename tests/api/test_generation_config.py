@@ -1,4 +1,4 @@
-"""``generation_config.json`` gives the sampling defaults (temperature, top_k, top_p) as in vLLM: for requests
+"""``generation_config.json`` gives the sampling defaults (temperature, top_k, top_p, min_p, repetition_penalty) as in vLLM: for requests
 without ``SamplingParams`` and for CLI flags left unset; the CLI says which it used."""
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ def model_dir(tmp_path_factory):
 def test_generate_without_params_uses_generation_config(model_dir):
     llm = LLM(str(model_dir))
     defaults = llm.get_default_sampling_params()
-    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.5, 7, 0.8)
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.repetition_penalty) == (0.5, 7, 0.8, 1.1)
     implicit = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, use_tqdm=False)]
     explicit = [o.outputs[0].token_ids for o in LLM(str(model_dir)).generate(
-        PROMPTS, SamplingParams(temperature=0.5, top_k=7, top_p=0.8), use_tqdm=False)]
+        PROMPTS, SamplingParams(temperature=0.5, top_k=7, top_p=0.8, repetition_penalty=1.1), use_tqdm=False)]
     assert implicit == explicit  # same engine seed, so the same per-request seeds
 
 

@@ -70,8 +70,8 @@ def test_one_llm_hammered_from_8_threads_matches_single_threaded(llm):
 
     def rejected_then_valid_thread() -> None:  # an invalid submission mid-run queues nothing
         start.wait()
-        with pytest.raises(ValueError, match="n=2"):
-            llm.generate(PROMPTS[2:4], [greedy, SamplingParams(n=2)], use_tqdm=False)
+        with pytest.raises(ValueError, match="logit_bias"):
+            llm.generate(PROMPTS[2:4], [greedy, SamplingParams(logit_bias={1_000_000: 1.0})], use_tqdm=False)
         results["last"] = _tokens(llm.generate(PROMPTS[2:4], greedy, use_tqdm=False))
 
     def guarded(fn, *args):

@@ -16,9 +16,9 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 def test_generate_rejects_bad_params_without_queuing_any(llm):
     engine = llm.llm_engine
-    with pytest.raises(ValueError, match="n=2.*index 1"):
-        llm.generate(["def f(x):\n", "import os\n"], [SamplingParams(max_tokens=4), SamplingParams(n=2)],
-                     use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias token id\(s\) \[1000000\].*index 1"):
+        llm.generate(["def f(x):\n", "import os\n"],
+                     [SamplingParams(max_tokens=4), SamplingParams(logit_bias={1_000_000: 1.0})], use_tqdm=False)
     assert engine.get_num_unfinished_requests() == 0 and not engine.has_unfinished_requests()
     outs = llm.generate(["class A:\n"], GREEDY, use_tqdm=False)
     assert [o.prompt for o in outs] == ["class A:\n"]

@@ -75,7 +75,10 @@ class _SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
-        for name in ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt_logprobs"):
+        for name in ("min_p", "repetition_penalty"):  # generation_config.json may set these defaults
+            value = getattr(self, name)
+            kwargs[name] = getattr(defaults, name) if value is None else value
+        for name in ("presence_penalty", "frequency_penalty", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -84,10 +87,7 @@ class _SamplingFields(BaseModel):
         constraint = self.structured_outputs_params()
         if constraint is not None:
             kwargs["structured_outputs"] = constraint
-        try:
-            return SamplingParams(**kwargs)
-        except TypeError as e:  # a control this engine build does not have
-            raise ValueError(str(e).replace("SamplingParams.__init__()", "this server")) from e
+        return SamplingParams(**kwargs)
 
     def structured_outputs_params(self):
         """vLLM's ``structured_outputs`` body field (``json``, ``regex``, ``choice``, ``grammar``,
