@@ -72,6 +72,7 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
     prompt_lp = np.full(n, -1, dtype=np.int64)
     uses_penalties = False
     rebuild: list[tuple[int, list[int], list[int]]] = []
+    grammars: list = [None] * n
     k = nextn
     for i, seq_id in enumerate(plan.seq_ids.tolist()):
         req = requests_by_seq.get(seq_id)
@@ -89,6 +90,7 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
         if p.logprobs is not None:
             max_lp = p.logprobs if max_lp is None else max(max_lp, p.logprobs)
         uses_penalties = uses_penalties or p.uses_penalties
+        grammars[i] = req.grammar
         if plan.is_prefill:
             if plan.is_last_chunk[i] and req.fork_seeds:
                 fork_seeds[i] = list(req.fork_seeds)
@@ -112,4 +114,4 @@ def build_step_requests(plan: StepPlan, requests_by_seq: dict, nextn: int, max_m
     return StepRequests(params=params, seeds=seeds, prompt_lens=prompt_lens, min_tokens=min_tokens,
                         ban_ids=ban_ids, next_tokens=next_tokens, draft_caps=caps, max_num_logprobs=max_lp,
                         fork_seeds=fork_seeds, prompt_logprobs=prompt_lp, uses_penalties=uses_penalties,
-                        penalty_rebuild=rebuild)
+                        penalty_rebuild=rebuild, grammars=grammars if any(g is not None for g in grammars) else None)

@@ -25,6 +25,7 @@ from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step,
 from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_npu.engine.engine_stats import SpecCounters, new_counters, stats_report
 from deepinfer_npu.engine.generation_config import load_generation_defaults
+from deepinfer_npu.engine.grammar_requests import GrammarRequests
 from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
 from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
 from deepinfer_npu.engine.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
@@ -88,6 +89,9 @@ class LLMEngine:
 
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, Request] = {}
+        self._grammars = GrammarRequests(self.tokenizer, self.vocab_size, self._eos_ids)
+        self._grammars.by_seq = self._by_seq
+        self.worker.result_listener = self._grammars.advance
         self._pending_outputs: list[RequestOutput] = []
         self._next_seq_id = 0
         self._seed_rng = np.random.default_rng(config.seed)
@@ -190,10 +194,30 @@ class LLMEngine:
         if params.n > 1:  # completions 1..n-1 fork off this one at the prompt's end, each with its own seed
             req.group = RequestGroup(request_id, params.n, [req])
             req.fork_seeds = [derive_seed(seed, i) for i in range(1, params.n)]
-        self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
+        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
+            self._grammars.start(req)
+        else:
+            self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
         self._requests[request_id] = req
         self._by_seq[req.seq_id] = req
         self._router.register(request_id, output_sink)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling enter the scheduler (or fail, naming the reason)."""
+        if not self._grammars.awaiting:
+            return
+        if not self.scheduler.has_unfinished() and not self.worker.has_pending_step:
+            self._grammars.wait(0.05)  # nothing else to run: do not spin
+        for req, error in self._grammars.take_compiled():
+            if req.finished:
+                continue
+            if error is not None:
+                self._finish(req, "abort", message=f"structured output grammar failed to compile: {error}",
+                             notify_scheduler=False)
+                self._pending_outputs.append(self._make_output(req))
+                continue
+            self.scheduler.add_seq(req.seq_id, req.prompt_token_ids,
+                                   self._max_new_tokens(req.params, len(req.prompt_token_ids)))
 
     def _new_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
                      seed: int) -> Request:
@@ -229,6 +253,7 @@ class LLMEngine:
                 f"request {request_id!r}: logit_bias token id(s) {bad} are outside the vocabulary "
                 f"[0, {self.vocab_size})"
             )
+        self._grammars.check(request_id, params)
 
     @functools.cached_property
     def _eos_ids(self) -> list[int]:
@@ -274,6 +299,9 @@ class LLMEngine:
         self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max)
         self._requests[child_id] = child
         self._by_seq[child.seq_id] = child
+        self._grammars.fork(child, parent, list(parent.output_token_ids))
+        if child.grammar is not None:
+            child.grammar.drafts = None  # the parent may be steps ahead of the drafts the child verifies first
         if parent.output_token_ids:
             # Inherited tokens go through the child's stop checks (a smaller max_tokens may end it at once).
             inherited = None
@@ -298,7 +326,10 @@ class LLMEngine:
                     continue
                 for member in (req.group.members if req.group is not None else [req]):
                     if not member.finished:
-                        self.scheduler.abort(member.seq_id)
+                        if member.grammar_future is not None:  # never scheduled: still compiling
+                            self._grammars.discard(member)
+                        else:
+                            self.scheduler.abort(member.seq_id)
                         self._finish(member, "abort", message="aborted by the caller", notify_scheduler=False)
                 self.stats["aborted_requests"] += 1
                 self._pending_outputs.append(self._make_output(req))
@@ -342,6 +373,7 @@ class LLMEngine:
         if threading.get_ident() != self._stepping_thread:
             self._bind_device_to_thread()
         t0 = time.perf_counter()
+        self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
         vote = self.scheduler.prefill_vote()
         out = self.scheduler.schedule(vote != 0)
@@ -363,6 +395,7 @@ class LLMEngine:
             self._bind_device_to_thread()
         group = self._step_group
         t0 = time.perf_counter()
+        self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
         prefill = vote_prefill(self.scheduler.prefill_vote(), group)
         out = self.scheduler.schedule(prefill)
@@ -458,6 +491,7 @@ class LLMEngine:
             self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max, last_token=int(sample[0]))
             parent.group.members.append(child)
             self._by_seq[child.seq_id] = child
+            self._grammars.fork(child, parent, [int(sample[0])])
             forked.append((child, sample))
         parent.fork_seeds = []
         return forked
@@ -490,6 +524,13 @@ class LLMEngine:
                 req.logprobs.append(self._logprob_dict(tok, entry))
                 req.logprobs_raw.append(entry)
                 req.cumulative_logprob += entry[0]
+        if reason is None and req.grammar is not None:
+            if req.grammar.failed:  # cannot happen while masks are applied; never hand out invalid output quietly
+                reason = "abort"
+                req.stop_checker.finish_message = "a generated token broke the structured output grammar"
+                logger.error("request %r: %s", req.request_id, req.stop_checker.finish_message)
+            elif req.grammar.is_terminated:
+                reason = "stop"
         if reason is not None:
             req.stop_reason = stop_reason
             self._finish(req, reason, message=req.stop_checker.finish_message)

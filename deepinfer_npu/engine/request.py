@@ -40,6 +40,8 @@ class Request:
     group: RequestGroup | None = None
     fork_seeds: list[int] = field(default_factory=list)  # seeds of completions 1..n-1 not forked yet
     rebuild_penalties: bool = False  # a fork: its device token counts are rebuilt at its first step
+    grammar: object | None = None  # structured output: its RequestGrammar once compiled
+    grammar_future: object | None = None  # structured output: the compilation it waits for (not scheduled yet)
 
     @property
     def num_output_tokens(self) -> int:

@@ -36,6 +36,9 @@ Semantics (as in vLLM):
   engine checks the ids against the vocabulary when the request is added).
 * ``prompt_logprobs``: ``None``, or ``k`` in ``0..20``: per prompt token the logprob (and rank) of that token
   plus the ``k`` most likely, from the model's distribution at the previous position (the first is ``None``).
+* ``structured_outputs``: a :class:`~deepinfer_npu.structured_output.StructuredOutputsParams` (JSON schema,
+  regex, choice, grammar or JSON object) the output must match; tokens the grammar does not allow are never
+  sampled, and the request stops when the grammar is complete.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: Any = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     #: Free-form per-request data for the caller; not interpreted by the engine.
@@ -189,6 +193,15 @@ class SamplingParams:
                 )
 
         self.logit_bias = self._verify_logit_bias(self.logit_bias)
+
+        if self.structured_outputs is not None:
+            from deepinfer_npu.structured_output import StructuredOutputsParams
+
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                                 f"got {type(self.structured_outputs).__name__}")
 
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")

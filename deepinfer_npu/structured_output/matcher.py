@@ -29,9 +29,15 @@ def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class RequestGrammar:
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.failed = False  # a kept token the grammar did not accept (only possible for a bug or a forced token)
+        self.drafts: np.ndarray | None = None  # the drafts proposed for the request's next step (speculation)
+
+    def fresh(self) -> RequestGrammar:
+        """A matcher of the same grammar at its start (a forked completion replays its own tokens)."""
+        return RequestGrammar(self.compiled, self.vocab_size)
 
     def accept(self, tokens: list[int]) -> None:
         """Advance over the tokens the request kept (stops at the grammar's end)."""

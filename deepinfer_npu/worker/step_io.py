@@ -74,7 +74,8 @@ class StepRequests:
     Sampling controls: ``fork_seeds`` (prefill: per row the seeds of completions ``1..n-1`` sampled at the prompt's
     end, empty for most rows); ``prompt_logprobs`` (prefill: per row ``k`` or -1); ``uses_penalties`` (some row
     has a penalty: the worker keeps its device counts); ``penalty_rebuild`` (decode: ``(row, prompt ids, output
-    ids before the last)`` of forked rows whose counts are rebuilt from the host lists).
+    ids before the last)`` of forked rows whose counts are rebuilt from the host lists). Structured output:
+    ``grammars`` (per row the request's ``RequestGrammar`` or None; None when no row is constrained).
     """
 
     params: list
@@ -89,6 +90,7 @@ class StepRequests:
     prompt_logprobs: np.ndarray | None = None
     uses_penalties: bool = False
     penalty_rebuild: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
+    grammars: list | None = None
 
 
 @dataclass
@@ -113,6 +115,7 @@ class StepResult:
     num_accepted: np.ndarray | None = None
     draft_probs: np.ndarray | None = None
     proposing_rows: np.ndarray | None = None
+    proposals: np.ndarray | None = None  # structured output: the drafts proposed for the next step [rows, k]
     fork_tokens: dict[int, list[tuple]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[tuple]] = field(default_factory=dict)
     num_tokens: int = 0
@@ -137,6 +140,7 @@ class DeviceStepState:
     logprob_rows: torch.Tensor | None = None  # int64 [B, Qmax] logits row of each emitted token
     draft_probs: torch.Tensor | None = None
     proposing_rows: np.ndarray | None = None
+    proposals: torch.Tensor | None = None  # structured output: drafts proposed for the next step
     fork_rows: list[tuple[int, int]] | None = None  # (row, number of extra first samples) of the prefill
     fork_tokens: torch.Tensor | None = None  # int64 [E] the extra first samples, in fork_rows order
     fork_logprobs: object | None = None  # LogprobsTensors of the extra samples

@@ -30,7 +30,7 @@ from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
-from deepinfer_npu.worker import penalty_state
+from deepinfer_npu.worker import grammar_mask, penalty_state
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
@@ -56,6 +56,9 @@ class Worker:
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
+        # Called with each step's results as soon as they are post-processed, before the next sampling is launched
+        # (the engine advances structured-output grammars there).
+        self.result_listener = None
         self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
         # Every kernel variant the steps can reach, compiled now: before any capture, and before the first step
@@ -348,6 +351,9 @@ class Worker:
                 t.output_counts, t.prompt_mask = penalty_state.row_counts(
                     self.slots, step.slots.index_select(0, self._dev(sample_rows)))
             ban = self._ban_mask(reqs, src_idx, t.offsets, rows)
+            if reqs.grammars is not None:
+                ban = grammar_mask.merge(ban, grammar_mask.prefill_banned(
+                    reqs.grammars, sample_rows, self.runner.model_config.vocab_size, self._dev))
             vo = self.kernels.spec_verify(logits, torch.full((m,), -1, dtype=torch.int64, device=self.device),
                                           torch.arange(m, device=self.device),
                                           torch.zeros(m, dtype=torch.int64, device=self.device), m, 1, t, ban)
@@ -376,6 +382,10 @@ class Worker:
             t.offsets = positions + 1 - prompt_len_of_token
             ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
             max_q = max(self.k + 1, 1)
+            if reqs.grammars is not None:
+                ban = grammar_mask.merge(ban, grammar_mask.decode_banned(
+                    reqs.grammars, n, max_q, row, j, step.draft_next, self.runner.model_config.vocab_size,
+                    self._dev))
             if t.need_penalties:
                 if reqs.penalty_rebuild:
                     self._rebuild_penalty_rows(plan, reqs)
@@ -406,6 +416,8 @@ class Worker:
                                bonus_tokens=bonus, bonus_positions=positions.index_select(0, anchor) + 1,
                                slots=bonus_slots, captured=step.captured, host_rows=step.proposing_rows)
             drafts, probs = self.drafter.propose(ctx)
+            if reqs.grammars is not None:  # the host fills the next step's masks along these drafts
+                step.proposals = drafts
             if drafts.shape[0]:
                 self.slots.drafts.index_copy_(0, bonus_slots, drafts)
                 self.slots.draft_probs.index_copy_(0, bonus_slots, probs.float())
@@ -473,6 +485,8 @@ class Worker:
                              sampled_rank=h(lp.sampled_rank), top_ids=h(lp.top_ids), top_logprobs=h(lp.top_logprobs))
         if step.draft_probs is not None:
             step.host["draft_probs"] = h(step.draft_probs)
+        if step.proposals is not None:
+            step.host["proposals"] = h(step.proposals)
         if step.fork_tokens is not None:
             step.host["fork_tokens"] = h(step.fork_tokens)
         if step.prompt_lp is not None:
@@ -533,7 +547,12 @@ class Worker:
         if step.draft_probs is not None:
             result.draft_probs = host["draft_probs"].float().numpy()
             result.proposing_rows = step.proposing_rows
+        if "proposals" in host:
+            result.proposals = host["proposals"].numpy()
+            result.proposing_rows = step.proposing_rows
         step.host = None
+        if self.result_listener is not None:
+            self.result_listener(result)
         return result
 
 
