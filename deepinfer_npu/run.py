@@ -91,11 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     dp = p.add_argument_group("multi-device")
     dp.add_argument("--data-parallel-size", type=int, default=1,
-                    help="data-parallel ranks on this host: one process and one device each")
+                    help="data-parallel ranks in all (every node runs data-parallel-size / nnodes): one process "
+                    "and one device each")
     dp.add_argument("--expert-parallel", dest="enable_expert_parallel", action=argparse.BooleanOptionalAction,
                     default=True, help="shard the routed experts over the data-parallel ranks")
     dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
                     help="seconds any wait across rank processes may take before the run stops naming the rank")
+    dp.add_argument("--nnodes", type=int, default=1, help="nodes of the deployment (torchrun's --nnodes)")
+    dp.add_argument("--node-rank", type=int, default=0,
+                    help="this node's rank; 0 runs the front-end, the others serve their ranks headless until node "
+                    "0 shuts down")
+    dp.add_argument("--master-addr", default=None,
+                    help="address of node 0, which hosts the rendezvous (needed when --nnodes > 1); None: 127.0.0.1")
+    dp.add_argument("--master-port", type=int, default=None,
+                    help="rendezvous port on node 0; None: 29500 with --nnodes > 1, a free port on one node")
 
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion, then a summary")
@@ -173,6 +182,8 @@ def _main(argv: list[str] | None) -> int:
     engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     try:
         config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
+        if config.node_rank > 0:  # no prompts here: node 0's front-end sends the requests
+            return _serve_headless(config)
         params = _sampling_params(args, config.model_dir)
     except (ValueError, FileNotFoundError) as e:
         return _error(e)
@@ -200,6 +211,24 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_headless(config) -> int:
+    """A node other than node 0: serve its ranks until node 0's front-end shuts down (exit 0 then)."""
+    from deepinfer_npu.distributed.node_server import serve_node
+    from deepinfer_npu.distributed.rank_launch import DEFAULT_MASTER_PORT, describe_ranks, node_ranks
+
+    ranks = describe_ranks(node_ranks(config, config.node_rank))
+    print(f"node {config.node_rank} of {config.nnodes}: serving {ranks} for master "
+          f"{config.master_addr}:{config.master_port or DEFAULT_MASTER_PORT} (headless: node 0 runs the front-end)",
+          file=sys.stderr, flush=True)
+    try:
+        code = serve_node(config)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: node {config.node_rank}: {e}", file=sys.stderr)
+        return 1
+    print(f"node {config.node_rank}: the front-end shut down; {ranks} stopped", file=sys.stderr, flush=True)
+    return code
 
 
 def _error(message) -> int:

@@ -95,14 +95,17 @@ class ParallelGroups:
     timeout_s: float
 
 
-def init_process_groups(cfg: DistributedConfig, dist_backend: str = "gloo") -> ParallelGroups:
-    """Join the deployment: the default (device) group on ``dist_backend`` and a gloo CPU group beside it."""
+def init_process_groups(cfg: DistributedConfig, dist_backend: str = "gloo",
+                        store: dist.Store | None = None) -> ParallelGroups:
+    """Join the deployment: the default (device) group on ``dist_backend`` and a gloo CPU group beside it.
+    ``store``: rendezvous on this store (a multi-node deployment shares node 0's) instead of ``tcp://addr:port``."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
     try:
-        dist.init_process_group(backend=dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-                                rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
+        dist.init_process_group(backend=dist_backend, rank=cfg.rank, world_size=cfg.world_size, timeout=timeout,
+                                **where)
     except Exception as exc:  # the rendezvous' own errors do not say which rank or address was involved
         raise RuntimeError(f"rank {cfg.rank}/{cfg.world_size}: could not join the process group at "
                            f"{cfg.master_addr}:{cfg.master_port} on {dist_backend} within {cfg.timeout_s:.0f} s: "
