@@ -182,8 +182,11 @@ def _main(argv: list[str] | None) -> int:
     engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     try:
         config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
-        if config.node_rank > 0:  # no prompts here: node 0's front-end sends the requests
-            return _serve_headless(config)
+        from deepinfer_npu.distributed.torchrun import launched_by_torchrun, torchrun_config
+
+        rank = torchrun_config(config).rank if launched_by_torchrun() else None
+        if config.node_rank > 0 or rank:  # no prompts here: node 0's (rank 0's) front-end sends the requests
+            return _serve_headless(config, rank)
         params = _sampling_params(args, config.model_dir)
     except (ValueError, FileNotFoundError) as e:
         return _error(e)
@@ -213,21 +216,31 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _serve_headless(config) -> int:
-    """A node other than node 0: serve its ranks until node 0's front-end shuts down (exit 0 then)."""
+def _serve_headless(config, torchrun_rank: int | None) -> int:
+    """A node other than node 0 (or a torchrun process other than rank 0): serve its ranks until the front-end
+    shuts down (exit 0 then)."""
+    import os
+
     from deepinfer_npu.distributed.node_server import serve_node
     from deepinfer_npu.distributed.rank_launch import DEFAULT_MASTER_PORT, describe_ranks, node_ranks
+    from deepinfer_npu.distributed.torchrun import serve_rank
 
-    ranks = describe_ranks(node_ranks(config, config.node_rank))
-    print(f"node {config.node_rank} of {config.nnodes}: serving {ranks} for master "
-          f"{config.master_addr}:{config.master_port or DEFAULT_MASTER_PORT} (headless: node 0 runs the front-end)",
-          file=sys.stderr, flush=True)
+    if torchrun_rank:
+        where = f"DP rank {torchrun_rank} of {config.data_parallel_size} (torchrun)"
+        ranks, master = f"DP rank {torchrun_rank}", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        leader = "rank 0"
+    else:
+        where = f"node {config.node_rank} of {config.nnodes}"
+        ranks = describe_ranks(node_ranks(config, config.node_rank))
+        master, leader = f"{config.master_addr}:{config.master_port or DEFAULT_MASTER_PORT}", "node 0"
+    print(f"{where}: serving {ranks} for master {master} (headless: {leader} runs the front-end)", file=sys.stderr,
+          flush=True)
     try:
-        code = serve_node(config)
+        code = serve_rank(config) if torchrun_rank else serve_node(config)
     except (ValueError, RuntimeError) as e:
-        print(f"error: node {config.node_rank}: {e}", file=sys.stderr)
+        print(f"error: {where}: {e}", file=sys.stderr)
         return 1
-    print(f"node {config.node_rank}: the front-end shut down; {ranks} stopped", file=sys.stderr, flush=True)
+    print(f"{where}: the front-end shut down; {ranks} stopped", file=sys.stderr, flush=True)
     return code
 
 

@@ -13,6 +13,9 @@ store at ``master_addr:master_port`` and reaches each other node over a gloo con
 ``node_server``): messages to and from a remote rank travel through its node's link, so placement, replies and
 failure checks are the same for every rank.
 
+Under torchrun (``torchrun.py``) this process is rank 0 (its engine loop on a thread) and every other rank is
+a process of its own, reached the same way.
+
 Failure behaviour: a request the ranks reject raises ``ValueError`` / ``TypeError`` here and the ranks keep
 serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, or a node whose link fails, makes the
 next call raise ``RuntimeError`` naming the rank (and its node), and every rank is stopped. Rank processes ignore SIGINT: Ctrl-C reaches the
@@ -44,6 +47,7 @@ from .control_link import connect_store, control_group
 from .dp_stats import merge_rank_stats
 from .rank_launch import DEFAULT_MASTER_PORT, node_ranks, spawn_ranks
 from .remote_ranks import RemoteInbox, RemoteNode, RemoteRank
+from .torchrun import ThreadRank, launched_by_torchrun, rendezvous, torchrun_config
 
 
 def _free_port() -> int:
@@ -63,6 +67,11 @@ class DPEngine:
         if self.timeout_s <= heartbeat_s:
             raise ValueError(f"distributed_timeout_s={self.timeout_s} must exceed the heartbeat interval "
                              f"{heartbeat_s} s")
+        torchrun = launched_by_torchrun()
+        env = torchrun_config(config) if torchrun else None
+        if env is not None and env.rank != 0:
+            raise ValueError(f"RANK={env.rank}: torchrun's rank 0 runs the front-end; this process serves its rank "
+                             "with deepinfer_npu.distributed.torchrun.serve_rank(config)")
         if config.node_rank != 0:
             raise ValueError(f"node_rank={config.node_rank} runs no front-end: node 0 does; serve this node's ranks "
                              "with deepinfer_npu.distributed.node_server.serve_node(config) or python -m "
@@ -77,18 +86,27 @@ class DPEngine:
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         multi_node = config.nnodes > 1
-        self.master_addr = config.master_addr or "127.0.0.1"
-        self.master_port = master_port or config.master_port or (DEFAULT_MASTER_PORT if multi_node else _free_port())
-        # node 0 hosts the rendezvous every rank and node joins (kept for the deployment's lifetime)
-        self._store = connect_store(self.master_addr, self.master_port, self.timeout_s, host=True) if multi_node \
-            else None
-        self._procs, self._inboxes = spawn_ranks(config, ctx, self._outbox, node_rank=0,
-                                                 master_addr=self.master_addr, master_port=self.master_port,
-                                                 heartbeat_s=heartbeat_s)
         self._node_of = [rank // config.ranks_per_node for rank in range(self.world_size)]
-        if multi_node:
+        if env is not None:  # this process is rank 0; every other rank is a process of its own
+            self.master_addr, self.master_port = env.master_addr, env.master_port
+            self._store = rendezvous(env)
+            rank0 = ThreadRank(config, env, self._store, self._outbox, heartbeat_s)
+            self._procs, self._inboxes = [rank0], [rank0.inbox]
+            members = [(rank, range(rank, rank + 1), f"DP rank {rank}'s process") for rank in range(1, env.world_size)]
+        else:
+            self.master_addr = config.master_addr or "127.0.0.1"
+            self.master_port = master_port or config.master_port or (DEFAULT_MASTER_PORT if multi_node
+                                                                      else _free_port())
+            # node 0 hosts the rendezvous every rank and node joins (kept for the deployment's lifetime)
+            self._store = connect_store(self.master_addr, self.master_port, self.timeout_s, host=True) \
+                if multi_node else None
+            self._procs, self._inboxes = spawn_ranks(config, ctx, self._outbox, node_rank=0,
+                                                     master_addr=self.master_addr, master_port=self.master_port,
+                                                     heartbeat_s=heartbeat_s)
+            members = [(node, node_ranks(config, node), None) for node in range(1, config.nnodes)]
+        if members:
             try:
-                self._connect_nodes(heartbeat_s)
+                self._connect(members, heartbeat_s)
             except BaseException:
                 self.shutdown()
                 raise
@@ -117,11 +135,12 @@ class DPEngine:
                 where = f" (ranks per node: {self.config.ranks_per_node})" if self.config.nnodes > 1 else ""
                 self._fail(f"DP ranks {pending}{where} did not start within {self.timeout_s:.0f} s")
 
-    def _connect_nodes(self, heartbeat_s: float) -> None:
-        """Join the control group with every other node (waits up to the timeout for each to start)."""
-        group = control_group(self._store, 0, self.config.nnodes, self.timeout_s)
-        self._nodes = [RemoteNode(group, node, node_ranks(self.config, node), self._outbox, heartbeat_s=heartbeat_s)
-                       for node in range(1, self.config.nnodes)]
+    def _connect(self, members: list[tuple[int, range, str | None]], heartbeat_s: float) -> None:
+        """Join the control group with every other member ``(member, its ranks, label)``: nodes, or torchrun's
+        rank processes (waits up to the timeout for each to start)."""
+        group = control_group(self._store, 0, len(members) + 1, self.timeout_s)
+        self._nodes = [RemoteNode(group, member, ranks, self._outbox, heartbeat_s=heartbeat_s, label=label)
+                       for member, ranks, label in members]
         for node in self._nodes:
             self._procs += [RemoteRank(node, rank) for rank in node.ranks]
             self._inboxes += [RemoteInbox(node, rank) for rank in node.ranks]

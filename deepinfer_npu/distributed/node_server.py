@@ -35,13 +35,18 @@ def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
     outbox = ctx.Queue()  # the ranks' messages, and (tagged) the front-end's
     procs, inboxes = spawn_ranks(config, ctx, outbox, node_rank=config.node_rank, master_addr=addr,
                                  master_port=port, heartbeat_s=heartbeat_s)
-    link = None
-    try:
-        group = control_group(store, config.node_rank, config.nnodes, timeout_s)
+    return serve_ranks(store, config.node_rank, config.nnodes, procs, inboxes, outbox, ranks,
+                       timeout_s=timeout_s, heartbeat_s=heartbeat_s, front_end=front_end)
 
+
+def serve_ranks(store, member: int, members: int, procs, inboxes, outbox, ranks: range, *, timeout_s: float,
+                heartbeat_s: float, front_end: str) -> int:
+    """Join the control group as ``member`` and relay for the started ``ranks`` until the front-end's goodbye;
+    then stop them and answer with their exit codes. 0 if they all exited cleanly."""
+    try:
+        group = control_group(store, member, members, timeout_s)
         link = ControlLink(group, 0, on_message=lambda obj: outbox.put(("front_end", obj)), heartbeat_s=heartbeat_s,
-                           on_error=lambda text: outbox.put(("front_end_lost", text)),
-                           name=f"deepinfer-node{config.node_rank}")
+                           on_error=lambda text: outbox.put(("front_end_lost", text)), name=f"deepinfer-node{member}")
         _relay(link, outbox, procs, inboxes, ranks, timeout_s, front_end)
     except BaseException:
         _stop(procs, inboxes, ranks, grace_s=5.0)

@@ -13,6 +13,7 @@ import logging
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -63,8 +64,10 @@ def _bind_device(spec: RankSpec) -> None:
             os.environ[variable] = visible_device_for(spec.device_index, variable)
 
 
-def rank_main(spec: RankSpec, inbox, outbox) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front-end
+def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
+    """``store``: the rendezvous store, when the rank runs in the process that holds it (torchrun)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front-end
     try:
         _bind_device(spec)
         from deepinfer_npu.engine.llm_engine import LLMEngine
@@ -74,8 +77,11 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
         from deepinfer_npu.hal.registry import get_backend
 
         backend = get_backend(spec.config.backend)  # binds the rank's one visible device
-        store = None
-        if spec.shared_store:
+        if store is not None:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore("ranks", store)
+        elif spec.shared_store:
             import torch.distributed as dist
 
             from .control_link import connect_store

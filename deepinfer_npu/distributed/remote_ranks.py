@@ -16,8 +16,8 @@ from .rank_launch import describe_ranks
 
 
 class RemoteNode:
-    def __init__(self, group, node: int, ranks: range, outbox, *, heartbeat_s: float) -> None:
-        self.node, self.ranks = node, ranks
+    def __init__(self, group, node: int, ranks: range, outbox, *, heartbeat_s: float, label: str | None = None):
+        self.node, self.ranks, self.label = node, ranks, label
         self.exit_codes: dict[int, int] = {}
         self.lost: str | None = None  # why the link failed
         self.closed = threading.Event()  # the node said goodbye
@@ -26,7 +26,7 @@ class RemoteNode:
                                 heartbeat_s=heartbeat_s, name=f"deepinfer-node{node}")
 
     def describe(self) -> str:
-        return f"node {self.node} ({describe_ranks(self.ranks)})"
+        return self.label or f"node {self.node} ({describe_ranks(self.ranks)})"
 
     def _on_message(self, obj) -> None:
         kind = obj[0]
