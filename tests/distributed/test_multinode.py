@@ -17,8 +17,10 @@ import pytest
 
 from deepinfer_npu import LLM, SamplingParams
 from deepinfer_npu.config import EngineConfig
+from deepinfer_npu.distributed.control_link import connect_store, control_group
 from deepinfer_npu.distributed.dp_engine import DPEngine
 from deepinfer_npu.distributed.node_server import serve_node
+from deepinfer_npu.run import main as run_main
 from tests.distributed.random_checkpoints import save_random_checkpoint
 
 PROMPTS = [[(7 * i + j) % 96 for j in range(3 + i)] for i in range(4)]
@@ -61,48 +63,35 @@ def nodes():
             proc.wait()
 
 
-def test_two_node_cli_equals_one_process(model, single_tokens, nodes):
+def test_four_ranks_on_two_nodes_cli_equal_one_process(model, single_tokens, nodes):
     port = _free_port()
-    nodes.append(_run_node(model, 1, 2, port))
+    nodes.append(_run_node(model, 1, 4, port))
     ids = [a for p in PROMPTS for a in ("--prompt-token-ids", ",".join(map(str, p)))]
-    nodes.append(_run_node(model, 0, 2, port, *ids, "--max-tokens", "8", "--temperature", "0", "--json",
+    nodes.append(_run_node(model, 0, 4, port, *ids, "--max-tokens", "8", "--temperature", "0", "--json",
                            "--no-progress"))
-    front_end, headless = nodes[1], nodes[0]
+    headless, front_end = nodes
     out, err = front_end.communicate(timeout=240)
     assert front_end.returncode == 0, err[-3000:]
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [row["token_ids"] for row in rows if "token_ids" in row] == single_tokens
     _, node1_err = headless.communicate(timeout=60)  # node 1 leaves once node 0 is done
     assert headless.returncode == 0, node1_err[-3000:]
-    assert f"node 1 of 2: serving DP rank 1 for master 127.0.0.1:{port}" in node1_err
+    assert f"node 1 of 2: serving DP ranks 2..3 for master 127.0.0.1:{port}" in node1_err
 
 
-def test_four_ranks_on_two_nodes_from_python(model, single_tokens, nodes):
+def test_two_nodes_from_python_then_a_dead_node_is_named(model, single_tokens, nodes):
     port = _free_port()
-    nodes.append(_run_node(model, 1, 4, port))
-    llm = LLM(model, max_num_seqs=8, data_parallel_size=4, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+    nodes.append(_run_node(model, 1, 2, port))
+    llm = LLM(model, max_num_seqs=8, data_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
               master_port=port, distributed_timeout_s=TIMEOUT_S)
     engine = llm.llm_engine
     try:
-        assert [info["expert_weight_bytes"] for info in engine.rank_info[1:]] == [engine.rank_info[0][
-            "expert_weight_bytes"]] * 3  # 8 experts, 2 on each rank
+        # 8 experts, 4 on each rank
+        assert engine.rank_info[0]["expert_weight_bytes"] == engine.rank_info[1]["expert_weight_bytes"] > 0
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == single_tokens
-        assert engine.requests_per_rank() == [0, 0, 0, 0]
         assert llm.get_stats()["generation_tokens"] == 4 * 8
-    finally:
-        engine.shutdown()
-    _, err = nodes[0].communicate(timeout=60)
-    assert nodes[0].returncode == 0, err[-3000:]
-    assert "serving DP ranks 2..3" in err
 
-
-def test_a_dead_node_is_named(model, nodes):
-    port = _free_port()
-    nodes.append(_run_node(model, 1, 2, port))
-    engine = DPEngine(EngineConfig(model, max_num_seqs=8, data_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
-                                   master_port=port, distributed_timeout_s=TIMEOUT_S))
-    try:
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, long)
         engine.add_request("b", {"prompt_token_ids": [4, 5, 6]}, long)
@@ -117,14 +106,13 @@ def test_a_dead_node_is_named(model, nodes):
                 engine.step()
     finally:
         engine.shutdown()
-    assert all(proc.exitcode is not None for proc in engine._procs[:1])  # node 0's rank stopped too
+    assert engine._procs[0].exitcode is not None  # node 0's rank stopped too
 
 
-def test_a_node_that_never_comes_is_named(model):
-    config = EngineConfig(model, data_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=_free_port(),
-                          distributed_timeout_s=4)
-    with pytest.raises(RuntimeError, match=r"node\(s\) \[1\] did not join the control group within 4 s"):
-        DPEngine(config)
+def test_a_node_that_never_comes_is_named():
+    store = connect_store("127.0.0.1", _free_port(), 2, host=True)
+    with pytest.raises(RuntimeError, match=r"node\(s\) \[1\] did not join the control group within 2 s"):
+        control_group(store, 0, 2, 2)
 
 
 def test_a_headless_node_without_node_0_gives_up():
@@ -150,7 +138,38 @@ def test_inconsistent_arguments_are_refused(kwargs, message):
         EngineConfig(**kwargs)
 
 
-def test_cli_refuses_inconsistent_nodes():
-    r = subprocess.run([sys.executable, "-m", "deepinfer_npu.run", "--data-parallel-size", "2", "--nnodes", "2"],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "nnodes=2 needs master_addr" in r.stderr
+def test_cli_refuses_inconsistent_nodes(capsys):
+    assert run_main(["--data-parallel-size", "2", "--nnodes", "2"]) == 2
+    assert "nnodes=2 needs master_addr" in capsys.readouterr().err
+
+
+def test_torchrun_one_process_per_rank(model, single_tokens):
+    """torchrun itself starts the ranks: rank 0's process prints the completions, rank 1's serves headless."""
+    ids = [a for p in PROMPTS for a in ("--prompt-token-ids", ",".join(map(str, p)))]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "deepinfer_npu.run",
+                        "--model", model, "--data-parallel-size", "2", *ids, "--max-tokens", "8", "--temperature", "0",
+                        "--json", "--no-progress", "--distributed-timeout", str(TIMEOUT_S)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["token_ids"] for row in rows if "token_ids" in row] == single_tokens
+    assert "DP rank 1 of 2 (torchrun): serving DP rank 1 for master 127.0.0.1:" in r.stderr
+
+
+def test_torchrun_variables_must_agree(monkeypatch):
+    from deepinfer_npu.distributed.torchrun import torchrun_config
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    assert torchrun_config(EngineConfig(data_parallel_size=2)).rank == 1
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 processes, one per rank: set data_parallel_size=2"):
+        torchrun_config(EngineConfig(data_parallel_size=4))
+    with pytest.raises(ValueError, match="leave nnodes, node_rank, master_addr and master_port unset"):
+        torchrun_config(EngineConfig(data_parallel_size=2, master_port=1234))
+    with pytest.raises(ValueError, match="RANK=1: torchrun's rank 0 runs the front-end"):
+        DPEngine(EngineConfig(data_parallel_size=2))
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
+        torchrun_config(EngineConfig(data_parallel_size=2))
