@@ -33,9 +33,11 @@ def connect_store(addr: str, port: int, timeout_s: float, *, host: bool) -> dist
         raise RuntimeError(f"could not {what} {addr}:{port} within {timeout_s:.0f} s: {exc}") from exc
 
 
-def control_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> dist.ProcessGroup:
-    """The front-end + node control group (its own gloo group beside the ranks' default group)."""
+def control_group(store: dist.Store, rank: int, size: int, timeout_s: float, hello=None) -> dist.ProcessGroup:
+    """The front-end + node control group (its own gloo group beside the ranks' default group). ``hello``: an
+    object the members read with ``read_hello`` once the group is formed (a node's engine configuration)."""
     members = dist.PrefixStore("control", store)
+    members.set(f"hello/{rank}", pickle.dumps(hello))
     members.set(f"arrived/{rank}", "1")
     try:
         return dist.ProcessGroupGloo(members, rank, size, datetime.timedelta(seconds=timeout_s))
@@ -43,6 +45,10 @@ def control_group(store: dist.Store, rank: int, size: int, timeout_s: float) -> 
         missing = [r for r in range(size) if not members.check([f"arrived/{r}"])]
         who = "node 0 (the front-end)" if missing == [0] else f"node(s) {missing}"
         raise RuntimeError(f"{who} did not join the control group within {timeout_s:.0f} s: {exc}") from exc
+
+
+def read_hello(store: dist.Store, rank: int):
+    return pickle.loads(dist.PrefixStore("control", store).get(f"hello/{rank}"))
 
 
 def send_object(group: dist.ProcessGroup, obj, peer: int) -> None:

@@ -43,7 +43,7 @@ from deepinfer_npu.engine.outputs import RequestOutput
 from deepinfer_npu.engine.sampling_params import SamplingParams
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 
-from .control_link import connect_store, control_group
+from .control_link import connect_store, control_group, read_hello
 from .dp_stats import merge_rank_stats
 from .rank_launch import DEFAULT_MASTER_PORT, node_ranks, spawn_ranks
 from .remote_ranks import RemoteInbox, RemoteNode, RemoteRank
@@ -87,11 +87,10 @@ class DPEngine:
         self._outbox = ctx.Queue()
         multi_node = config.nnodes > 1
         self._node_of = [rank // config.ranks_per_node for rank in range(self.world_size)]
+        # the other nodes (torchrun: rank processes) join and are checked before this node's ranks start
         if env is not None:  # this process is rank 0; every other rank is a process of its own
             self.master_addr, self.master_port = env.master_addr, env.master_port
             self._store = rendezvous(env)
-            rank0 = ThreadRank(config, env, self._store, self._outbox, heartbeat_s)
-            self._procs, self._inboxes = [rank0], [rank0.inbox]
             members = [(rank, range(rank, rank + 1), f"DP rank {rank}'s process") for rank in range(1, env.world_size)]
         else:
             self.master_addr = config.master_addr or "127.0.0.1"
@@ -100,16 +99,22 @@ class DPEngine:
             # node 0 hosts the rendezvous every rank and node joins (kept for the deployment's lifetime)
             self._store = connect_store(self.master_addr, self.master_port, self.timeout_s, host=True) \
                 if multi_node else None
-            self._procs, self._inboxes = spawn_ranks(config, ctx, self._outbox, node_rank=0,
-                                                     master_addr=self.master_addr, master_port=self.master_port,
-                                                     heartbeat_s=heartbeat_s)
             members = [(node, node_ranks(config, node), None) for node in range(1, config.nnodes)]
-        if members:
-            try:
+        try:
+            if members:
                 self._connect(members, heartbeat_s)
-            except BaseException:
-                self.shutdown()
-                raise
+            if env is not None:
+                rank0 = ThreadRank(config, env, self._store, self._outbox, heartbeat_s)
+                self._procs, self._inboxes = [rank0], [rank0.inbox]
+            else:
+                self._procs, self._inboxes = spawn_ranks(config, ctx, self._outbox, node_rank=0,
+                                                         master_addr=self.master_addr, master_port=self.master_port,
+                                                         heartbeat_s=heartbeat_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._procs += [RemoteRank(node, rank) for node in self._nodes for rank in node.ranks]
+        self._inboxes += [RemoteInbox(node, rank) for node in self._nodes for rank in node.ranks]
         self._last_seen = [time.monotonic()] * self.world_size
         self._owner: dict[str, int] = {}
         self._load: dict[str, int] = {}
@@ -142,8 +147,24 @@ class DPEngine:
         self._nodes = [RemoteNode(group, member, ranks, self._outbox, heartbeat_s=heartbeat_s, label=label)
                        for member, ranks, label in members]
         for node in self._nodes:
-            self._procs += [RemoteRank(node, rank) for rank in node.ranks]
-            self._inboxes += [RemoteInbox(node, rank) for rank in node.ranks]
+            problem = self._config_difference(read_hello(self._store, node.node), node.describe())
+            if problem:
+                node.link.send(("refused", problem))
+                raise ValueError(problem)
+
+    # may differ between nodes: where the files are, and which node this is
+    # (the rendezvous having worked, the address and port agree)
+    _PER_NODE_FIELDS = ("model", "speculative_model", "node_rank", "master_addr", "master_port")
+
+    def _config_difference(self, theirs: EngineConfig, who: str) -> str | None:
+        for field in dataclasses.fields(EngineConfig):
+            if field.name in self._PER_NODE_FIELDS:
+                continue
+            mine, other = getattr(self.config, field.name), getattr(theirs, field.name)
+            if mine != other:
+                return (f"{who} runs {field.name}={other!r}, node 0 runs {field.name}={mine!r}: every node must pass "
+                        "the same engine options")
+        return None
 
     def _where(self, rank: int) -> str:
         return f" on node {self._node_of[rank]}" if self.config.nnodes > 1 else ""

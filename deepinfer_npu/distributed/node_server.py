@@ -35,21 +35,22 @@ def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
     outbox = ctx.Queue()  # the ranks' messages, and (tagged) the front-end's
     procs, inboxes = spawn_ranks(config, ctx, outbox, node_rank=config.node_rank, master_addr=addr,
                                  master_port=port, heartbeat_s=heartbeat_s)
-    return serve_ranks(store, config.node_rank, config.nnodes, procs, inboxes, outbox, ranks,
+    return serve_ranks(store, config.node_rank, config.nnodes, procs, inboxes, outbox, ranks, config=config,
                        timeout_s=timeout_s, heartbeat_s=heartbeat_s, front_end=front_end)
 
 
-def serve_ranks(store, member: int, members: int, procs, inboxes, outbox, ranks: range, *, timeout_s: float,
-                heartbeat_s: float, front_end: str) -> int:
-    """Join the control group as ``member`` and relay for the started ``ranks`` until the front-end's goodbye;
-    then stop them and answer with their exit codes. 0 if they all exited cleanly."""
+def serve_ranks(store, member: int, members: int, procs, inboxes, outbox, ranks: range, *, config: EngineConfig,
+                timeout_s: float, heartbeat_s: float, front_end: str) -> int:
+    """Join the control group as ``member`` (announcing ``config``, which the front-end checks against its own)
+    and relay for the started ``ranks`` until the front-end's goodbye; then stop them and answer with their exit
+    codes. 0 if they all exited cleanly."""
     try:
-        group = control_group(store, member, members, timeout_s)
+        group = control_group(store, member, members, timeout_s, hello=config)
         link = ControlLink(group, 0, on_message=lambda obj: outbox.put(("front_end", obj)), heartbeat_s=heartbeat_s,
                            on_error=lambda text: outbox.put(("front_end_lost", text)), name=f"deepinfer-node{member}")
         _relay(link, outbox, procs, inboxes, ranks, timeout_s, front_end)
     except BaseException:
-        _stop(procs, inboxes, ranks, grace_s=5.0)
+        _stop(procs, inboxes, ranks, grace_s=1.0)  # failing: the ranks may be waiting on peers that are gone
         raise
     codes = _stop(procs, inboxes, ranks, grace_s=min(timeout_s, 30.0))
     link.send(("bye", codes))
@@ -71,6 +72,8 @@ def _relay(link: ControlLink, outbox, procs, inboxes, ranks: range, timeout_s: f
             obj = msg[1]
             if obj[0] == "bye":
                 return
+            if obj[0] == "refused":
+                raise RuntimeError(f"{front_end} refused this node: {obj[1]}")
             if obj[0] == "rank":
                 inboxes[obj[1] - ranks[0]].put(obj[2])
         elif msg is not None and msg[0] == "front_end_lost":

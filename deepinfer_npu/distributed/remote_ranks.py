@@ -1,7 +1,7 @@
 """The front-end's view of the ranks on other nodes: each node is one ``ControlLink`` in the control group.
 
 Messages to a node: ``("rank", rank, msg)`` (``msg`` a rank inbox message, see ``rank_worker``) and ``("bye",)``
-(the front-end is done; the node stops its ranks). From a node: ``("from_rank", msg)`` (a rank outbox message),
+(the front-end is done; the node stops its ranks), ``("refused", why)`` (the node's configuration differs). From a node: ``("from_rank", msg)`` (a rank outbox message),
 ``("exit", rank, code)`` (a rank process ended) and ``("bye", {rank: exit code})`` (its last message). The data-
 parallel engine addresses a remote rank through ``RemoteInbox`` / ``RemoteRank``, which stand where a local rank's
 queue and process stand, so placement, replies and failure checks treat every rank alike.
@@ -21,6 +21,7 @@ class RemoteNode:
         self.exit_codes: dict[int, int] = {}
         self.lost: str | None = None  # why the link failed
         self.closed = threading.Event()  # the node said goodbye
+        self._ended = threading.Event()  # goodbye, or the link failed
         self._outbox = outbox
         self.link = ControlLink(group, node, on_message=self._on_message, on_error=self._on_error,
                                 heartbeat_s=heartbeat_s, name=f"deepinfer-node{node}")
@@ -37,18 +38,20 @@ class RemoteNode:
         elif kind == "bye":
             self.exit_codes.update(obj[1])
             self.closed.set()
+            self._ended.set()
 
     def _on_error(self, text: str) -> None:
         if self.closed.is_set():
             return
         self.lost = text
+        self._ended.set()
         self._outbox.put(("node_lost", self.node, text))
 
     def close(self, timeout_s: float) -> None:
         """Say goodbye (after every rank was sent its shutdown) and wait for the node's own goodbye."""
         if self.lost is None and not self.closed.is_set():
             self.link.send(("bye",))
-            self.closed.wait(timeout_s)
+            self._ended.wait(timeout_s)
         self.link.close_sending(min(timeout_s, 5.0))
 
 

@@ -82,8 +82,8 @@ def test_four_ranks_on_two_nodes_cli_equal_one_process(model, single_tokens, nod
 def test_two_nodes_from_python_then_a_dead_node_is_named(model, single_tokens, nodes):
     port = _free_port()
     nodes.append(_run_node(model, 1, 2, port))
-    llm = LLM(model, max_num_seqs=8, data_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
-              master_port=port, distributed_timeout_s=TIMEOUT_S)
+    llm = LLM(model, data_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port,
+              distributed_timeout_s=TIMEOUT_S)  # the engine options node 1's command line gives
     engine = llm.llm_engine
     try:
         # 8 experts, 4 on each rank
@@ -173,3 +173,14 @@ def test_torchrun_variables_must_agree(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match=r"RANK='x' is not an integer"):
         torchrun_config(EngineConfig(data_parallel_size=2))
+
+
+def test_a_node_with_other_options_is_refused(model, nodes):
+    port = _free_port()
+    nodes.append(_run_node(model, 1, 2, port, "--max-num-seqs", "4"))
+    with pytest.raises(ValueError, match=r"node 1 \(DP rank 1\) runs max_num_seqs=4, node 0 runs max_num_seqs=8: "
+                                         "every node must pass the same engine options"):
+        DPEngine(EngineConfig(model, max_num_seqs=8, data_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                              master_port=port, distributed_timeout_s=TIMEOUT_S))
+    _, err = nodes[0].communicate(timeout=60)
+    assert nodes[0].returncode == 1 and "refused this node: node 1 (DP rank 1) runs max_num_seqs=4" in err
