@@ -24,13 +24,14 @@ front-end, whose ``shutdown`` stops every rank.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
-import os
 import queue as queue_mod
 import socket
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -78,6 +79,8 @@ class DPEngine:
                              f"deepinfer_npu.run --nnodes {config.nnodes} --node-rank {config.node_rank} ...")
         self.lock = threading.RLock()
         self._closed = False
+        this = weakref.ref(self)  # other nodes wait for this front-end's goodbye: say it at exit too
+        atexit.register(lambda: this() is not None and this().shutdown())
         self._procs: list = []
         self._inboxes: list = []
         self._nodes: list = []
