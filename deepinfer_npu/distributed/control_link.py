@@ -4,7 +4,8 @@ The control group holds the front-end (group rank 0) and one process per other n
 ``ControlLink`` joins two of its members: pickled Python objects travel as a length tensor then a byte tensor
 (gloo point-to-point ``send`` / ``recv``, as ``torch.distributed.send_object_list`` does). One thread sends (in
 order, from a queue; a ``("ping",)`` when there is nothing to send for ``heartbeat_s``, so the peer can tell an idle
-link from a dead one) and one thread receives, handing every object to ``on_message`` until the peer's last one (``("bye", ...)``). A receive that fails, or
+link from a dead one) and one thread receives, handing every object to ``on_message`` until the peer's last
+one (``("bye", ...)``). A receive that fails, or
 waits longer than the group's timeout, is reported once through ``on_error``: a dead peer closes the connection
 and is seen at once, a hung one within the timeout.
 """

@@ -17,9 +17,9 @@ Under torchrun (``torchrun.py``) this process is rank 0 (its engine loop on a th
 a process of its own, reached the same way.
 
 Failure behaviour: a request the ranks reject raises ``ValueError`` / ``TypeError`` here and the ranks keep
-serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, or a node whose link fails, makes the
-next call raise ``RuntimeError`` naming the rank (and its node), and every rank is stopped. Rank processes ignore SIGINT: Ctrl-C reaches the
-front-end, whose ``shutdown`` stops every rank.
+serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, or a node whose link
+fails, makes the next call raise ``RuntimeError`` naming the rank (and its node), and every rank is stopped.
+Rank processes ignore SIGINT: Ctrl-C reaches the front-end, whose ``shutdown`` stops every rank.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def _free_port() -> int:
 
 class DPEngine:
     """``add_request(s)`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` / ``get_stats`` over
-    ``config.data_parallel_size`` rank processes (on this host, or over ``config.nnodes`` nodes); thread-safe like ``LLMEngine`` (``lock``)."""
+    ``config.data_parallel_size`` rank processes (on this host, or over ``config.nnodes`` nodes); thread-safe like
+    ``LLMEngine`` (``lock``)."""
 
     def __init__(self, config: EngineConfig, *, master_port: int | None = None, heartbeat_s: float = 1.0) -> None:
         self.config = config

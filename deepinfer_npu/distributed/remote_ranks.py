@@ -1,9 +1,9 @@
 """The front-end's view of the ranks on other nodes: each node is one ``ControlLink`` in the control group.
 
-Messages to a node: ``("rank", rank, msg)`` (``msg`` a rank inbox message, see ``rank_worker``) and ``("bye",)``
-(the front-end is done; the node stops its ranks), ``("refused", why)`` (the node's configuration differs). From a node: ``("from_rank", msg)`` (a rank outbox message),
-``("exit", rank, code)`` (a rank process ended) and ``("bye", {rank: exit code})`` (its last message). The data-
-parallel engine addresses a remote rank through ``RemoteInbox`` / ``RemoteRank``, which stand where a local rank's
+Messages to a node: ``("rank", rank, msg)`` (``msg`` a rank inbox message, see ``rank_worker``), ``("bye",)``
+(the front-end is done; the node stops its ranks) and ``("refused", why)`` (the node's configuration differs).
+From a node: ``("from_rank", msg)`` (a rank outbox message), ``("exit", rank, code)`` (a rank process ended) and
+``("bye", {rank: exit code})`` (its last message). The data-parallel engine addresses a remote rank through ``RemoteInbox`` / ``RemoteRank``, which stand where a local rank's
 queue and process stand, so placement, replies and failure checks treat every rank alike.
 """
 
