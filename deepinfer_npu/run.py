@@ -182,11 +182,9 @@ def _main(argv: list[str] | None) -> int:
     engine_args = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
     try:
         config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
-        from deepinfer_npu.distributed.torchrun import launched_by_torchrun, torchrun_config
-
-        rank = torchrun_config(config).rank if launched_by_torchrun() else None
-        if config.node_rank > 0 or rank:  # no prompts here: node 0's (rank 0's) front-end sends the requests
-            return _serve_headless(config, rank)
+        status = run_headless_node(config)  # no prompts there: node 0's (rank 0's) front-end sends the requests
+        if status is not None:
+            return status
         params = _sampling_params(args, config.model_dir)
     except (ValueError, FileNotFoundError) as e:
         return _error(e)
@@ -216,14 +214,20 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-def _serve_headless(config, torchrun_rank: int | None) -> int:
-    """A node other than node 0 (or a torchrun process other than rank 0): serve its ranks until the front-end
-    shuts down (exit 0 then)."""
+def run_headless_node(config) -> int | None:
+    """When this process runs no front-end (a node other than node 0, or a torchrun process other than rank 0):
+    serve its ranks until the front-end shuts down and return the exit status (0 then). None: this process runs
+    the front-end. Raises ``ValueError`` for torchrun variables that disagree with ``config``."""
     import os
 
     from deepinfer_npu.distributed.node_server import serve_node
-    from deepinfer_npu.distributed.rank_launch import DEFAULT_MASTER_PORT, describe_ranks, node_ranks
-    from deepinfer_npu.distributed.torchrun import serve_rank
+    from deepinfer_npu.distributed.parallel_state import DEFAULT_MASTER_PORT
+    from deepinfer_npu.distributed.rank_launch import describe_ranks, node_ranks
+    from deepinfer_npu.distributed.torchrun import launched_by_torchrun, serve_rank, torchrun_config
+
+    torchrun_rank = torchrun_config(config).rank if launched_by_torchrun() else None
+    if not (config.node_rank > 0 or torchrun_rank):
+        return None
 
     if torchrun_rank:
         where = f"DP rank {torchrun_rank} of {config.data_parallel_size} (torchrun)"

@@ -46,7 +46,8 @@ from deepinfer_npu.engine.tokenizer import load_tokenizer
 
 from .control_link import connect_store, control_group, read_hello
 from .dp_stats import merge_rank_stats
-from .rank_launch import DEFAULT_MASTER_PORT, node_ranks, spawn_ranks
+from .parallel_state import DEFAULT_MASTER_PORT
+from .rank_launch import node_ranks, spawn_ranks
 from .remote_ranks import RemoteInbox, RemoteNode, RemoteRank
 from .torchrun import ThreadRank, launched_by_torchrun, rendezvous, torchrun_config
 

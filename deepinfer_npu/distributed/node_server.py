@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from deepinfer_npu.config import EngineConfig
 
 from .control_link import ControlLink, connect_store, control_group
-from .rank_launch import DEFAULT_MASTER_PORT, describe_ranks, node_ranks, spawn_ranks
+from .parallel_state import DEFAULT_MASTER_PORT
+from .rank_launch import describe_ranks, node_ranks, spawn_ranks
 
 
 def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .ep_moe import EPGroup
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 # This process's expert-parallel group, read by the MoE layers when the model is built (as vLLM's parallel state):
 # None = every routed expert lives here.
@@ -46,7 +47,7 @@ class DistributedConfig:
     world_size: int
     local_rank: int
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = DEFAULT_MASTER_PORT
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class DistributedConfig:
 
         return cls(rank=read_int("RANK"), world_size=read_int("WORLD_SIZE"),
                    local_rank=read_int("LOCAL_RANK", "0"), master_addr=read("MASTER_ADDR", "127.0.0.1"),
-                   master_port=read_int("MASTER_PORT", "29500"), timeout_s=timeout_s)
+                   master_port=read_int("MASTER_PORT", str(DEFAULT_MASTER_PORT)), timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,6 @@ from deepinfer_npu.config import EngineConfig
 
 from .rank_worker import RankSpec, rank_main
 
-DEFAULT_MASTER_PORT = 29500  # torchrun's
-
 
 def node_ranks(config: EngineConfig, node_rank: int) -> range:
     """The global ranks node ``node_rank`` runs: ``node_rank * ranks_per_node + local_rank``."""

@@ -20,6 +20,8 @@ from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.distributed.control_link import connect_store, control_group
 from deepinfer_npu.distributed.dp_engine import DPEngine
 from deepinfer_npu.distributed.node_server import serve_node
+from deepinfer_npu.distributed.rank_launch import node_ranks
+from deepinfer_npu.distributed.rank_worker import RankSpec, visible_device_for
 from deepinfer_npu.run import main as run_main
 from tests.distributed.random_checkpoints import save_random_checkpoint
 
@@ -136,6 +138,15 @@ def test_a_headless_node_without_node_0_gives_up():
 def test_inconsistent_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_rank_numbering_and_devices(monkeypatch):
+    config = EngineConfig(data_parallel_size=6, nnodes=3, master_addr="h")
+    assert [list(node_ranks(config, n)) for n in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    spec = RankSpec(rank=3, world_size=6, master_port=1, config=config, heartbeat_s=1, timeout_s=2, local_rank=1)
+    assert spec.device_index == 1  # a node's ranks bind its devices from 0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6,7")
+    assert visible_device_for(spec.device_index, "CUDA_VISIBLE_DEVICES") == "7"
 
 
 def test_cli_refuses_inconsistent_nodes(capsys):
