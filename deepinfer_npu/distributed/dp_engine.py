@@ -130,8 +130,12 @@ class DPEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.rank_info: list[dict] = [{} for _ in range(self.world_size)]
         self._wait_ready()
-        # what the CLI reads from an LLMEngine's backend and runner
-        self.backend = types.SimpleNamespace(name=self.rank_info[0]["backend"])
+        # what the CLI and the parity recorder read from an LLMEngine's backend and runner (rank 0's)
+        info = self.rank_info[0]
+        self.backend = types.SimpleNamespace(name=info["backend"], device=info["device"],
+                                             device_type=info["device_type"], device_index=info["device_index"],
+                                             op_report=lambda: dict(info["op_report"]))
+        self.vocab_size = info["vocab_size"]
         self.runner = types.SimpleNamespace(dtype=self.rank_info[0]["dtype"],
                                             num_kv_blocks=self.rank_info[0]["num_kv_blocks"])
 

@@ -101,6 +101,10 @@ def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
         if lockstep:
             engine.attach_step_group(groups.cpu_group)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
+                                         "device": str(engine.backend.device),
+                                         "device_type": engine.backend.device_type,
+                                         "device_index": engine.backend.device_index,
+                                         "op_report": engine.backend.op_report(), "vocab_size": engine.vocab_size,
                                          "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks,
                                          **weight_bytes(engine.runner.model)}))
         try:

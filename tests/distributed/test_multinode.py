@@ -90,6 +90,9 @@ def test_two_nodes_from_python_then_a_dead_node_is_named(model, single_tokens, n
     try:
         # 8 experts, 4 on each rank
         assert engine.rank_info[0]["expert_weight_bytes"] == engine.rank_info[1]["expert_weight_bytes"] > 0
+        # what the CLI summary and the parity recorder read from an engine
+        assert (engine.backend.name, engine.backend.device, engine.vocab_size) == ("cpu", "cpu", 96)
+        assert engine.backend.op_report()
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == single_tokens
         assert llm.get_stats()["generation_tokens"] == 4 * 8
