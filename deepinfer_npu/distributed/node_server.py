@@ -34,21 +34,29 @@ def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
     store = connect_store(addr, port, timeout_s, host=False)
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()  # the ranks' messages, and (tagged) the front-end's
-    procs, inboxes = spawn_ranks(config, ctx, outbox, node_rank=config.node_rank, master_addr=addr,
-                                 master_port=port, heartbeat_s=heartbeat_s)
-    return serve_ranks(store, config.node_rank, config.nnodes, procs, inboxes, outbox, ranks, config=config,
+
+    def start() -> tuple[list, list]:
+        return spawn_ranks(config, ctx, outbox, node_rank=config.node_rank, master_addr=addr, master_port=port,
+                           heartbeat_s=heartbeat_s)
+
+    return serve_ranks(store, config.node_rank, config.nnodes, start, outbox, ranks, config=config,
                        timeout_s=timeout_s, heartbeat_s=heartbeat_s, front_end=front_end)
 
 
-def serve_ranks(store, member: int, members: int, procs, inboxes, outbox, ranks: range, *, config: EngineConfig,
+def serve_ranks(store, member: int, members: int, start, outbox, ranks: range, *, config: EngineConfig,
                 timeout_s: float, heartbeat_s: float, front_end: str) -> int:
-    """Join the control group as ``member`` (announcing ``config``, which the front-end checks against its own)
-    and relay for the started ``ranks`` until the front-end's goodbye; then stop them and answer with their exit
-    codes. 0 if they all exited cleanly."""
+    """Join the control group as ``member`` (announcing ``config``, which the front-end checks against its own),
+    then start the ``ranks`` (``start()`` gives their processes and inboxes) and relay for them until the
+    front-end's goodbye; then stop them and answer with their exit codes. 0 if they all exited cleanly.
+
+    The group is formed before the ranks start: a rank waiting for its peers in the store must not hold up this
+    process's own use of it (torchrun: one store client per process)."""
+    procs, inboxes = [], []
     try:
         group = control_group(store, member, members, timeout_s, hello=config)
         link = ControlLink(group, 0, on_message=lambda obj: outbox.put(("front_end", obj)), heartbeat_s=heartbeat_s,
                            on_error=lambda text: outbox.put(("front_end_lost", text)), name=f"deepinfer-node{member}")
+        procs, inboxes = start()
         _relay(link, outbox, procs, inboxes, ranks, timeout_s, front_end)
     except BaseException:
         _stop(procs, inboxes, ranks, grace_s=1.0)  # failing: the ranks may be waiting on peers that are gone

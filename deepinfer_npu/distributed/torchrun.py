@@ -87,7 +87,11 @@ def serve_rank(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
         raise ValueError("RANK=0 runs the front-end: LLM(..., data_parallel_size=WORLD_SIZE)")
     store = rendezvous(env)
     outbox: queue_mod.Queue = queue_mod.Queue()
-    rank = ThreadRank(config, env, store, outbox, heartbeat_s)
-    return serve_ranks(store, env.rank, env.world_size, [rank], [rank.inbox], outbox, range(env.rank, env.rank + 1),
+
+    def start() -> tuple[list, list]:
+        rank = ThreadRank(config, env, store, outbox, heartbeat_s)
+        return [rank], [rank.inbox]
+
+    return serve_ranks(store, env.rank, env.world_size, start, outbox, range(env.rank, env.rank + 1),
                        config=config, timeout_s=env.timeout_s, heartbeat_s=heartbeat_s,
                        front_end=f"the front-end (RANK 0, {env.master_addr}:{env.master_port})")
