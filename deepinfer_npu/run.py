@@ -222,7 +222,8 @@ def run_headless_node(config) -> int | None:
 
     from deepinfer_npu.distributed.node_server import serve_node
     from deepinfer_npu.distributed.parallel_state import DEFAULT_MASTER_PORT
-    from deepinfer_npu.distributed.rank_launch import describe_ranks, node_ranks
+    from deepinfer_npu.distributed.rank_launch import node_ranks
+    from deepinfer_npu.distributed.remote_ranks import describe_ranks
     from deepinfer_npu.distributed.torchrun import launched_by_torchrun, serve_rank, torchrun_config
 
     torchrun_rank = torchrun_config(config).rank if launched_by_torchrun() else None

@@ -9,8 +9,8 @@ each request (``OutputRouter``, as ``LLMEngine``). Each rank process binds one d
 ``EngineConfig.seed``, so sampled outputs do not depend on which rank serves a request.
 
 Several nodes (``config.nnodes > 1``): this front-end runs on node 0 with node 0's ranks; it hosts the rendezvous
-store at ``master_addr:master_port`` and reaches each other node over a gloo control group (``remote_ranks``,
-``node_server``): messages to and from a remote rank travel through its node's link, so placement, replies and
+store at ``master_addr:master_port`` and reaches each other node over a gloo control group (``rank_launch``,
+``remote_ranks``, ``node_server``): messages to and from a remote rank travel through its node's link, so placement, replies and
 failure checks are the same for every rank.
 
 Under torchrun (``torchrun.py``) this process is rank 0 (its engine loop on a thread) and every other rank is
@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import queue as queue_mod
-import socket
 import threading
 import time
 import types
@@ -44,18 +43,10 @@ from deepinfer_npu.engine.outputs import RequestOutput
 from deepinfer_npu.engine.sampling_params import SamplingParams
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 
-from .control_link import connect_store, control_group, read_hello
 from .dp_stats import merge_rank_stats
-from .parallel_state import DEFAULT_MASTER_PORT
-from .rank_launch import node_ranks, spawn_ranks
-from .remote_ranks import RemoteInbox, RemoteNode, RemoteRank
-from .torchrun import ThreadRank, launched_by_torchrun, rendezvous, torchrun_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .rank_launch import launch
+from .remote_ranks import RemoteRank
+from .torchrun import launched_by_torchrun, torchrun_config
 
 
 class DPEngine:
@@ -70,8 +61,7 @@ class DPEngine:
         if self.timeout_s <= heartbeat_s:
             raise ValueError(f"distributed_timeout_s={self.timeout_s} must exceed the heartbeat interval "
                              f"{heartbeat_s} s")
-        torchrun = launched_by_torchrun()
-        env = torchrun_config(config) if torchrun else None
+        env = torchrun_config(config) if launched_by_torchrun() else None
         if env is not None and env.rank != 0:
             raise ValueError(f"RANK={env.rank}: torchrun's rank 0 runs the front-end; this process serves its rank "
                              "with deepinfer_npu.distributed.torchrun.serve_rank(config)")
@@ -90,36 +80,11 @@ class DPEngine:
         self.generation_defaults = load_generation_defaults(config.model_dir)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
-        multi_node = config.nnodes > 1
         self._node_of = [rank // config.ranks_per_node for rank in range(self.world_size)]
-        # the other nodes (torchrun: rank processes) join and are checked before this node's ranks start
-        if env is not None:  # this process is rank 0; every other rank is a process of its own
-            self.master_addr, self.master_port = env.master_addr, env.master_port
-            self._store = rendezvous(env)
-            members = [(rank, range(rank, rank + 1), f"DP rank {rank}'s process") for rank in range(1, env.world_size)]
-        else:
-            self.master_addr = config.master_addr or "127.0.0.1"
-            self.master_port = master_port or config.master_port or (DEFAULT_MASTER_PORT if multi_node
-                                                                      else _free_port())
-            # node 0 hosts the rendezvous every rank and node joins (kept for the deployment's lifetime)
-            self._store = connect_store(self.master_addr, self.master_port, self.timeout_s, host=True) \
-                if multi_node else None
-            members = [(node, node_ranks(config, node), None) for node in range(1, config.nnodes)]
-        try:
-            if members:
-                self._connect(members, heartbeat_s)
-            if env is not None:
-                rank0 = ThreadRank(config, env, self._store, self._outbox, heartbeat_s)
-                self._procs, self._inboxes = [rank0], [rank0.inbox]
-            else:
-                self._procs, self._inboxes = spawn_ranks(config, ctx, self._outbox, node_rank=0,
-                                                         master_addr=self.master_addr, master_port=self.master_port,
-                                                         heartbeat_s=heartbeat_s)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._procs += [RemoteRank(node, rank) for node in self._nodes for rank in node.ranks]
-        self._inboxes += [RemoteInbox(node, rank) for node in self._nodes for rank in node.ranks]
+        deployment = launch(config, ctx, self._outbox, master_port=master_port, heartbeat_s=heartbeat_s)
+        self._store, self._nodes = deployment.store, deployment.nodes  # the store lives as long as the ranks
+        self.master_addr, self.master_port = deployment.master_addr, deployment.master_port
+        self._procs, self._inboxes = deployment.procs, deployment.inboxes
         self._last_seen = [time.monotonic()] * self.world_size
         self._owner: dict[str, int] = {}
         self._load: dict[str, int] = {}
@@ -148,32 +113,6 @@ class DPEngine:
                 pending = [r for r in range(self.world_size) if not self.rank_info[r]]
                 where = f" (ranks per node: {self.config.ranks_per_node})" if self.config.nnodes > 1 else ""
                 self._fail(f"DP ranks {pending}{where} did not start within {self.timeout_s:.0f} s")
-
-    def _connect(self, members: list[tuple[int, range, str | None]], heartbeat_s: float) -> None:
-        """Join the control group with every other member ``(member, its ranks, label)``: nodes, or torchrun's
-        rank processes (waits up to the timeout for each to start)."""
-        group = control_group(self._store, 0, len(members) + 1, self.timeout_s)
-        self._nodes = [RemoteNode(group, member, ranks, self._outbox, heartbeat_s=heartbeat_s, label=label)
-                       for member, ranks, label in members]
-        for node in self._nodes:
-            problem = self._config_difference(read_hello(self._store, node.node), node.describe())
-            if problem:
-                node.link.send(("refused", problem))
-                raise ValueError(problem)
-
-    # may differ between nodes: where the files are, and which node this is
-    # (the rendezvous having worked, the address and port agree)
-    _PER_NODE_FIELDS = ("model", "speculative_model", "node_rank", "master_addr", "master_port")
-
-    def _config_difference(self, theirs: EngineConfig, who: str) -> str | None:
-        for field in dataclasses.fields(EngineConfig):
-            if field.name in self._PER_NODE_FIELDS:
-                continue
-            mine, other = getattr(self.config, field.name), getattr(theirs, field.name)
-            if mine != other:
-                return (f"{who} runs {field.name}={other!r}, node 0 runs {field.name}={mine!r}: every node must pass "
-                        "the same engine options")
-        return None
 
     def _where(self, rank: int) -> str:
         return f" on node {self._node_of[rank]}" if self.config.nnodes > 1 else ""

@@ -20,7 +20,8 @@ from deepinfer_npu.config import EngineConfig
 
 from .control_link import ControlLink, connect_store, control_group
 from .parallel_state import DEFAULT_MASTER_PORT
-from .rank_launch import describe_ranks, node_ranks, spawn_ranks
+from .rank_launch import node_ranks, spawn_ranks
+from .remote_ranks import describe_ranks
 
 
 def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:

@@ -3,8 +3,9 @@
 Messages to a node: ``("rank", rank, msg)`` (``msg`` a rank inbox message, see ``rank_worker``), ``("bye",)``
 (the front-end is done; the node stops its ranks) and ``("refused", why)`` (the node's configuration differs).
 From a node: ``("from_rank", msg)`` (a rank outbox message), ``("exit", rank, code)`` (a rank process ended) and
-``("bye", {rank: exit code})`` (its last message). The data-parallel engine addresses a remote rank through ``RemoteInbox`` / ``RemoteRank``, which stand where a local rank's
-queue and process stand, so placement, replies and failure checks treat every rank alike.
+``("bye", {rank: exit code})`` (its last message). The data-parallel engine addresses a remote rank through
+``RemoteInbox`` / ``RemoteRank``, which stand where a local rank's queue and process stand, so placement, replies
+and failure checks treat every rank alike.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import threading
 
 from .control_link import ControlLink
-from .rank_launch import describe_ranks
+
+
+def describe_ranks(ranks: range) -> str:
+    return f"DP rank {ranks[0]}" if len(ranks) == 1 else f"DP ranks {ranks[0]}..{ranks[-1]}"
 
 
 class RemoteNode:
