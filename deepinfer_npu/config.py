@@ -73,6 +73,15 @@ class EngineConfig:
     # With data_parallel_size > 1: the routed experts are sharded over the ranks (expert parallelism, the ranks
     # step in lockstep); False: every rank holds every expert and steps on its own.
     enable_expert_parallel: bool = True
+    # Several nodes, torchrun's conventions: each node runs data_parallel_size / nnodes ranks (global rank =
+    # node_rank * ranks_per_node + local rank, device = local rank); node 0 hosts the front-end and the rendezvous
+    # at master_addr:master_port (None: 29500, torchrun's default), the other nodes serve headless
+    # (deepinfer_npu/distributed/node_server.py). One node: master_addr None = 127.0.0.1, master_port None = a free
+    # port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -124,8 +133,34 @@ class EngineConfig:
             raise ValueError(f"distributed_timeout_s must be a number of seconds > 1, got {self.distributed_timeout_s!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        self._check_nodes()
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
+
+    def _check_nodes(self) -> None:
+        for name in ("nnodes", "node_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if name == "nnodes" else 0):
+                kind = "a positive" if name == "nnodes" else "a non-negative"
+                raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is out of range for nnodes={self.nnodes} "
+                             f"(node ranks are 0..{self.nnodes - 1})")
+        if self.data_parallel_size % self.nnodes:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not divisible by nnodes={self.nnodes} "
+                             "(every node runs data_parallel_size / nnodes ranks)")
+        if self.master_addr is not None and (not isinstance(self.master_addr, str) or not self.master_addr):
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if self.nnodes > 1 and self.master_addr is None:
+            raise ValueError(f"nnodes={self.nnodes} needs master_addr: the address of node 0, which hosts the "
+                             "front-end and the rendezvous (every node passes the same one)")
+        port = self.master_port
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+            raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.data_parallel_size // self.nnodes
 
     def speculative_token_limit(self) -> tuple[int, str]:
         """The most drafts per step this configuration allows, and why (one statement of every limit)."""

@@ -96,11 +96,20 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
 
     dp = p.add_argument_group("multi-device")
     dp.add_argument("--data-parallel-size", type=int, default=1,
-                    help="data-parallel ranks on this host: one process and one device each")
+                    help="data-parallel ranks in all (every node runs data-parallel-size / nnodes): one process "
+                    "and one device each")
     dp.add_argument("--expert-parallel", dest="enable_expert_parallel", action=argparse.BooleanOptionalAction,
                     default=True, help="shard the routed experts over the data-parallel ranks")
     dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
                     help="seconds any wait across rank processes may take before the run stops naming the rank")
+    dp.add_argument("--nnodes", type=int, default=1, help="nodes of the deployment (torchrun's --nnodes)")
+    dp.add_argument("--node-rank", type=int, default=0,
+                    help="this node's rank; 0 runs the front-end, the others serve their ranks headless until node "
+                    "0 shuts down")
+    dp.add_argument("--master-addr", default=None,
+                    help="address of node 0, which hosts the rendezvous (needed when --nnodes > 1); None: 127.0.0.1")
+    dp.add_argument("--master-port", type=int, default=None,
+                    help="rendezvous port on node 0; None: 29500 with --nnodes > 1, a free port on one node")
 
     if engine_only:
         return p
@@ -188,6 +197,9 @@ def _main(argv: list[str] | None) -> int:
     engine_args = engine_kwargs(args)
     try:
         config = EngineConfig(model=args.model, **engine_args)  # every option checked before the model loads
+        status = run_headless_node(config)  # no prompts there: node 0's (rank 0's) front-end sends the requests
+        if status is not None:
+            return status
         params = _sampling_params(args, config.model_dir)
     except (ValueError, FileNotFoundError) as e:
         return _error(e)
@@ -215,6 +227,41 @@ def _main(argv: list[str] | None) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def run_headless_node(config) -> int | None:
+    """When this process runs no front-end (a node other than node 0, or a torchrun process other than rank 0):
+    serve its ranks until the front-end shuts down and return the exit status (0 then). None: this process runs
+    the front-end. Raises ``ValueError`` for torchrun variables that disagree with ``config``."""
+    import os
+
+    from deepinfer_npu.distributed.node_server import serve_node
+    from deepinfer_npu.distributed.parallel_state import DEFAULT_MASTER_PORT
+    from deepinfer_npu.distributed.rank_launch import node_ranks
+    from deepinfer_npu.distributed.remote_ranks import describe_ranks
+    from deepinfer_npu.distributed.torchrun import launched_by_torchrun, serve_rank, torchrun_config
+
+    torchrun_rank = torchrun_config(config).rank if launched_by_torchrun() else None
+    if not (config.node_rank > 0 or torchrun_rank):
+        return None
+
+    if torchrun_rank:
+        where = f"DP rank {torchrun_rank} of {config.data_parallel_size} (torchrun)"
+        ranks, master = f"DP rank {torchrun_rank}", f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        leader = "rank 0"
+    else:
+        where = f"node {config.node_rank} of {config.nnodes}"
+        ranks = describe_ranks(node_ranks(config, config.node_rank))
+        master, leader = f"{config.master_addr}:{config.master_port or DEFAULT_MASTER_PORT}", "node 0"
+    print(f"{where}: serving {ranks} for master {master} (headless: {leader} runs the front-end)", file=sys.stderr,
+          flush=True)
+    try:
+        code = serve_rank(config) if torchrun_rank else serve_node(config)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {where}: {e}", file=sys.stderr)
+        return 1
+    print(f"{where}: the front-end shut down; {ranks} stopped", file=sys.stderr, flush=True)
+    return code
 
 
 def _error(message) -> int:

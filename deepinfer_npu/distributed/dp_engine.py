@@ -8,20 +8,29 @@ each request (``OutputRouter``, as ``LLMEngine``). Each rank process binds one d
 ``LLMEngine`` loop (``rank_worker``). Per-request seeds are drawn here, in submission order, from
 ``EngineConfig.seed``, so sampled outputs do not depend on which rank serves a request.
 
+Several nodes (``config.nnodes > 1``): this front-end runs on node 0 with node 0's ranks; it hosts the rendezvous
+store at ``master_addr:master_port`` and reaches each other node over a gloo control group (``rank_launch``,
+``remote_ranks``, ``node_server``): messages to and from a remote rank travel through its node's link, so placement, replies and
+failure checks are the same for every rank.
+
+Under torchrun (``torchrun.py``) this process is rank 0 (its engine loop on a thread) and every other rank is
+a process of its own, reached the same way.
+
 Failure behaviour: a request the ranks reject raises ``ValueError`` / ``TypeError`` here and the ranks keep
-serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, makes the next call raise
-``RuntimeError`` naming the rank, and every rank is stopped. Rank processes ignore SIGINT: Ctrl-C reaches the
-front-end, whose ``shutdown`` stops every rank.
+serving the others; a rank that exits, or sends nothing for ``distributed_timeout_s``, or a node whose link
+fails, makes the next call raise ``RuntimeError`` naming the rank (and its node), and every rank is stopped.
+Rank processes ignore SIGINT: Ctrl-C reaches the front-end, whose ``shutdown`` stops every rank.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import queue as queue_mod
-import socket
 import threading
 import time
 import types
+import weakref
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -35,18 +44,15 @@ from deepinfer_npu.engine.sampling_params import SamplingParams
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 
 from .dp_stats import merge_rank_stats
-from .rank_worker import RankSpec, rank_main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .rank_launch import launch
+from .remote_ranks import RemoteRank
+from .torchrun import launched_by_torchrun, torchrun_config
 
 
 class DPEngine:
     """``add_request(s)`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` / ``get_stats`` over
-    ``config.data_parallel_size`` rank processes on this host; thread-safe like ``LLMEngine`` (``lock``)."""
+    ``config.data_parallel_size`` rank processes (on this host, or over ``config.nnodes`` nodes); thread-safe like
+    ``LLMEngine`` (``lock``)."""
 
     def __init__(self, config: EngineConfig, *, master_port: int | None = None, heartbeat_s: float = 1.0) -> None:
         self.config = config
@@ -55,21 +61,30 @@ class DPEngine:
         if self.timeout_s <= heartbeat_s:
             raise ValueError(f"distributed_timeout_s={self.timeout_s} must exceed the heartbeat interval "
                              f"{heartbeat_s} s")
+        env = torchrun_config(config) if launched_by_torchrun() else None
+        if env is not None and env.rank != 0:
+            raise ValueError(f"RANK={env.rank}: torchrun's rank 0 runs the front-end; this process serves its rank "
+                             "with deepinfer_npu.distributed.torchrun.serve_rank(config)")
+        if config.node_rank != 0:
+            raise ValueError(f"node_rank={config.node_rank} runs no front-end: node 0 does; serve this node's ranks "
+                             "with deepinfer_npu.distributed.node_server.serve_node(config) or python -m "
+                             f"deepinfer_npu.run --nnodes {config.nnodes} --node-rank {config.node_rank} ...")
         self.lock = threading.RLock()
+        self._closed = False
+        this = weakref.ref(self)  # other nodes wait for this front-end's goodbye: say it at exit too
+        atexit.register(lambda: this() is not None and this().shutdown())
+        self._procs: list = []
+        self._inboxes: list = []
+        self._nodes: list = []
         self.tokenizer = load_tokenizer(config.model_dir)
         self.generation_defaults = load_generation_defaults(config.model_dir)
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
-        self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
-        port = master_port or _free_port()
-        self._procs = []
-        for rank in range(self.world_size):
-            spec = RankSpec(rank=rank, world_size=self.world_size, master_port=port, config=config,
-                            heartbeat_s=heartbeat_s, timeout_s=self.timeout_s)
-            proc = ctx.Process(target=rank_main, args=(spec, self._inboxes[rank], self._outbox),
-                               name=f"deepinfer-dp-rank{rank}", daemon=True)
-            proc.start()
-            self._procs.append(proc)
+        self._node_of = [rank // config.ranks_per_node for rank in range(self.world_size)]
+        deployment = launch(config, ctx, self._outbox, master_port=master_port, heartbeat_s=heartbeat_s)
+        self._store, self._nodes = deployment.store, deployment.nodes  # the store lives as long as the ranks
+        self.master_addr, self.master_port = deployment.master_addr, deployment.master_port
+        self._procs, self._inboxes = deployment.procs, deployment.inboxes
         self._last_seen = [time.monotonic()] * self.world_size
         self._owner: dict[str, int] = {}
         self._load: dict[str, int] = {}
@@ -78,11 +93,14 @@ class DPEngine:
         self._replies: dict[tuple, object] = {}
         self._next_token = 0
         self._seed_rng = np.random.default_rng(config.seed)
-        self._closed = False
         self.rank_info: list[dict] = [{} for _ in range(self.world_size)]
         self._wait_ready()
-        # what the CLI reads from an LLMEngine's backend and runner
-        self.backend = types.SimpleNamespace(name=self.rank_info[0]["backend"])
+        # what the CLI and the parity recorder read from an LLMEngine's backend and runner (rank 0's)
+        info = self.rank_info[0]
+        self.backend = types.SimpleNamespace(name=info["backend"], device=info["device"],
+                                             device_type=info["device_type"], device_index=info["device_index"],
+                                             op_report=lambda: dict(info["op_report"]))
+        self.vocab_size = info["vocab_size"]
         self.runner = types.SimpleNamespace(dtype=self.rank_info[0]["dtype"],
                                             num_kv_blocks=self.rank_info[0]["num_kv_blocks"])
 
@@ -93,7 +111,11 @@ class DPEngine:
             self._pump(max(0.0, min(1.0, deadline - time.monotonic())))
             if not all(self.rank_info) and time.monotonic() > deadline:
                 pending = [r for r in range(self.world_size) if not self.rank_info[r]]
-                self._fail(f"DP ranks {pending} did not start within {self.timeout_s:.0f} s")
+                where = f" (ranks per node: {self.config.ranks_per_node})" if self.config.nnodes > 1 else ""
+                self._fail(f"DP ranks {pending}{where} did not start within {self.timeout_s:.0f} s")
+
+    def _where(self, rank: int) -> str:
+        return f" on node {self._node_of[rank]}" if self.config.nnodes > 1 else ""
 
     def shutdown(self) -> None:
         if self._closed:
@@ -102,11 +124,16 @@ class DPEngine:
         for inbox, proc in zip(self._inboxes, self._procs):
             if proc.is_alive():
                 inbox.put(("shutdown",))
+        for node in self._nodes:  # each node stops its own ranks, then says goodbye
+            node.close(timeout_s=min(self.timeout_s, 30.0))
         for proc in self._procs:
+            if isinstance(proc, RemoteRank):
+                continue
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
+        self._store = None
 
     def __del__(self) -> None:  # never leave rank processes behind
         try:
@@ -123,21 +150,30 @@ class DPEngine:
         """A rank's collective fails when a peer died: name the dead peer first, then the failure it caused."""
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
+            lost = [node for node in self._nodes if node.lost]
+            if lost:
+                self._fail(f"{lost[0].describe()} was lost: {lost[0].lost}; every rank was stopped (DP rank {rank}"
+                           f"{self._where(rank)} then failed: {error.strip().splitlines()[-1]})")
             dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if r != rank and p.exitcode not in (None, 0)]
             if dead:
                 r, code = dead[0]
-                self._fail(f"DP rank {r} exited with code {code}; every rank was stopped (rank {rank} then failed: "
-                           f"{error.strip().splitlines()[-1]})")
+                self._fail(f"DP rank {r}{self._where(r)} exited with code {code}; every rank was stopped (rank "
+                           f"{rank} then failed: {error.strip().splitlines()[-1]})")
             time.sleep(0.05)
-        self._fail(f"DP rank {rank} failed:\n{error}")
+        self._fail(f"DP rank {rank}{self._where(rank)} failed:\n{error}")
 
     def _check_alive(self) -> None:
         now = time.monotonic()
+        for node in self._nodes:
+            if node.lost:
+                self._fail(f"{node.describe()} was lost: {node.lost}; every rank was stopped")
         for rank, proc in enumerate(self._procs):
             if proc.exitcode is not None:
-                self._fail(f"DP rank {rank} exited with code {proc.exitcode}; every rank was stopped")
+                self._fail(f"DP rank {rank}{self._where(rank)} exited with code {proc.exitcode}; every rank was "
+                           "stopped")
             if now - self._last_seen[rank] > self.timeout_s:
-                self._fail(f"DP rank {rank} sent nothing for {self.timeout_s:.0f} s (hung?); every rank was stopped")
+                self._fail(f"DP rank {rank}{self._where(rank)} sent nothing for {self.timeout_s:.0f} s (hung?); "
+                           "every rank was stopped")
 
     def _pump(self, wait_s: float) -> list[RequestOutput]:
         """Read every message that is ready (waiting up to ``wait_s`` for the first); return the outputs."""
@@ -150,6 +186,9 @@ class DPEngine:
             msg = None
         while msg is not None:
             kind, rank = msg[0], msg[1]
+            if kind == "node_lost":
+                node = self._nodes[rank - 1]
+                self._fail(f"{node.describe()} was lost: {msg[2]}; every rank was stopped")
             self._last_seen[rank] = time.monotonic()
             if kind == "ready":
                 self.rank_info[rank] = msg[2]
@@ -179,7 +218,7 @@ class DPEngine:
         while (rank, token) not in self._replies:
             pending += self._pump(min(0.5, max(0.01, deadline - time.monotonic())))
             if (rank, token) not in self._replies and time.monotonic() > deadline:
-                self._fail(f"DP rank {rank} did not answer {what!r} within {self.timeout_s:.0f} s")
+                self._fail(f"DP rank {rank}{self._where(rank)} did not answer {what!r} within {self.timeout_s:.0f} s")
         if pending:
             self._router.route(pending, for_step_caller=False)  # kept for the next step() / their sinks
         return self._replies.pop((rank, token))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from .ep_moe import EPGroup
 
 DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 
 # This process's expert-parallel group, read by the MoE layers when the model is built (as vLLM's parallel state):
 # None = every routed expert lives here.
@@ -46,7 +47,7 @@ class DistributedConfig:
     world_size: int
     local_rank: int
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = DEFAULT_MASTER_PORT
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ class DistributedConfig:
 
         return cls(rank=read_int("RANK"), world_size=read_int("WORLD_SIZE"),
                    local_rank=read_int("LOCAL_RANK", "0"), master_addr=read("MASTER_ADDR", "127.0.0.1"),
-                   master_port=read_int("MASTER_PORT", "29500"), timeout_s=timeout_s)
+                   master_port=read_int("MASTER_PORT", str(DEFAULT_MASTER_PORT)), timeout_s=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -95,14 +96,17 @@ class ParallelGroups:
     timeout_s: float
 
 
-def init_process_groups(cfg: DistributedConfig, dist_backend: str = "gloo") -> ParallelGroups:
-    """Join the deployment: the default (device) group on ``dist_backend`` and a gloo CPU group beside it."""
+def init_process_groups(cfg: DistributedConfig, dist_backend: str = "gloo",
+                        store: dist.Store | None = None) -> ParallelGroups:
+    """Join the deployment: the default (device) group on ``dist_backend`` and a gloo CPU group beside it.
+    ``store``: rendezvous on this store (a multi-node deployment shares node 0's) instead of ``tcp://addr:port``."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process")
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{cfg.master_addr}:{cfg.master_port}"}
     try:
-        dist.init_process_group(backend=dist_backend, init_method=f"tcp://{cfg.master_addr}:{cfg.master_port}",
-                                rank=cfg.rank, world_size=cfg.world_size, timeout=timeout)
+        dist.init_process_group(backend=dist_backend, rank=cfg.rank, world_size=cfg.world_size, timeout=timeout,
+                                **where)
     except Exception as exc:  # the rendezvous' own errors do not say which rank or address was involved
         raise RuntimeError(f"rank {cfg.rank}/{cfg.world_size}: could not join the process group at "
                            f"{cfg.master_addr}:{cfg.master_port} on {dist_backend} within {cfg.timeout_s:.0f} s: "

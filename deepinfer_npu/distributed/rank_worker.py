@@ -13,6 +13,7 @@ import logging
 import os
 import queue as queue_mod
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -33,6 +34,14 @@ class RankSpec:
     heartbeat_s: float
     timeout_s: float
     master_addr: str = "127.0.0.1"
+    local_rank: int | None = None  # the device index on this node; None: the rank (one node)
+    # Several nodes: rendezvous on node 0's store at master_addr:master_port (the front-end hosts it)
+    shared_store: bool = False
+    parent_pid: int | None = None  # the process that started this rank: when it is gone, the rank stops
+
+    @property
+    def device_index(self) -> int:
+        return self.rank if self.local_rank is None else self.local_rank
 
 
 def visible_device_for(local_rank: int, variable: str) -> str | None:
@@ -52,11 +61,13 @@ def _bind_device(spec: RankSpec) -> None:
     backend = spec.config.backend
     for name, variable in VISIBLE_DEVICES.items():
         if backend in (name, "auto"):
-            os.environ[variable] = visible_device_for(spec.rank, variable)
+            os.environ[variable] = visible_device_for(spec.device_index, variable)
 
 
-def rank_main(spec: RankSpec, inbox, outbox) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front-end
+def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
+    """``store``: the rendezvous store, when the rank runs in the process that holds it (torchrun)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the front-end
     try:
         _bind_device(spec)
         from deepinfer_npu.engine.llm_engine import LLMEngine
@@ -66,9 +77,20 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
         from deepinfer_npu.hal.registry import get_backend
 
         backend = get_backend(spec.config.backend)  # binds the rank's one visible device
+        if store is not None:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore("ranks", store)
+        elif spec.shared_store:
+            import torch.distributed as dist
+
+            from .control_link import connect_store
+
+            store = dist.PrefixStore("ranks", connect_store(spec.master_addr, spec.master_port, spec.timeout_s,
+                                                            host=False))
         groups = init_process_groups(DistributedConfig(
-            rank=spec.rank, world_size=spec.world_size, local_rank=spec.rank, master_addr=spec.master_addr,
-            master_port=spec.master_port, timeout_s=spec.timeout_s), backend.dist_backend)
+            rank=spec.rank, world_size=spec.world_size, local_rank=spec.device_index, master_addr=spec.master_addr,
+            master_port=spec.master_port, timeout_s=spec.timeout_s), backend.dist_backend, store)
         lockstep = _setup_expert_parallel(spec, groups)
         config = spec.config
         if lockstep and config.enable_graphs is not False and (config.enable_graphs or backend.graphs_by_default):
@@ -79,6 +101,10 @@ def rank_main(spec: RankSpec, inbox, outbox) -> None:
         if lockstep:
             engine.attach_step_group(groups.cpu_group)
         outbox.put(("ready", spec.rank, {"backend": engine.backend.name, "pid": os.getpid(),
+                                         "device": str(engine.backend.device),
+                                         "device_type": engine.backend.device_type,
+                                         "device_index": engine.backend.device_index,
+                                         "op_report": engine.backend.op_report(), "vocab_size": engine.vocab_size,
                                          "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks,
                                          **weight_bytes(engine.runner.model)}))
         try:
@@ -138,8 +164,10 @@ def _setup_expert_parallel(spec: RankSpec, groups) -> bool:
     return True
 
 
-def _drain(engine, inbox, outbox, rank: int, wait_s: float) -> bool:
+def _drain(engine, inbox, outbox, rank: int, wait_s: float, parent_pid: int | None = None) -> bool:
     """Handle every waiting front-end message (the first waited for up to ``wait_s``); True on shutdown."""
+    if parent_pid is not None and os.getppid() != parent_pid:  # orphaned: nobody reads this rank's outputs
+        raise RuntimeError(f"DP rank {rank}: the process that started it (pid {parent_pid}) has exited")
     try:
         msg = inbox.get(timeout=wait_s) if wait_s > 0 else inbox.get_nowait()
     except queue_mod.Empty:
@@ -164,7 +192,7 @@ def _serve_lockstep(spec: RankSpec, engine, inbox, outbox, groups) -> None:
 
     last_beat, stop, idle_wait = time.monotonic(), False, 0.0
     while True:
-        stop = _drain(engine, inbox, outbox, spec.rank, idle_wait) or stop
+        stop = _drain(engine, inbox, outbox, spec.rank, idle_wait, spec.parent_pid) or stop
         flag = torch.tensor([int(stop)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.cpu_group)
         if flag.item():
@@ -184,7 +212,7 @@ def _serve(spec: RankSpec, engine, inbox, outbox, groups=None) -> None:
     last_beat = time.monotonic()
     while True:
         idle = not engine.has_unfinished_requests()
-        if _drain(engine, inbox, outbox, spec.rank, spec.heartbeat_s if idle else 0.0):
+        if _drain(engine, inbox, outbox, spec.rank, spec.heartbeat_s if idle else 0.0, spec.parent_pid):
             return
         if engine.has_unfinished_requests():
             outputs = engine.step()

@@ -6,9 +6,9 @@ checkpoints (grouped routing, shared experts, a dense first layer) at 2 and 4 ra
 from __future__ import annotations
 
 import pytest
-import torch
 
 from deepinfer_npu import LLM, SamplingParams
+from tests.distributed.random_checkpoints import save_random_checkpoint
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# sort a list\n"]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -68,32 +68,9 @@ def test_experts_are_split_and_an_abort_leaves_the_others():
         engine.shutdown()
 
 
-def _random_checkpoint(kind: str, path) -> str:
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.manual_seed(0)
-    base = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8,
-                qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
-                max_position_embeddings=256, initializer_range=0.15, first_k_dense_replace=1)
-    if kind == "v2":  # softmax scores, group-limited greedy routing
-        config = DeepseekV2Config(**base, q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
-                                  topk_group=2, routed_scaling_factor=1.5)
-        model = DeepseekV2ForCausalLM(config)
-    else:  # sigmoid scores, noaux_tc with a correction bias
-        config = DeepseekV3Config(**base, q_lora_rank=24, n_group=4, topk_group=2, routed_scaling_factor=2.5)
-        model = DeepseekV3ForCausalLM(config)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.copy_(torch.randn_like(b) * 0.1)
-    model.save_pretrained(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("kind,world", [("v2", 2), ("v3", 4)])
 def test_random_checkpoints_equal_one_rank(kind, world, tmp_path):
-    model = _random_checkpoint(kind, tmp_path / kind)
+    model = save_random_checkpoint(kind, tmp_path / kind)
     prompts = [{"prompt_token_ids": [(7 * i + j) % 96 for j in range(3 + i)]} for i in range(6)]
     one = _tokens(LLM(model, max_num_seqs=8), prompts)
     many = _tokens(LLM(model, max_num_seqs=8, data_parallel_size=world, distributed_timeout_s=120), prompts)
