@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer_npu.entrypoints.chat_template import ChatTemplateError, load_chat_template
     from deepinfer_npu.entrypoints.metrics import ServerMetrics
     from deepinfer_npu.entrypoints.openai.api_server import build_app, describe_routes
-    from deepinfer_npu.run import engine_kwargs
+    from deepinfer_npu.run import engine_kwargs, run_headless_node
 
     if args.model is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
         return _error(f"no --model given and the reference model is not installed at {REFERENCE_MODEL_DIR}")
@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = EngineConfig(model=args.model, **engine_kwargs(args))
         chat_template = load_chat_template(config.model_dir, args.chat_template)
+        headless = run_headless_node(config)  # a node > 0 (or torchrun rank > 0) serves its ranks, no HTTP
     except (ValueError, FileNotFoundError, ChatTemplateError) as e:
         return _error(e)
+    if headless is not None:
+        return headless
     try:
         sock = _bind(args.host, args.port)  # before loading the model: a taken port fails fast
     except OSError as e:

@@ -101,6 +101,7 @@ class DPEngine:
                                              device_type=info["device_type"], device_index=info["device_index"],
                                              op_report=lambda: dict(info["op_report"]))
         self.vocab_size = info["vocab_size"]
+        self.max_model_len = info["max_model_len"]
         self.runner = types.SimpleNamespace(dtype=self.rank_info[0]["dtype"],
                                             num_kv_blocks=self.rank_info[0]["num_kv_blocks"])
 

@@ -9,6 +9,9 @@ def merge_rank_stats(per_rank: list[dict]) -> dict:
     merged = {key: sum(r.get(key, 0) for r in per_rank) for key in new_counters()}
     merged["preemptions"] = sum(r.get("preemptions", 0) for r in per_rank)
     merged["kv_usage"] = max(r.get("kv_usage", 0.0) for r in per_rank)  # the fullest rank limits admission
+    merged["state_slot_usage"] = max(r.get("state_slot_usage", 0.0) for r in per_rank)
+    merged["num_waiting"] = sum(r.get("num_waiting", 0) for r in per_rank)
+    merged["num_running"] = sum(r.get("num_running", 0) for r in per_rank)
     merged["num_kv_blocks"] = sum(r.get("num_kv_blocks", 0) for r in per_rank)
     merged["backend"] = per_rank[0].get("backend")
     merged["data_parallel_size"] = len(per_rank)

@@ -105,6 +105,7 @@ def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
                                          "device_type": engine.backend.device_type,
                                          "device_index": engine.backend.device_index,
                                          "op_report": engine.backend.op_report(), "vocab_size": engine.vocab_size,
+                                         "max_model_len": engine.max_model_len,
                                          "dtype": engine.runner.dtype, "num_kv_blocks": engine.runner.num_kv_blocks,
                                          **weight_bytes(engine.runner.model)}))
         try:

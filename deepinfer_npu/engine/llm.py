@@ -51,7 +51,9 @@ class LLM:
             model=model, backend=backend, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed, **kwargs,
         )
-        if config.data_parallel_size > 1:
+        from deepinfer_npu.distributed.torchrun import launched_by_torchrun
+
+        if config.data_parallel_size > 1 or launched_by_torchrun():
             from deepinfer_npu.distributed.dp_engine import DPEngine
 
             self.llm_engine = DPEngine(config)

@@ -93,7 +93,9 @@ class AsyncLLM:
                  observer: Callable[[str, str, RequestOutput | None, RequestTimes], None] | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or None (unbounded), got {max_waiting_requests}")
-        if config.data_parallel_size > 1:
+        from deepinfer_npu.distributed.torchrun import launched_by_torchrun
+
+        if config.data_parallel_size > 1 or launched_by_torchrun():
             from deepinfer_npu.distributed.dp_engine import DPEngine
 
             self.engine = DPEngine(config)
@@ -103,8 +105,8 @@ class AsyncLLM:
             self.engine = LLMEngine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
-        self.max_model_len = int(_engine_value(self.engine, "max_model_len"))
-        self.vocab_size = int(_engine_value(self.engine, "vocab_size"))
+        self.max_model_len = int(self.engine.max_model_len)
+        self.vocab_size = int(self.engine.vocab_size)
         self.max_waiting_requests = max_waiting_requests
         self._observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -294,11 +296,3 @@ class AsyncLLM:
                 return
             if command[0] == "add" and not command[-1].done():
                 command[-1].set_exception(EngineDeadError(reason))
-
-
-def _engine_value(engine, name: str):
-    """An ``LLMEngine`` attribute, or the value data-parallel ranks reported when they started."""
-    value = getattr(engine, name, None)
-    if value is None:
-        value = engine.rank_info[0][name]
-    return value
