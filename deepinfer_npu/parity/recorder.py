@@ -89,6 +89,9 @@ def record(
         shown = ids
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=P.TOP_LOGPROBS, ignore_eos=True)
     outputs = llm.generate(inputs, params, use_tqdm=False)
+    shutdown = getattr(llm.llm_engine, "shutdown", None)
+    if shutdown is not None:  # data-parallel ranks stop now rather than at exit
+        shutdown()
     traces = []
     for prompt, out in zip(shown, outputs):
         comp = out.outputs[0]
