@@ -54,6 +54,11 @@ class AscendKernelSet(CpuKernelSet):
         **CpuKernelSet.FALLBACK_REASONS,
         "decode_inputs": "the reference's aten ops on the NPU (backends/cpu/step_inputs.py; sync-free); no fused "
         "NPU kernel yet",
+        # FP8 does not run on 910-class NPUs; the reference dequantises to fp32 on the device
+        "fp8_linear": "FP8 not supported by 910-class NPUs; reference op (dequantise, fp32 matmul) on the device",
+        "fp8_grouped_mlp": "FP8 not supported by 910-class NPUs; reference op on the device",
+        "mla_prolog_fp8": "FP8 not supported by 910-class NPUs; reference op on the device",
+        "mla_epilogue_fp8": "FP8 not supported by 910-class NPUs; reference op on the device",
     }
     #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
     #: previous in-flight step's draft count, <= num_speculative_tokens). None: each request's queries are
