@@ -17,6 +17,7 @@ from deepinfer_npu.hal.types import MLAWeights
 
 from ..attention_metadata import AttentionMetadata
 from ..model_config import DeepseekModelConfig
+from ..quantization.fp8 import dequantize_fp8_block, quantize_fp8_block
 from .linear import Fp8Linear, empty_param, make_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -147,6 +148,10 @@ class MLAAttention(nn.Module):
         return {"kv_b_proj.weight": (rows, self.kv_lora_rank)}
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if self.quant is not None:
+            # FP8 in DeepSeek-V3's release, absorbed in the model dtype: quantising at load rounds it the same way
+            # (a no-op on an FP8 checkpoint's dequantised tensor), as vLLM's online FP8 does.
+            tensor = dequantize_fp8_block(*quantize_fp8_block(tensor))
         # kv_b_proj rows are per head [k_nope (N) | v (V)], each row a vector over the latent L.
         per_head = tensor.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk.data.copy_(per_head[:, : self.nope_dim])
