@@ -1,5 +1,6 @@
-"""Quality of FP8 weights quantised at load (128 x 128 block scales, 1 x 128 activation groups; the CPU reference
-ops) on the shipped reference model, next to the unquantised model in fp32 and bf16:
+"""Quality of FP8 weights quantised at load (128 x 128 block scales, 1 x 128 activation groups) and of INT8 W8A8
+(per-channel weights, per-token activations), through the CPU reference ops, on the shipped reference model, next to
+the unquantised model in fp32 and bf16:
 
 * held-out loss over the model card's 105 windows x 512 predictions, top-1 agreement and mean KL(fp32 || variant) of
   the next-token distributions, max |delta logprob| of the fp32 model's top token;
@@ -38,8 +39,12 @@ VARIANTS = {  # name -> (compute dtype, quantization)
     "bf16": (torch.bfloat16, None),
     "fp8": (torch.float32, "fp8"),
     "fp8-bf16": (torch.bfloat16, "fp8"),
+    "w8a8": (torch.float32, "w8a8"),
 }
 WINDOW = 512
+WEIGHTS = {None: "unquantised", "fp8": "fp8 e4m3, 128x128 block scales (quantised at load)",
+           "w8a8": "int8, per-output-channel scales (quantised at load)"}
+ACTIVATIONS = {None: "model dtype", "fp8": "fp8 e4m3, 1x128 per-token groups", "w8a8": "int8, per-token scales"}
 
 
 class Paged:
@@ -204,8 +209,7 @@ def main(argv=None) -> None:
         dtype, quant = VARIANTS[v]
         row = {"bench": "quant_quality", "model": "deepinfer_npu/assets/reference", "variant": v,
                "dtype": str(dtype).replace("torch.", ""), "quantization": quant,
-               "weights": "fp8 e4m3, 128x128 block scales (quantised at load)" if quant else "unquantised",
-               "activations": "fp8 e4m3, 1x128 per-token groups" if quant else "model dtype",
+               "weights": WEIGHTS[quant], "activations": ACTIVATIONS[quant],
                **rows[v], "mtp_acceptance_own_greedy": acc, "mtp_positions": positions,
                f"greedy_tokens_identical_to_{names[0]}": same,
                "dflash": dflash_acceptance(models[v], dflash_prompts, args.dflash_new_tokens),

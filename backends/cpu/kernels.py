@@ -23,7 +23,7 @@ from . import zos as _zos
 class CpuKernelSet(KernelSet):
     """The oracle: each op is the readable reference in norm.py, linear.py, rope.py, mla.py, moe.py,
     spec_verify.py, zos.py, step_inputs.py,
-    cache_ops.py and quant.py (FP8)."""
+    cache_ops.py and quant.py (FP8 / INT8 weights)."""
 
     IS_REFERENCE = True
 
@@ -45,5 +45,7 @@ class CpuKernelSet(KernelSet):
     copy_kv_blocks = staticmethod(_cache_ops.copy_kv_blocks)
     fp8_linear = staticmethod(_quant.fp8_linear)
     fp8_grouped_mlp = staticmethod(_quant.fp8_grouped_mlp)
-    mla_prolog_fp8 = staticmethod(_quant.mla_prolog_fp8)
-    mla_epilogue_fp8 = staticmethod(_quant.mla_epilogue_fp8)
+    w8a8_linear = staticmethod(_quant.w8a8_linear)
+    w8a8_grouped_mlp = staticmethod(_quant.w8a8_grouped_mlp)
+    mla_prolog_quant = staticmethod(_quant.mla_prolog_quant)
+    mla_epilogue_quant = staticmethod(_quant.mla_epilogue_quant)

@@ -32,8 +32,10 @@ _FALLBACK = {
     "fp8_linear": "no FP8 GEMM kernel yet; reference op on CUDA tensors (dequantise both operands, fp32 matmul)",
     "fp8_grouped_mlp": "no FP8 grouped GEMM kernel yet; reference op on CUDA tensors (per-expert loop, syncs on "
     "the expert counts)",
-    "mla_prolog_fp8": "no FP8 MLA projection kernel yet; reference op on CUDA tensors",
-    "mla_epilogue_fp8": "no FP8 MLA projection kernel yet; reference op on CUDA tensors",
+    "w8a8_linear": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors (int32 matmul)",
+    "w8a8_grouped_mlp": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors",
+    "mla_prolog_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
+    "mla_epilogue_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
 }
 _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantization.fp8 import quantize_fp8_block
-from .quantization.params import SCALE_SUFFIX, is_fp8
+from .quantization.params import scheme_of
 
 PORTABLE_CHUNK = 1 << 24  # values a float64 draw of dummy_portable holds at once (128 MB)
 
@@ -20,30 +19,33 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, portable: bool = F
     ``PORTABLE_CHUNK`` values along dim 0 (bounded host memory for big expert tensors), then copied to the
     device.
 
-    FP8 weights (``quantization="fp8"``) draw the values the unquantised model draws, then are quantised into the
-    weight and its block scales (``<name>_scale_inv``, not drawn): an FP8 dummy model is the quantised dummy
-    model. Their draw is staged per dim-0 row (one expert) for stacked experts, whole for matrices."""
+    Quantised weights (``quantization="fp8"`` / ``"w8a8"``) draw the values the unquantised model draws, then are
+    quantised into the weight and its scales (``<name>_scale_inv`` / ``<name>_scale``, not drawn): a quantised
+    dummy model is the quantised dummy model. Their draw is staged per dim-0 row (one expert) for stacked experts,
+    whole for matrices."""
     params = dict(model.named_parameters())
-    scales = {name[: -len(SCALE_SUFFIX)]: params[name] for name in params if name.endswith(SCALE_SUFFIX)}
+    schemes = {name: scheme_of(p) for name, p in params.items() if scheme_of(p) is not None}
+    scales = {name + s.scale_suffix: name for name, s in schemes.items()}
     gen = torch.Generator(device="cpu" if portable else model.backend.device).manual_seed(seed)
     draw = _draw_portable if portable else _draw
     for name, param in sorted(params.items()):
-        if name.endswith(SCALE_SUFFIX):
+        if name in scales:
             continue  # filled with its weight
-        if not is_fp8(param):
+        scheme = schemes.get(name)
+        if scheme is None:
             draw(name, param, param.data, gen)
             continue
-        scale = scales[name].data
+        scale = params[name + scheme.scale_suffix].data
         if param.dim() == 3:  # stacked experts: quantise one expert's matrix at a time
             staged = torch.empty(param.shape[1:], dtype=torch.float32, device=param.device)
             for row, value in _draw_rows(name, param, staged, gen, portable):
-                q, s = quantize_fp8_block(value)
+                q, s = scheme.quantize(value)
                 param.data[row].copy_(q)
                 scale[row].copy_(s)
         else:
             staged = torch.empty(param.shape, dtype=torch.float32, device=param.device)
             draw(name, param, staged, gen)
-            q, s = quantize_fp8_block(staged)
+            q, s = scheme.quantize(staged)
             param.data.copy_(q)
             scale.copy_(s)
 

@@ -78,7 +78,7 @@ class _Rope:
         self.cos_sin_cache, self.interleaved = torch.cat((ang.cos(), ang.sin()), -1), True
 
 
-def test_mla_prolog_and_epilogue_fp8_match_the_dequantised_ops():
+def test_mla_prolog_and_epilogue_quant_match_the_dequantised_ops():
     for q_lora in (False, True):
         w = _mla_weights(q_lora)
         fields = ["kv_a_proj", "o_proj"] + (["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"])
@@ -91,18 +91,18 @@ def test_mla_prolog_and_epilogue_fp8_match_the_dequantised_ops():
         t, rope = 5, _Rope(w.qk_rope_head_dim)
         hidden, pos, slots = torch.randn(t, 64), torch.arange(t), torch.tensor([0, 1, 2, -1, 5])
         cache_q, cache_d = torch.zeros(2, 4, 40), torch.zeros(2, 4, 40)
-        ql, qr = K.mla_prolog_fp8(hidden, wq, scales, pos, rope, cache_q, slots)
+        ql, qr = K.mla_prolog_quant(hidden, wq, scales, pos, rope, cache_q, slots)
         ql_d, qr_d = K.mla_prolog(hidden, wd, pos, rope, cache_d, slots)
         # the only difference left is the activations' 1 x 128 quantisation
         assert _rel(ql, ql_d) < 0.05 and _rel(qr, qr_d) < 0.05 and _rel(cache_q, cache_d) < 0.05
         assert (cache_q.view(-1, 40)[[3, 4, 6, 7]] == 0).all()  # slot -1 skipped
         out_latent = torch.randn(t, 2, 32)
-        assert _rel(K.mla_epilogue_fp8(out_latent, wq, scales), K.mla_epilogue(out_latent, wd)) < 0.05
+        assert _rel(K.mla_epilogue_quant(out_latent, wq, scales), K.mla_epilogue(out_latent, wd)) < 0.05
 
 
 def test_op_reports_list_the_fp8_ops():
     from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
 
-    assert all(K.op_report()[op] == "native" for op in ("fp8_linear", "fp8_grouped_mlp", "mla_prolog_fp8"))
+    assert all(K.op_report()[op] == "native" for op in ("fp8_linear", "fp8_grouped_mlp", "mla_prolog_quant"))
     report = AscendKernelSet().op_report()
     assert report["fp8_linear"].startswith("fallback (FP8 not supported")

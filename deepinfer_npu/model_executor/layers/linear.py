@@ -1,5 +1,5 @@
-"""Linear layers: a weight [out, in] (+ optional bias) applied through ``kernels.linear``, or, quantised, an FP8
-weight with 128 x 128 block scales applied through ``kernels.fp8_linear``."""
+"""Linear layers: a weight [out, in] (+ optional bias) applied through ``kernels.linear``, or, quantised, an FP8 /
+INT8 weight with its scales applied through the scheme's op (``kernels.fp8_linear`` / ``kernels.w8a8_linear``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from deepinfer_npu.hal.kernel_set import KernelSet
 
 from ..quantization import QuantConfig
-from ..quantization.params import add_fp8_param, store_quantized
+from ..quantization.params import add_quant_param, store_quantized
 
 
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -40,38 +40,46 @@ class Linear(nn.Module):
         return self.kernels.linear(x, self.weight, self.bias)
 
 
-class Fp8Linear(nn.Module):
-    """``y = fp8_linear(x, weight, weight_scale_inv) (+ bias)``: ``weight`` [out, in] float8_e4m3fn,
-    ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] fp32; the bias stays in the model dtype. Loads an FP8
-    checkpoint's pair as is, or quantises a high-precision ``weight`` at load."""
+class QuantLinear(nn.Module):
+    """``y = scheme.linear(x, weight, scale) (+ bias)``: ``weight`` [out, in] in the scheme's dtype with its fp32
+    scales (FP8: ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] through ``kernels.fp8_linear``; W8A8:
+    ``weight_scale`` [out] through ``kernels.w8a8_linear``); the bias stays in the model dtype. Loads an FP8
+    checkpoint's pair as is (FP8 scheme), or quantises a high-precision ``weight`` at load."""
 
-    remapped_params = ("weight", "weight_scale_inv")
-    fp8_checkpoint_tensors = ("weight",)
-
-    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, *, bias: bool = False,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, in_features: int, out_features: int, kernels: KernelSet, *, quant: QuantConfig,
+                 bias: bool = False, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.kernels = kernels
-        add_fp8_param(self, "weight", out_features, in_features, device=device)
+        self.scheme = quant.scheme
+        add_quant_param(self, "weight", out_features, in_features, scheme=self.scheme, device=device)
+        self.scale_name = "weight" + self.scheme.scale_suffix
+        self.remapped_params = ("weight", self.scale_name)
+        self.fp8_checkpoint_tensors = ("weight",) if self.scheme.method == "fp8" else ()
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
 
+    @property
+    def scales(self) -> torch.Tensor:
+        """The weight's fp32 scales (``weight_scale_inv`` or ``weight_scale``, by scheme)."""
+        return getattr(self, self.scale_name)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+        return self.scheme.linear(self.kernels, x, self.weight, self.scales, self.bias)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
         return {"weight": tuple(self.weight.shape)}
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        store_quantized(self.weight.data, self.weight_scale_inv.data, tensor)
+        store_quantized(self.scheme, self.weight.data, self.scales.data, tensor)
 
     def load_checkpoint_fp8(self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
         self.weight.data.copy_(weight)
-        self.weight_scale_inv.data.copy_(scale_inv)
+        self.scales.data.copy_(scale_inv)
 
 
 def make_linear(in_features: int, out_features: int, kernels: KernelSet, *, quant: QuantConfig | None = None,
-                **kw) -> Linear | Fp8Linear:
-    """A :class:`Linear`, or an :class:`Fp8Linear` when ``quant`` is set."""
-    cls = Fp8Linear if quant is not None else Linear
-    return cls(in_features, out_features, kernels, **kw)
+                **kw) -> Linear | QuantLinear:
+    """A :class:`Linear`, or a :class:`QuantLinear` when ``quant`` is set."""
+    if quant is None:
+        return Linear(in_features, out_features, kernels, **kw)
+    return QuantLinear(in_features, out_features, kernels, quant=quant, **kw)

@@ -3,8 +3,8 @@
 Parameter names follow the checkpoint (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``o_proj``). ``kv_b_proj`` [H*(N+V), L] is not kept: the loader
 splits it into ``w_uk`` [H, N, L] and ``w_uv`` [H, V, L], the absorbed form every backend's ops consume.
-Quantised (``cfg.quant``), the projections are FP8 (``Fp8Linear``) and run through ``mla_prolog_fp8`` /
-``mla_epilogue_fp8``; ``w_uk`` / ``w_uv`` stay in the model dtype (an FP8 ``kv_b_proj`` is dequantised at load).
+Quantised (``cfg.quant``), the projections are FP8 or INT8 (``QuantLinear``) and run through ``mla_prolog_quant``
+/ ``mla_epilogue_quant``; ``w_uk`` / ``w_uv`` stay in the model dtype (``kv_b_proj`` is dequantised at load).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from deepinfer_npu.hal.types import MLAWeights
 
 from ..attention_metadata import AttentionMetadata
 from ..model_config import DeepseekModelConfig
-from ..quantization.fp8 import dequantize_fp8_block, quantize_fp8_block
-from .linear import Fp8Linear, empty_param, make_linear
+from .linear import QuantLinear, empty_param, make_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -97,12 +96,12 @@ class MLAAttention(nn.Module):
             fused_a_proj=self._shared_fused_a_proj(),
         )
 
-    def fp8_scales(self) -> dict[str, torch.Tensor]:
-        """Block scales of the FP8 projections, keyed by their ``MLAWeights`` field (``mla_prolog_fp8``)."""
+    def quant_scales(self) -> dict[str, torch.Tensor]:
+        """Scales of the quantised projections, keyed by their ``MLAWeights`` field (``mla_prolog_quant``)."""
         mods = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj",
                 "kv_a_proj": "kv_a_proj_with_mqa", "o_proj": "o_proj"}
-        return {field: getattr(self, attr).weight_scale_inv for field, attr in mods.items()
-                if isinstance(getattr(self, attr, None), Fp8Linear)}
+        return {field: getattr(self, attr).scales for field, attr in mods.items()
+                if isinstance(getattr(self, attr, None), QuantLinear)}
 
     def _shared_fused_a_proj(self) -> torch.Tensor | None:
         """``fused_a_proj`` while the two weights are still its row slices (else None: e.g. a weight replaced)."""
@@ -123,11 +122,12 @@ class MLAAttention(nn.Module):
         """``hidden`` [T, D] (input-normed) -> [T, D]; writes this step's latents into ``kv_cache``."""
         w = self.weights()
         k = self.kernels
-        scales = self.fp8_scales() if self.quant is not None else None
+        scales = self.quant_scales() if self.quant is not None else None
         if scales is None:
             q_latent, q_rope = k.mla_prolog(hidden, w, positions, self.rope, kv_cache, attn.slot_mapping)
         else:
-            q_latent, q_rope = k.mla_prolog_fp8(hidden, w, scales, positions, self.rope, kv_cache, attn.slot_mapping)
+            q_latent, q_rope = k.mla_prolog_quant(hidden, w, scales, positions, self.rope, kv_cache,
+                                                  attn.slot_mapping)
         out_latent = k.mla_attention(
             q_latent,
             q_rope,
@@ -140,7 +140,7 @@ class MLAAttention(nn.Module):
             host=attn.host,
             max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
         )
-        return k.mla_epilogue(out_latent, w) if scales is None else k.mla_epilogue_fp8(out_latent, w, scales)
+        return k.mla_epilogue(out_latent, w) if scales is None else k.mla_epilogue_quant(out_latent, w, scales)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
@@ -150,8 +150,8 @@ class MLAAttention(nn.Module):
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         if self.quant is not None:
             # FP8 in DeepSeek-V3's release, absorbed in the model dtype: quantising at load rounds it the same way
-            # (a no-op on an FP8 checkpoint's dequantised tensor), as vLLM's online FP8 does.
-            tensor = dequantize_fp8_block(*quantize_fp8_block(tensor))
+            # (a no-op on an FP8 checkpoint's dequantised tensor), as vLLM's online quantisation does.
+            tensor = self.quant.scheme.dequantize(*self.quant.scheme.quantize(tensor))
         # kv_b_proj rows are per head [k_nope (N) | v (V)], each row a vector over the latent L.
         per_head = tensor.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk.data.copy_(per_head[:, : self.nope_dim])

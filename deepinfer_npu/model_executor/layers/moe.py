@@ -2,8 +2,9 @@
 
 Experts are stored stacked (``w13`` [E, 2I, D] = gate rows then up rows, ``w2`` [E, D, I]) so a backend can
 run one grouped GEMM; the checkpoint's per-expert ``experts.{e}.{gate,up,down}_proj.weight`` are copied in
-at load. Quantised (``quant``), both stacks are FP8 with per-expert 128 x 128 block scales (``w13_scale_inv``,
-``w2_scale_inv``) and run through ``kernels.fp8_grouped_mlp``.
+at load. Quantised (``quant``), both stacks are in the scheme's dtype with per-expert scales (FP8: 128 x 128 block
+scales ``w13_scale_inv`` / ``w2_scale_inv``, ``kernels.fp8_grouped_mlp``; W8A8: per-channel ``w13_scale`` /
+``w2_scale``, ``kernels.w8a8_grouped_mlp``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from deepinfer_npu.hal.types import GatingParams
 
 from ..model_config import DeepseekModelConfig
 from ..quantization import QuantConfig
-from ..quantization.params import add_fp8_param, store_fp8_rows, store_quantized
+from ..quantization.params import add_quant_param, store_fp8_rows, store_quantized
 from .linear import empty_param
 from .mlp import DenseMLP
 
@@ -42,9 +43,11 @@ class StackedExperts(nn.Module):
             self.w13 = empty_param(e, 2 * i, d, dtype=dtype, device=device)
             self.w2 = empty_param(e, d, i, dtype=dtype, device=device)
         else:
-            self.remapped_params = ("w13", "w2", "w13_scale_inv", "w2_scale_inv")
-            add_fp8_param(self, "w13", e, 2 * i, d, device=device)
-            add_fp8_param(self, "w2", e, d, i, device=device)
+            self.scheme = quant.scheme
+            sfx = self.scheme.scale_suffix
+            self.remapped_params = ("w13", "w2", "w13" + sfx, "w2" + sfx)
+            add_quant_param(self, "w13", e, 2 * i, d, scheme=self.scheme, device=device)
+            add_quant_param(self, "w2", e, d, i, scheme=self.scheme, device=device)
             self._pending: dict[tuple[int, str], torch.Tensor] = {}  # gate / up parts waiting for their partner
         if self.expert_ids != list(range(num_logical)):
             # seeded dummy weights draw the full [num_logical, ...] tensors and keep these rows, so every
@@ -71,8 +74,14 @@ class StackedExperts(nn.Module):
 
     @property
     def fp8_checkpoint_tensors(self) -> tuple[str, ...]:
-        """Checkpoint tensors taken as FP8 + scales (all of them when quantised)."""
-        return tuple(self.checkpoint_tensors()) if self.quant is not None else ()
+        """Checkpoint tensors taken as FP8 + scales (all of them with the FP8 scheme)."""
+        return tuple(self.checkpoint_tensors()) if self.quant is not None and self.quant.method == "fp8" else ()
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 scales, w2 scales)`` of the quantised stacks."""
+        sfx = self.scheme.scale_suffix
+        return getattr(self, "w13" + sfx), getattr(self, "w2" + sfx)
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         expert, proj, _ = name.split(".")
@@ -90,25 +99,27 @@ class StackedExperts(nn.Module):
 
     def _load_quantized(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """Quantise at load: ``down_proj`` at once, gate / up once both arrived, stacked (as ``DenseMLP``)."""
+        s13, s2 = self.scales
         if proj == "down_proj":
             for row in self._rows[expert]:
-                store_quantized(self.w2.data[row], self.w2_scale_inv.data[row], tensor)
+                store_quantized(self.scheme, self.w2.data[row], s2.data[row], tensor)
             return
         self._pending[(expert, proj)] = tensor.float()
         if (expert, "gate_proj") in self._pending and (expert, "up_proj") in self._pending:
             stacked = torch.cat((self._pending.pop((expert, "gate_proj")), self._pending.pop((expert, "up_proj"))))
             for row in self._rows[expert]:
-                store_quantized(self.w13.data[row], self.w13_scale_inv.data[row], stacked)
+                store_quantized(self.scheme, self.w13.data[row], s13.data[row], stacked)
 
     def load_checkpoint_fp8(self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
         expert, proj, _ = name.split(".")
+        s13, s2 = self.scales
         for row in self._rows[int(expert)]:
             if proj == "down_proj":
                 self.w2.data[row].copy_(weight)
-                self.w2_scale_inv.data[row].copy_(scale_inv)
+                s2.data[row].copy_(scale_inv)
             else:
                 start = 0 if proj == "gate_proj" else self.intermediate_size
-                store_fp8_rows(self.w13.data[row], self.w13_scale_inv.data[row], start, weight, scale_inv, name)
+                store_fp8_rows(self.w13.data[row], s13.data[row], start, weight, scale_inv, self.scheme.part_alignment)
 
 
 class Router(nn.Module):
@@ -180,8 +191,8 @@ class DeepseekMoE(nn.Module):
             if self.quant is None:
                 expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, ex.w13, ex.w2)
             else:
-                expert_out = k.fp8_grouped_mlp(sorted_hidden, tokens_per_expert, ex.w13, ex.w13_scale_inv, ex.w2,
-                                               ex.w2_scale_inv)
+                s13, s2 = ex.scales
+                expert_out = ex.scheme.grouped_mlp(k, sorted_hidden, tokens_per_expert, ex.w13, s13, ex.w2, s2)
             return expert_out, state, weights
 
         if self.shared_experts is None:

@@ -1,7 +1,9 @@
-"""Quantised weights: FP8 block-scaled (e4m3, 128 x 128 fp32 scales) numerics, config resolution and the
-parameter helpers the layers use."""
+"""Quantised weights: FP8 block-scaled (e4m3, 128 x 128 fp32 scales) and INT8 per-channel (W8A8) numerics, the
+weight schemes the layers hold, config resolution and the parameter helpers."""
 
 from .config import QuantConfig, QuantizationError, resolve_quant_config
+from .int8 import dequantize_int8_rows, quantize_int8_rows
+from .schemes import SCHEMES, WeightScheme
 from .fp8 import (
     BLOCK,
     FP8_DTYPE,
@@ -19,6 +21,10 @@ __all__ = [
     "FP8_MAX",
     "QuantConfig",
     "QuantizationError",
+    "SCHEMES",
+    "WeightScheme",
+    "dequantize_int8_rows",
+    "quantize_int8_rows",
     "dequantize_fp8_block",
     "dequantize_per_token_group",
     "quantize_fp8_block",

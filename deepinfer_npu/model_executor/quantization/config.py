@@ -7,7 +7,9 @@ loaded from an FP8 checkpoint or quantised at load from a bf16 / fp32 one. What 
 DeepSeek-V3's FP8 checkpoint (the tensors without ``weight_scale_inv`` there, and vLLM's ``deepseek_v2.py``):
 embeddings, norms, ``lm_head``, the MoE router (``mlp.gate``, fp32) and its correction bias, the MTP layer's
 ``eh_proj`` / ``shared_head``; ``kv_b_proj`` is FP8 in the checkpoint and dequantised at load into the absorbed
-``w_uk`` / ``w_uv`` (as vLLM's MLA does), which the attention ops consume in the model dtype.
+``w_uk`` / ``w_uv`` (as vLLM's MLA does), which the attention ops consume in the model dtype. ``"w8a8"``: the same
+weights as int8 with per-output-channel scales and per-token dynamic activation quantisation (the INT8 scheme Ascend
+runs), quantised at load from a bf16 / fp32 checkpoint (an FP8 one is dequantised first).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fp8 import BLOCK
+from .schemes import SCHEMES, WeightScheme
 
-SUPPORTED_METHODS = ("fp8",)
+SUPPORTED_METHODS = ("fp8", "w8a8")
 SUPPORTED_CHECKPOINT_FORMATS = ("e4m3",)
 
 
@@ -33,6 +36,10 @@ class QuantConfig:
     weight_block: tuple[int, int] = (BLOCK, BLOCK)
     from_checkpoint: bool = False
 
+    @property
+    def scheme(self) -> WeightScheme:
+        return SCHEMES[self.method]
+
 
 def resolve_quant_config(
     requested: str | None, checkpoint_quant: dict | None, source: str = "config.json"
@@ -48,10 +55,12 @@ def resolve_quant_config(
     if checkpoint_quant is None:
         return QuantConfig(method=requested)
     method = checkpoint_quant.get("quant_method")
-    if method != "fp8":
+    if requested == "w8a8" and method == "fp8":
+        return QuantConfig(method="w8a8")  # the loader dequantises the FP8 tensors, the layers quantise to int8
+    if method != "fp8" or requested != "fp8":
         raise QuantizationError(
-            f"{source}: quantization_config.quant_method is {method!r}; quantization={requested!r} needs an 'fp8' "
-            "checkpoint or an unquantised one"
+            f"{source}: quantization_config.quant_method is {method!r}; quantization={requested!r} needs an "
+            "unquantised or 'fp8' checkpoint"
         )
     fmt = checkpoint_quant.get("fmt", "e4m3")
     if fmt not in SUPPORTED_CHECKPOINT_FORMATS:
