@@ -191,6 +191,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="append the rows (with row_meta) to this JSONL file")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
+    meta = row_meta("cpu")  # the checkout as the run starts
     from examples.train_dflash import heldout_prompts
 
     names = args.variants.split(",")
@@ -201,7 +202,6 @@ def main(argv=None) -> None:
     mtp_prompts = heldout_prompts(held, args.mtp_prompts, 64, seed=0)
     dflash_prompts = heldout_prompts(held, args.dflash_prompts, 96, seed=0)
     ref_gens = None
-    meta = row_meta("cpu")
     for v in names:
         acc, positions, gens = mtp_acceptance(models[v], mtp_prompts, 64)
         ref_gens = gens if ref_gens is None else ref_gens
