@@ -70,6 +70,7 @@ def test_per_token_group_quantisation_matches_group_loop():
             seg = x[m, g * 128 : (g + 1) * 128]
             scale = seg.abs().max() / 448.0
             assert s[m, g] == scale
-            assert torch.equal(q[m, g * 128 : (g + 1) * 128].view(torch.uint8), (seg / scale).to(FP8_DTYPE).view(torch.uint8))
+            want = (seg / scale).to(FP8_DTYPE).view(torch.uint8)
+            assert torch.equal(q[m, g * 128 : (g + 1) * 128].view(torch.uint8), want)
     back = dequantize_per_token_group(q, s)
     assert ((back - x).abs() <= back.abs() * 2**-4 + s.repeat_interleave(128, 1)[:, :300] * 2**-9).all()

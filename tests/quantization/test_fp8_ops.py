@@ -52,7 +52,8 @@ def test_fp8_grouped_mlp_matches_per_expert_composition():
     x = torch.randn(7, d)
     got = K.fp8_grouped_mlp(x, counts, q13, s13, q2, s2)
     rows = [(0, x[:4]), (2, x[4:])]
-    want = torch.cat([K.fp8_linear(K.silu_and_mul(K.fp8_linear(r, q13[ex], s13[ex])), q2[ex], s2[ex]) for ex, r in rows])
+    want = torch.cat([K.fp8_linear(K.silu_and_mul(K.fp8_linear(r, q13[ex], s13[ex])), q2[ex], s2[ex])
+                      for ex, r in rows])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert _rel(got, K.grouped_mlp(x, counts, w13, w2)) < 0.06
 
@@ -60,7 +61,7 @@ def test_fp8_grouped_mlp_matches_per_expert_composition():
 def _mla_weights(q_lora: bool):
     torch.manual_seed(3)
     h, n, r, v, lrank, d, qr = 2, 16, 8, 16, 32, 64, 48
-    mk = lambda *s: torch.randn(*s) * 0.1  # noqa: E731
+    mk = lambda *s: torch.randn(*s) * 0.1
     w = MLAWeights(num_heads=h, qk_nope_head_dim=n, qk_rope_head_dim=r, v_head_dim=v, kv_lora_rank=lrank,
                    kv_a_proj=mk(lrank + r, d), kv_a_layernorm=torch.rand(lrank) + 0.5, w_uk=mk(h, n, lrank),
                    w_uv=mk(h, v, lrank), o_proj=mk(d, h * v))
