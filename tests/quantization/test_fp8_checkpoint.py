@@ -93,6 +93,16 @@ def test_quantise_at_load_equals_the_fp8_checkpoint_of_the_same_weights(dirs):
         assert torch.equal(a, b), name
 
 
+def test_w8a8_on_an_fp8_checkpoint_dequantises_then_quantises_per_channel(dirs):
+    _plain, fp8_dir, _ = dirs
+    model, dequantised = _load(fp8_dir, "w8a8"), _load(fp8_dir, None)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.int8 and experts.w13_scale.shape == (4, 256)
+    got, want = PagedRunner(model).step({0: PROMPT}), PagedRunner(dequantised).step({0: PROMPT})
+    # int8 rounding of the weights on top of the activations' (per-channel over 64 random inputs): 6.9 % measured
+    assert ((got - want).norm() / want.norm()).item() < 0.1
+
+
 def test_dummy_fp8_weights_are_the_quantised_dummy_weights(dirs):
     plain = dirs[0]
     for portable in ("dummy", "dummy_portable"):

@@ -105,5 +105,9 @@ def test_op_reports_list_the_fp8_ops():
     from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
 
     assert all(K.op_report()[op] == "native" for op in ("fp8_linear", "fp8_grouped_mlp", "mla_prolog_quant"))
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
     report = AscendKernelSet().op_report()
     assert report["fp8_linear"].startswith("fallback (FP8 not supported")
+    assert report["w8a8_linear"].startswith("fallback (torch_npu.npu_dynamic_quant")
+    assert CudaKernelSet().op_report()["fp8_grouped_mlp"].startswith("fallback (no FP8 grouped GEMM kernel yet")
