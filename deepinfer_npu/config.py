@@ -38,6 +38,11 @@ class EngineConfig:
     # "auto" (safetensors) | "dummy" (random weights from config.json, drawn on the device: fast) | "dummy_portable"
     # (the same random weights on every backend: drawn on the CPU, then copied; parity runs at real dims)
     load_format: str = "auto"
+    # None: the checkpoint's precision (FP8 checkpoints dequantised at load); "fp8": FP8 block-scaled weights
+    # (kept from an FP8 checkpoint, or quantised at load); "w8a8": INT8 per-channel weights quantised at load
+    # (model_executor/quantization)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
@@ -109,6 +114,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy", "dummy_portable"):
             raise ValueError(f"load_format must be 'auto', 'dummy' or 'dummy_portable', got {self.load_format!r}")
+        if self.quantization not in (None, "fp8", "w8a8"):
+            raise ValueError(f"quantization must be None, 'fp8' or 'w8a8', got {self.quantization!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.state_slot_ratio >= 1.0:

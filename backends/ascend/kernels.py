@@ -54,6 +54,14 @@ class AscendKernelSet(CpuKernelSet):
         **CpuKernelSet.FALLBACK_REASONS,
         "decode_inputs": "the reference's aten ops on the NPU (backends/cpu/step_inputs.py; sync-free); no fused "
         "NPU kernel yet",
+        # FP8 does not run on 910-class NPUs; the reference dequantises to fp32 on the device
+        "fp8_linear": "FP8 not supported by 910-class NPUs; reference op (dequantise, fp32 matmul) on the device",
+        "fp8_grouped_mlp": "FP8 not supported by 910-class NPUs; reference op on the device",
+        "w8a8_linear": "torch_npu.npu_dynamic_quant + npu_quant_matmul not wired yet; reference op (int32 matmul) "
+        "on the device",
+        "w8a8_grouped_mlp": "torch_npu.npu_grouped_matmul (int8) not wired yet; reference op on the device",
+        "mla_prolog_quant": "no quantised MLA prolog yet; reference op on the device",
+        "mla_epilogue_quant": "no quantised MLA epilogue yet; reference op on the device",
     }
     #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
     #: previous in-flight step's draft count, <= num_speculative_tokens). None: each request's queries are

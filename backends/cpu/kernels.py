@@ -13,6 +13,7 @@ from . import linear as _linear
 from . import mla as _mla
 from . import moe as _moe
 from . import norm as _norm
+from . import quant as _quant
 from . import rope as _rope
 from . import spec_verify as _spec_verify
 from . import step_inputs as _step_inputs
@@ -21,7 +22,8 @@ from . import zos as _zos
 
 class CpuKernelSet(KernelSet):
     """The oracle: each op is the readable reference in norm.py, linear.py, rope.py, mla.py, moe.py,
-    spec_verify.py, zos.py, step_inputs.py and cache_ops.py."""
+    spec_verify.py, zos.py, step_inputs.py,
+    cache_ops.py and quant.py (FP8 / INT8 weights)."""
 
     IS_REFERENCE = True
 
@@ -41,4 +43,9 @@ class CpuKernelSet(KernelSet):
     zos_fixup = staticmethod(_zos.zos_fixup)
     decode_inputs = staticmethod(_step_inputs.decode_inputs)
     copy_kv_blocks = staticmethod(_cache_ops.copy_kv_blocks)
-
+    fp8_linear = staticmethod(_quant.fp8_linear)
+    fp8_grouped_mlp = staticmethod(_quant.fp8_grouped_mlp)
+    w8a8_linear = staticmethod(_quant.w8a8_linear)
+    w8a8_grouped_mlp = staticmethod(_quant.w8a8_grouped_mlp)
+    mla_prolog_quant = staticmethod(_quant.mla_prolog_quant)
+    mla_epilogue_quant = staticmethod(_quant.mla_epilogue_quant)

@@ -28,6 +28,14 @@ __all__ = ["CudaKernelSet", "tilelang_importable"]
 _FALLBACK = {
     "copy_kv_blocks": "reference index_copy on CUDA tensors (fork copy-on-write); sync-free",
     "rope": "reference op on CUDA tensors (gather + elementwise); sync-free",
+    # FP8 (quantization="fp8"): no TileLang kernels yet; the reference dequantises to fp32 on the device
+    "fp8_linear": "no FP8 GEMM kernel yet; reference op on CUDA tensors (dequantise both operands, fp32 matmul)",
+    "fp8_grouped_mlp": "no FP8 grouped GEMM kernel yet; reference op on CUDA tensors (per-expert loop, syncs on "
+    "the expert counts)",
+    "w8a8_linear": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors (int32 matmul)",
+    "w8a8_grouped_mlp": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors",
+    "mla_prolog_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
+    "mla_epilogue_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
 }
 _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 

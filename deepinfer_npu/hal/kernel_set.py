@@ -261,3 +261,73 @@ class KernelSet(abc.ABC):
                 reason = self.FALLBACK_REASONS.get(op, "no native kernel; runs the CPU reference op")
                 report[op] = f"fallback ({reason})"
         return report
+
+    # ---- quantised weights (model_executor/quantization; reference in backends/cpu/quant.py) ----------------
+    OPS = OPS + ("fp8_linear", "fp8_grouped_mlp", "w8a8_linear", "w8a8_grouped_mlp", "mla_prolog_quant",
+                 "mla_epilogue_quant")
+
+    @abc.abstractmethod
+    def fp8_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """W8A8 FP8 GEMM: ``x`` [..., K] (model dtype) quantised per token in 1 x 128 groups along K to e4m3 with fp32
+        scales (``amax / 448``), times ``weight`` [N, K] float8_e4m3fn with ``weight_scale_inv`` [ceil(N/128),
+        ceil(K/128)] fp32 (one scale per 128 x 128 tile), fp32 accumulation, (+ ``bias`` [N]) -> [..., N] in
+        ``x``'s dtype. The reference dequantises both operands and multiplies in fp32 (DeepGEMM's numerics)."""
+
+    @abc.abstractmethod
+    def fp8_grouped_mlp(
+        self,
+        sorted_hidden: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w13_scale_inv: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale_inv: torch.Tensor,
+    ) -> torch.Tensor:
+        """``grouped_mlp`` over FP8 experts: ``w13`` [E, 2I, D] and ``w2`` [E, D, I] float8_e4m3fn with block scales
+        [E, ceil(2I/128), ceil(D/128)] and [E, ceil(D/128), ceil(I/128)]; both GEMMs are ``fp8_linear``'s (the
+        SwiGLU output is quantised per token group again) -> [M, D] in ``sorted_hidden``'s dtype."""
+
+    @abc.abstractmethod
+    def w8a8_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """INT8 W8A8 GEMM: ``x`` [..., K] quantised per token to int8 (symmetric, ``amax / 127``; Ascend's
+        ``npu_dynamic_quant``), times ``weight`` [N, K] int8 with ``weight_scale`` [N] fp32 (per output channel),
+        exact int32 accumulation, both scales applied in fp32 (+ ``bias`` [N]) -> [..., N] in ``x``'s dtype."""
+
+    @abc.abstractmethod
+    def w8a8_grouped_mlp(
+        self,
+        sorted_hidden: torch.Tensor,
+        tokens_per_expert: torch.Tensor,
+        w13: torch.Tensor,
+        w13_scale: torch.Tensor,
+        w2: torch.Tensor,
+        w2_scale: torch.Tensor,
+    ) -> torch.Tensor:
+        """``grouped_mlp`` over INT8 experts: ``w13`` [E, 2I, D] / ``w2`` [E, D, I] int8 with per-channel scales
+        [E, 2I] / [E, D]; both GEMMs are ``w8a8_linear``'s -> [M, D] in ``sorted_hidden``'s dtype."""
+
+    @abc.abstractmethod
+    def mla_prolog_quant(
+        self,
+        hidden: torch.Tensor,
+        w: MLAWeights,
+        scales: dict[str, torch.Tensor],
+        positions: torch.Tensor,
+        rope: RopeLike,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mla_prolog`` with the projections ``w.q_proj`` (or ``w.q_a_proj`` and ``w.q_b_proj``) and ``w.kv_a_proj``
+        quantised: float8_e4m3fn run as ``fp8_linear``, int8 as ``w8a8_linear``, with ``scales[field name]`` their
+        scales; ``w_uk`` and the norms in the model dtype. Same outputs and cache write as ``mla_prolog``."""
+
+    @abc.abstractmethod
+    def mla_epilogue_quant(
+        self, out_latent: torch.Tensor, w: MLAWeights, scales: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """``mla_epilogue`` with ``w.o_proj`` quantised (``fp8_linear`` / ``w8a8_linear`` by dtype,
+        ``scales["o_proj"]``); ``w_uv`` in the model dtype -> [T, D]."""

@@ -1,9 +1,12 @@
-"""Weight loading: safetensors (one file, several, or sharded with an index), FP8 block dequantisation, MTP
-layers, and seeded random ("dummy") weights.
+"""Weight loading: safetensors (one file, several, or sharded with an index), FP8 block dequantisation or FP8
+weights kept as loaded (``quantization="fp8"``, see ``quantization/``), MTP layers, and seeded random ("dummy")
+weights.
 
 The model describes its checkpoint by name: every parameter whose name is a checkpoint name loads 1:1, and a
 module that stores tensors differently declares ``checkpoint_tensors()`` (local names -> shapes),
-``load_checkpoint_tensor(name, tensor)`` and ``remapped_params`` (its parameters filled that way). The loader
+``load_checkpoint_tensor(name, tensor)`` and ``remapped_params`` (its parameters filled that way); a quantised
+module also lists ``fp8_checkpoint_tensors``, which an FP8 checkpoint hands to ``load_checkpoint_fp8(name, weight,
+scale_inv)`` as stored (any other FP8 tensor is dequantised to the model dtype first). The loader
 checks the checkpoint against that layout before copying anything it reads, so errors name the tensor and
 file: missing, unexpected, mis-shaped, or a truncated / corrupt file.
 """
@@ -24,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from .dummy_weights import init_dummy_weights
 from .models.deepseek import DeepseekForCausalLM
+from .quantization.fp8 import dequantize_fp8_block
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,7 @@ class CheckpointError(ValueError):
 class _Slot:
     shape: tuple[int, ...]
     load: Callable[[torch.Tensor], None]
+    load_fp8: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # (weight, scale_inv), FP8 kept
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -52,9 +57,11 @@ def checkpoint_layout(model: torch.nn.Module) -> dict[str, _Slot]:
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
         if hasattr(mod, "checkpoint_tensors"):
+            fp8 = set(getattr(mod, "fp8_checkpoint_tensors", ()))
             for local, shape in mod.checkpoint_tensors().items():
                 layout[prefix + local] = _Slot(
-                    tuple(shape), functools.partial(mod.load_checkpoint_tensor, local)
+                    tuple(shape), functools.partial(mod.load_checkpoint_tensor, local),
+                    functools.partial(mod.load_checkpoint_fp8, local) if local in fp8 else None,
                 )
             remapped |= {prefix + p for p in mod.remapped_params}
     for name, param in model.named_parameters():
@@ -109,17 +116,6 @@ def _index_checkpoint(model_dir: str) -> dict[str, str]:
     return where
 
 
-def dequantize_fp8_block(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:
-    """``weight`` [out, in] float8 with ``scale_inv`` [ceil(out/b0), ceil(in/b1)] -> fp32 ``weight * scale``,
-    each ``b0 x b1`` tile multiplied by its own scale (DeepSeek-V3's block quantisation)."""
-    out_f, in_f = weight.shape
-    scale = scale_inv.float().repeat_interleave(block[0], dim=0)[:out_f]
-    scale = scale.repeat_interleave(block[1], dim=1)[:, :in_f]
-    return weight.float() * scale
-
-
 class _CheckpointReader:
     """Reads tensors by name across the checkpoint's files, dequantising FP8 weights on the way."""
 
@@ -137,9 +133,15 @@ class _CheckpointReader:
         return _read(self._handles[file], name, self.path(name))
 
     def read(self, name: str) -> torch.Tensor:
+        """The tensor, FP8 weights dequantised (fp32)."""
+        tensor, scale = self.read_pair(name)
+        return tensor if scale is None else dequantize_fp8_block(tensor, scale, self.block)
+
+    def read_pair(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(tensor, None)``, or ``(fp8 weight, its weight_scale_inv)`` for an FP8 weight, both as stored."""
         tensor = self._raw(name)
         if tensor.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-            return tensor
+            return tensor, None
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self.where:
             raise CheckpointError(f"fp8 tensor {name!r} in {self.path(name)} has no {scale_name!r}")
@@ -156,7 +158,7 @@ class _CheckpointReader:
                 f"tensor {scale_name!r} in {self.path(scale_name)} has shape {list(scale.shape)}, "
                 f"expected {want} for {b0}x{b1} blocks"
             )
-        return dequantize_fp8_block(tensor, scale, self.block)
+        return tensor, scale
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -199,7 +201,10 @@ def load_weights(
     try:
         # File by file, so each shard is opened once and read sequentially.
         for name in sorted(layout.keys() & where.keys(), key=lambda k: (where[k], k)):
-            tensor = reader.read(name)
+            slot = layout[name]
+            tensor, scale = reader.read_pair(name)
+            if scale is not None and (slot.load_fp8 is None or tensor.dtype != torch.float8_e4m3fn):
+                tensor, scale = dequantize_fp8_block(tensor, scale, reader.block), None
             if not tensor.is_floating_point():
                 raise CheckpointError(
                     f"tensor {name!r} in {reader.path(name)} has dtype {tensor.dtype}; weights must be floating "
@@ -210,7 +215,13 @@ def load_weights(
                     f"tensor {name!r} in {reader.path(name)} has shape {list(tensor.shape)}, "
                     f"expected {list(layout[name].shape)}"
                 )
-            layout[name].load(tensor)
+            if scale is None:
+                slot.load(tensor)
+                continue
+            try:
+                slot.load_fp8(tensor, scale)
+            except ValueError as e:
+                raise CheckpointError(f"tensor {name!r} in {reader.path(name)}: {e}") from e
     finally:
         reader.close()
     for name in sorted(optional - where.keys()):

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .quantization.config import QuantConfig
+
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a supported model; the message names the field and the file."""
@@ -93,8 +95,11 @@ class DeepseekModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architectures: list[str] = field(default_factory=list)
-    # From quantization_config: FP8 weights are dequantised at load in blocks of this shape.
+    # From quantization_config: FP8 weights are dequantised at load in blocks of this shape (quantization=None).
     fp8_block_size: tuple[int, int] | None = None
+    quantization_config: dict[str, Any] | None = None  # as in config.json
+    # How the model is built: None = unquantised; set by build_model from EngineConfig.quantization.
+    quant: QuantConfig | None = None
     torch_dtype: str | None = None
     source: str = "<dict>"  # the file this came from, for error messages
 
@@ -152,10 +157,13 @@ class DeepseekModelConfig:
                 method = quant.get("quant_method") if isinstance(quant, dict) else quant
                 raise fail("quantization_config.quant_method", f"is {method!r}; only 'fp8' is supported")
             fp8_block = tuple(quant.get("weight_block_size") or (128, 128))
+            if len(fp8_block) != 2 or not all(isinstance(b, int) and b > 0 for b in fp8_block):
+                raise fail("quantization_config.weight_block_size", f"must be two positive integers, got {fp8_block!r}")
         cfg = cls(
             model_type=model_type,
             architectures=list(raw.get("architectures") or []),
             fp8_block_size=fp8_block,
+            quantization_config=dict(quant) if quant is not None else None,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             source=source,
             **values,

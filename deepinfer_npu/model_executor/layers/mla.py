@@ -3,6 +3,8 @@
 Parameter names follow the checkpoint (``q_proj`` or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``,
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``o_proj``). ``kv_b_proj`` [H*(N+V), L] is not kept: the loader
 splits it into ``w_uk`` [H, N, L] and ``w_uv`` [H, V, L], the absorbed form every backend's ops consume.
+Quantised (``cfg.quant``), the projections are FP8 or INT8 (``QuantLinear``) and run through ``mla_prolog_quant``
+/ ``mla_epilogue_quant``; ``w_uk`` / ``w_uv`` stay in the model dtype (``kv_b_proj`` is dequantised at load).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from deepinfer_npu.hal.types import MLAWeights
 
 from ..attention_metadata import AttentionMetadata
 from ..model_config import DeepseekModelConfig
-from .linear import Linear, empty_param
+from .linear import QuantLinear, empty_param, make_linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -44,18 +46,20 @@ class MLAAttention(nn.Module):
         self.softmax_scale = cfg.softmax_scale
         h, d, bias = cfg.num_attention_heads, cfg.hidden_size, cfg.attention_bias
         kw = dict(dtype=dtype, device=device)
+        self.quant = cfg.quant
+        lin = dict(kw, quant=cfg.quant)
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(d, h * cfg.qk_head_dim, kernels, **kw)
+            self.q_proj = make_linear(d, h * cfg.qk_head_dim, kernels, **lin)
         else:
-            self.q_a_proj = Linear(d, cfg.q_lora_rank, kernels, bias=bias, **kw)
+            self.q_a_proj = make_linear(d, cfg.q_lora_rank, kernels, bias=bias, **lin)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, kernels, **kw)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, kernels, **kw)
-        self.kv_a_proj_with_mqa = Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kernels, bias=bias, **kw)
+            self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, kernels, **lin)
+        self.kv_a_proj_with_mqa = make_linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, kernels, bias=bias, **lin)
         # The query's first projection and kv_a read the same input: their weights become row slices of one tensor
         # (MLAWeights.fused_a_proj), so a backend can run both as one GEMM (one launch at batch-1 decode). The
         # loader copies into the slices. A plain attribute: not a parameter, not in the checkpoint layout.
         self.fused_a_proj: torch.Tensor | None = None
-        if not bias:
+        if not bias and self.quant is None:
             first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
             rows = first.weight.shape[0]
             fused = torch.empty(rows + self.kv_a_proj_with_mqa.weight.shape[0], d, **kw)
@@ -65,7 +69,7 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, kernels, **kw)
         self.w_uk = empty_param(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank, **kw)
         self.w_uv = empty_param(h, cfg.v_head_dim, cfg.kv_lora_rank, **kw)
-        self.o_proj = Linear(h * cfg.v_head_dim, d, kernels, bias=bias, **kw)
+        self.o_proj = make_linear(h * cfg.v_head_dim, d, kernels, bias=bias, **lin)
 
     def weights(self) -> MLAWeights:
         """The op-facing view of this layer's tensors (no copies)."""
@@ -92,6 +96,13 @@ class MLAAttention(nn.Module):
             fused_a_proj=self._shared_fused_a_proj(),
         )
 
+    def quant_scales(self) -> dict[str, torch.Tensor]:
+        """Scales of the quantised projections, keyed by their ``MLAWeights`` field (``mla_prolog_quant``)."""
+        mods = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj",
+                "kv_a_proj": "kv_a_proj_with_mqa", "o_proj": "o_proj"}
+        return {field: getattr(self, attr).scales for field, attr in mods.items()
+                if isinstance(getattr(self, attr, None), QuantLinear)}
+
     def _shared_fused_a_proj(self) -> torch.Tensor | None:
         """``fused_a_proj`` while the two weights are still its row slices (else None: e.g. a weight replaced)."""
         fused = self.fused_a_proj
@@ -111,7 +122,12 @@ class MLAAttention(nn.Module):
         """``hidden`` [T, D] (input-normed) -> [T, D]; writes this step's latents into ``kv_cache``."""
         w = self.weights()
         k = self.kernels
-        q_latent, q_rope = k.mla_prolog(hidden, w, positions, self.rope, kv_cache, attn.slot_mapping)
+        scales = self.quant_scales() if self.quant is not None else None
+        if scales is None:
+            q_latent, q_rope = k.mla_prolog(hidden, w, positions, self.rope, kv_cache, attn.slot_mapping)
+        else:
+            q_latent, q_rope = k.mla_prolog_quant(hidden, w, scales, positions, self.rope, kv_cache,
+                                                  attn.slot_mapping)
         out_latent = k.mla_attention(
             q_latent,
             q_rope,
@@ -124,7 +140,7 @@ class MLAAttention(nn.Module):
             host=attn.host,
             max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
         )
-        return k.mla_epilogue(out_latent, w)
+        return k.mla_epilogue(out_latent, w) if scales is None else k.mla_epilogue_quant(out_latent, w, scales)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
@@ -132,6 +148,10 @@ class MLAAttention(nn.Module):
         return {"kv_b_proj.weight": (rows, self.kv_lora_rank)}
 
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        if self.quant is not None:
+            # FP8 in DeepSeek-V3's release, absorbed in the model dtype: quantising at load rounds it the same way
+            # (a no-op on an FP8 checkpoint's dequantised tensor), as vLLM's online quantisation does.
+            tensor = self.quant.scheme.dequantize(*self.quant.scheme.quantize(tensor))
         # kv_b_proj rows are per head [k_nope (N) | v (V)], each row a vector over the latent L.
         per_head = tensor.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk.data.copy_(per_head[:, : self.nope_dim])

@@ -2,7 +2,9 @@
 
 Experts are stored stacked (``w13`` [E, 2I, D] = gate rows then up rows, ``w2`` [E, D, I]) so a backend can
 run one grouped GEMM; the checkpoint's per-expert ``experts.{e}.{gate,up,down}_proj.weight`` are copied in
-at load.
+at load. Quantised (``quant``), both stacks are in the scheme's dtype with per-expert scales (FP8: 128 x 128 block
+scales ``w13_scale_inv`` / ``w2_scale_inv``, ``kernels.fp8_grouped_mlp``; W8A8: per-channel ``w13_scale`` /
+``w2_scale``, ``kernels.w8a8_grouped_mlp``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.types import GatingParams
 
 from ..model_config import DeepseekModelConfig
+from ..quantization import QuantConfig
+from ..quantization.params import add_quant_param, store_fp8_rows, store_quantized
 from .linear import empty_param
 from .mlp import DenseMLP
 
@@ -27,18 +31,28 @@ class StackedExperts(nn.Module):
     remapped_params = ("w13", "w2")
 
     def __init__(self, expert_ids: list[int], num_logical: int, hidden_size: int, intermediate_size: int, *,
-                 dtype, device) -> None:
+                 dtype, device, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.expert_ids = list(expert_ids)
         self.num_experts = len(self.expert_ids)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.w13 = empty_param(self.num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device)
-        self.w2 = empty_param(self.num_experts, hidden_size, intermediate_size, dtype=dtype, device=device)
+        self.quant = quant
+        e, i, d = self.num_experts, intermediate_size, hidden_size
+        if quant is None:
+            self.w13 = empty_param(e, 2 * i, d, dtype=dtype, device=device)
+            self.w2 = empty_param(e, d, i, dtype=dtype, device=device)
+        else:
+            self.scheme = quant.scheme
+            sfx = self.scheme.scale_suffix
+            self.remapped_params = ("w13", "w2", "w13" + sfx, "w2" + sfx)
+            add_quant_param(self, "w13", e, 2 * i, d, scheme=self.scheme, device=device)
+            add_quant_param(self, "w2", e, d, i, scheme=self.scheme, device=device)
+            self._pending: dict[tuple[int, str], torch.Tensor] = {}  # gate / up parts waiting for their partner
         if self.expert_ids != list(range(num_logical)):
             # seeded dummy weights draw the full [num_logical, ...] tensors and keep these rows, so every
             # placement holds the single-device weights
-            for param in (self.w13, self.w2):
+            for name, param in self.named_parameters():
                 param.dummy_rows = (num_logical, self.expert_ids)
         self._rows: dict[int, list[int]] = {}
         for row, expert in enumerate(self.expert_ids):
@@ -58,9 +72,23 @@ class StackedExperts(nn.Module):
         """Checkpoint tensors of experts other ranks hold: present in the files, not read here."""
         return [f"{e}.{p}.weight" for e in self._foreign for p in ("gate_proj", "up_proj", "down_proj")]
 
+    @property
+    def fp8_checkpoint_tensors(self) -> tuple[str, ...]:
+        """Checkpoint tensors taken as FP8 + scales (all of them with the FP8 scheme)."""
+        return tuple(self.checkpoint_tensors()) if self.quant is not None and self.quant.method == "fp8" else ()
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13 scales, w2 scales)`` of the quantised stacks."""
+        sfx = self.scheme.scale_suffix
+        return getattr(self, "w13" + sfx), getattr(self, "w2" + sfx)
+
     def load_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> None:
         expert, proj, _ = name.split(".")
         i = self.intermediate_size
+        if self.quant is not None:
+            self._load_quantized(int(expert), proj, tensor)
+            return
         for row in self._rows[int(expert)]:
             if proj == "gate_proj":
                 self.w13.data[row, :i].copy_(tensor)
@@ -68,6 +96,30 @@ class StackedExperts(nn.Module):
                 self.w13.data[row, i:].copy_(tensor)
             else:
                 self.w2.data[row].copy_(tensor)
+
+    def _load_quantized(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """Quantise at load: ``down_proj`` at once, gate / up once both arrived, stacked (as ``DenseMLP``)."""
+        s13, s2 = self.scales
+        if proj == "down_proj":
+            for row in self._rows[expert]:
+                store_quantized(self.scheme, self.w2.data[row], s2.data[row], tensor)
+            return
+        self._pending[(expert, proj)] = tensor.float()
+        if (expert, "gate_proj") in self._pending and (expert, "up_proj") in self._pending:
+            stacked = torch.cat((self._pending.pop((expert, "gate_proj")), self._pending.pop((expert, "up_proj"))))
+            for row in self._rows[expert]:
+                store_quantized(self.scheme, self.w13.data[row], s13.data[row], stacked)
+
+    def load_checkpoint_fp8(self, name: str, weight: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        expert, proj, _ = name.split(".")
+        s13, s2 = self.scales
+        for row in self._rows[int(expert)]:
+            if proj == "down_proj":
+                self.w2.data[row].copy_(weight)
+                s2.data[row].copy_(scale_inv)
+            else:
+                start = 0 if proj == "gate_proj" else self.intermediate_size
+                store_fp8_rows(self.w13.data[row], s13.data[row], start, weight, scale_inv, self.scheme.part_alignment)
 
 
 class Router(nn.Module):
@@ -99,9 +151,16 @@ class DeepseekMoE(nn.Module):
         )
         self.gate = Router(cfg, device)
         self.ep = get_expert_parallel()  # None: every routed expert lives in this process
+        self.quant = cfg.quant
+        if self.quant is not None and self.ep is not None:
+            raise NotImplementedError(
+                f"quantization={self.quant.method!r} with expert parallelism is not supported yet (the expert-parallel "
+                "MoE path runs unquantised experts); run without expert parallelism or with quantization=None"
+            )
         expert_ids = self.ep.local_experts if self.ep is not None else list(range(cfg.n_routed_experts))
         self.experts = StackedExperts(
-            expert_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device
+            expert_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device,
+            quant=cfg.quant,
         )
         self.shared_experts = (
             DenseMLP(
@@ -110,6 +169,7 @@ class DeepseekMoE(nn.Module):
                 kernels,
                 dtype=dtype,
                 device=device,
+                quant=cfg.quant,
             )
             if cfg.n_shared_experts
             else None
@@ -127,7 +187,12 @@ class DeepseekMoE(nn.Module):
             weights, _ids, sorted_hidden, tokens_per_expert, state = k.moe_route(
                 router_logits, self.gate.e_score_correction_bias, self.gating, hidden, self.num_experts
             )
-            expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, self.experts.w13, self.experts.w2)
+            ex = self.experts
+            if self.quant is None:
+                expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, ex.w13, ex.w2)
+            else:
+                s13, s2 = ex.scales
+                expert_out = ex.scheme.grouped_mlp(k, sorted_hidden, tokens_per_expert, ex.w13, s13, ex.w2, s2)
             return expert_out, state, weights
 
         if self.shared_experts is None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from deepinfer_npu.hal.backend import Backend
 
 from ..model_config import DeepseekModelConfig
+from ..quantization import resolve_quant_config
 from .deepseek import DeepseekForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from .mtp import DeepseekMTP
 
@@ -37,10 +40,17 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: DeepseekModelConfig) -> torch.d
 
 
 def build_model(
-    cfg: DeepseekModelConfig, backend: Backend, dtype: torch.dtype | str = torch.float32
+    cfg: DeepseekModelConfig,
+    backend: Backend,
+    dtype: torch.dtype | str = torch.float32,
+    quantization: str | None = None,
 ) -> DeepseekForCausalLM:
     """Construct the model for ``cfg.model_type`` on ``backend.device`` with uninitialised weights (call
-    ``load_weights`` next)."""
+    ``load_weights`` next). ``quantization`` (``EngineConfig.quantization``): None builds the unquantised model
+    (an FP8 checkpoint is dequantised at load); ``"fp8"`` builds FP8 linear / expert weights, which keep an FP8
+    checkpoint's tensors or are quantised at load (``model.config.quant`` says which)."""
+    if quantization is not None:
+        cfg = dataclasses.replace(cfg, quant=resolve_quant_config(quantization, cfg.quantization_config, cfg.source))
     model_cls = _MODEL_CLASSES[cfg.model_type]
     with torch.device(backend.device):
         model = model_cls(cfg, backend, resolve_dtype(dtype, cfg))

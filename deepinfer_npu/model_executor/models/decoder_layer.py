@@ -38,7 +38,7 @@ class DeepseekDecoderLayer(nn.Module):
         if cfg.is_moe_layer(layer_idx):
             self.mlp: nn.Module = DeepseekMoE(cfg, kernels, **kw)
         else:
-            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, kernels, **kw)
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, kernels, quant=cfg.quant, **kw)
 
     def forward(
         self,
