@@ -33,6 +33,11 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
     add("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="model dtype")
     add("--load-format", dest="load_format", default="auto", choices=["auto", "dummy", "dummy_portable"],
         help="auto: safetensors; dummy: random weights from config.json")
+    add("--quantization", default=None, choices=["fp8", "w8a8"],
+        help="fp8: FP8 block-scaled weights (kept from an FP8 checkpoint or quantised at load); w8a8: INT8 "
+        "per-channel weights quantised at load; None: the checkpoint's precision (FP8 dequantised)")
+    add("--kv-cache-dtype", dest="kv_cache_dtype", default="auto", choices=["auto"],
+        help="KV cache dtype (auto: the model dtype)")
     if engine_only:
         add("--seed", type=int, default=0, help="engine seed (requests without a seed draw theirs from it)")
     else:

@@ -46,7 +46,7 @@ class ModelRunner:
         self.block_size = config.block_size
 
         t0 = time.perf_counter()
-        self.model = build_model(model_config, backend, self.dtype)
+        self.model = build_model(model_config, backend, self.dtype, quantization=config.quantization)
         if config.load_format in ("dummy", "dummy_portable"):
             self.model.init_dummy_weights(seed=config.seed, portable=config.load_format == "dummy_portable")
         else:

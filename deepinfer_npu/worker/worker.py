@@ -82,6 +82,10 @@ class Worker:
             explicit = True
         if not requested:
             return None
+        if getattr(cfg, "quantization", None) is not None:  # the quantized ops' reference fallbacks read host counts
+            (logger.warning if explicit else logger.info)(
+                "decode graphs are off with quantization=%r until its device kernels exist", cfg.quantization)
+            return None
         if self.drafter is not None:  # the drafter's propose gets graphs of its own (asked first: its own pool)
             draft_runner = self.backend.graph_runner()
             if isinstance(draft_runner, GraphRunner) and self.drafter.enable_graphs(draft_runner, cfg.max_num_seqs):
