@@ -183,14 +183,15 @@ def moe_gemm(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, 
 CI_CONFIGS = [(2816, 2048, 128), (2048, 1408, 64)]  # V2-Lite w13 / w2
 
 
-def ci_compile(configs=None):
-    """Compile representative configurations for sm_90a (no GPU, no cache); see tests/kernels_cuda."""
+def ci_compile(configs=None, target=None):
+    """Compile representative configurations and the expert scan for sm_90a (or ``target``; no GPU, no cache); see
+    tests/kernels_cuda."""
 
     # parse on this thread (ast is not thread-safe)
     funcs = [build_moe_gemm(*c) for c in (configs or CI_CONFIGS)] + [build_expert_scan()]
 
     def one(func):
-        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
+        return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))

@@ -104,15 +104,15 @@ def get_kernel(hidden: int, with_residual: bool, eps: float):
 CI_CONFIGS = [(7168, True, 1e-6), (2048, False, 1e-6)]
 
 
-def ci_compile(configs=None):
-    """Compile representative configurations for sm_90a (no GPU, no cache); see tests/kernels_cuda."""
+def ci_compile(configs=None, target=None):
+    """Compile representative configurations for sm_90a (or ``target``; no GPU, no cache); see tests/kernels_cuda."""
 
     cfgs = configs or CI_CONFIGS
 
     funcs = [build_rms_norm(*c) for c in cfgs]  # AST parsing on this thread (ast.parse is not thread-safe)
 
     def one(func):
-        return tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
+        return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
     with compile_pool(len(funcs)) as ex:
         return list(ex.map(one, funcs))

@@ -3,21 +3,39 @@
 fp32 goldens: tokens identical. bf16 goldens: vLLM's logprobs-close rule. With no goldens recorded yet, the
 rules themselves are checked on synthetic traces, including negative controls that must fail, and the recorder
 is exercised end to end on the CPU.
+
+CPU recordings are deterministic (greedy decoding, fixed prompts, seeded or stored weights), so the module records
+each (dtype, model, max_tokens, load format) once and hands out copies: the real-dims model takes about half a
+minute to build on a CI core, and the round trip replays the same recording as the real-dims bf16 golden.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from deepinfer_npu.parity import prompts as P
 from deepinfer_npu.parity import recorder, rules
 from deepinfer_npu.parity.__main__ import compare_docs
 from tests.reference_assets import needs_reference_model
 
 GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
+
+
+_CPU_RECORDINGS: dict[tuple, dict] = {}
+
+
+def record_cpu(dtype: str, model_dir: Path, max_tokens: int, load_format: str = "auto") -> dict:
+    """``recorder.record("cpu", ...)``, recorded once per argument set in this process; a deep copy each time
+    (callers edit their document)."""
+    key = (dtype, str(Path(model_dir).resolve()), max_tokens, load_format)
+    if key not in _CPU_RECORDINGS:
+        _CPU_RECORDINGS[key] = recorder.record("cpu", dtype, model_dir, max_tokens, load_format=load_format)
+    return copy.deepcopy(_CPU_RECORDINGS[key])
 
 
 @pytest.mark.parametrize("path", GOLDENS, ids=[p.name for p in GOLDENS])
@@ -37,7 +55,7 @@ def check_cpu_against(path: Path) -> None:
         fp["config_sha256"] == model["config_sha256"]
         and fp["weights"] == model["weights"]
     ), f"{path.name} was recorded on a different model; re-record it on the current reference model"
-    cand = recorder.record("cpu", golden["dtype"], model_dir, golden["max_tokens"], load_format=load_format)
+    cand = record_cpu(golden["dtype"], model_dir, golden["max_tokens"], load_format=load_format)
     verdicts = compare_docs(golden, cand)
     assert all(v.ok for v in verdicts), [v.message for v in verdicts if not v.ok]
 
@@ -97,8 +115,9 @@ def test_real_dims_parity_model_is_v2_lite_shaped():
 
 def test_real_dims_golden_round_trip_on_cpu(tmp_path):
     """A golden recorded on the real-dims model with portable random weights replays through the CI check (the
-    model found through its repository-relative path, the load format kept); a changed token fails it."""
-    doc = recorder.record("cpu", "bfloat16", REAL_DIMS_MODEL, max_tokens=3, load_format="dummy_portable")
+    model found through its repository-relative path, the load format kept); a changed token fails it. The
+    goldens' token count, so the recording is the one the real-dims bf16 golden replays against."""
+    doc = record_cpu("bfloat16", REAL_DIMS_MODEL, max_tokens=P.MAX_TOKENS, load_format="dummy_portable")
     assert doc["model"]["load_format"] == "dummy_portable" and doc["model"]["weights"] == {}
     assert doc["model"]["repo_dir"] == "parity_tests/models/deepseek-v2-lite-dims-2l"
     doc["model"]["dir"] = "/elsewhere/on/the/recording/machine"
