@@ -20,7 +20,7 @@ from deepinfer_npu.model_executor.layers.mla import MLAAttention
 def _layer(q_lora_rank=None, attention_bias=False, dtype=torch.float32, device="cpu", d=256, heads=4, seed=0):
     cfg = SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                           kv_lora_rank=64, softmax_scale=48**-0.5, hidden_size=d, attention_bias=attention_bias,
-                          q_lora_rank=q_lora_rank, qk_head_dim=48)
+                          q_lora_rank=q_lora_rank, qk_head_dim=48, quant=None)
     layer = MLAAttention(cfg, SimpleNamespace(), CpuKernelSet(), dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
     for p in layer.parameters():  # as the loader does: a copy into each parameter
