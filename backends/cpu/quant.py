@@ -57,16 +57,7 @@ def fp8_grouped_mlp(
     """``grouped_mlp`` with FP8 experts: ``w13`` [E, 2I, D] / ``w2`` [E, D, I] float8_e4m3fn with block scales
     [E, ceil(2I/128), ceil(D/128)] / [E, ceil(D/128), ceil(I/128)]; the SwiGLU output is quantised again per
     token group before the down projection (as the two-GEMM FP8 MoE does) -> [M, D]."""
-    out = torch.empty_like(sorted_hidden)
-    start = 0
-    for expert, count in enumerate(tokens_per_expert.tolist()):
-        if count == 0:
-            continue
-        rows = sorted_hidden[start : start + count]
-        act = silu_and_mul(fp8_linear(rows, w13[expert], w13_scale_inv[expert]))
-        out[start : start + count] = fp8_linear(act, w2[expert], w2_scale_inv[expert])
-        start += count
-    return out
+    return _per_expert_mlp(fp8_linear, sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2, w2_scale_inv)
 
 
 def w8a8_linear(
@@ -92,14 +83,19 @@ def w8a8_grouped_mlp(
 ) -> torch.Tensor:
     """``grouped_mlp`` with INT8 experts: ``w13`` [E, 2I, D] / ``w2`` [E, D, I] int8 with per-channel scales [E, 2I] /
     [E, D]; both GEMMs are ``w8a8_linear``'s (the SwiGLU output is quantised per token again) -> [M, D]."""
+    return _per_expert_mlp(w8a8_linear, sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale)
+
+
+def _per_expert_mlp(linear, sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
+    """SwiGLU MLP of each expert over its contiguous rows, both GEMMs through the quantised ``linear``."""
     out = torch.empty_like(sorted_hidden)
     start = 0
     for expert, count in enumerate(tokens_per_expert.tolist()):
         if count == 0:
             continue
         rows = sorted_hidden[start : start + count]
-        act = silu_and_mul(w8a8_linear(rows, w13[expert], w13_scale[expert]))
-        out[start : start + count] = w8a8_linear(act, w2[expert], w2_scale[expert])
+        act = silu_and_mul(linear(rows, w13[expert], w13_scale[expert]))
+        out[start : start + count] = linear(act, w2[expert], w2_scale[expert])
         start += count
     return out
 

@@ -20,6 +20,18 @@ logger = logging.getLogger(__name__)
 PromptType = str | dict | Sequence[int]
 
 
+def create_engine(config: EngineConfig):
+    """The engine a configuration asks for: one ``LLMEngine`` in this process, or the front-end over
+    data-parallel rank processes (``data_parallel_size > 1``, or one process per rank under torchrun)."""
+    from deepinfer_npu.distributed.torchrun import launched_by_torchrun
+
+    if config.data_parallel_size > 1 or launched_by_torchrun():
+        from deepinfer_npu.distributed.dp_engine import DPEngine
+
+        return DPEngine(config)
+    return LLMEngine(config)
+
+
 class LLM:
     """Generate completions with a DeepSeek-family model.
 
@@ -51,14 +63,7 @@ class LLM:
             model=model, backend=backend, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed, **kwargs,
         )
-        from deepinfer_npu.distributed.torchrun import launched_by_torchrun
-
-        if config.data_parallel_size > 1 or launched_by_torchrun():
-            from deepinfer_npu.distributed.dp_engine import DPEngine
-
-            self.llm_engine = DPEngine(config)
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine = create_engine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

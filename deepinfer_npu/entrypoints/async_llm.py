@@ -93,16 +93,9 @@ class AsyncLLM:
                  observer: Callable[[str, str, RequestOutput | None, RequestTimes], None] | None = None) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1 or None (unbounded), got {max_waiting_requests}")
-        from deepinfer_npu.distributed.torchrun import launched_by_torchrun
+        from deepinfer_npu.engine.llm import create_engine
 
-        if config.data_parallel_size > 1 or launched_by_torchrun():
-            from deepinfer_npu.distributed.dp_engine import DPEngine
-
-            self.engine = DPEngine(config)
-        else:
-            from deepinfer_npu.engine.llm_engine import LLMEngine
-
-            self.engine = LLMEngine(config)
+        self.engine = create_engine(config)
         self.config = config
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = int(self.engine.max_model_len)
@@ -183,11 +176,11 @@ class AsyncLLM:
         try:
             while not self._stopping.is_set():
                 self._handle_commands()
-                if self.engine.has_unfinished_requests():
+                busy = self.engine.has_unfinished_requests()
+                if busy:
                     self.engine.step_for_sinks()
-                    self._refresh_stats(force=False)
-                else:
-                    self._refresh_stats(force=False)
+                self._refresh_stats()
+                if not busy:
                     self._wake.wait(IDLE_WAIT_S)
                     self._wake.clear()
             self._abort_all("the server is shutting down")
@@ -267,9 +260,9 @@ class AsyncLLM:
             except Exception:  # noqa: BLE001 - metrics never take the engine down
                 logger.exception("metrics observer failed on %s", event)
 
-    def _refresh_stats(self, force: bool) -> None:
+    def _refresh_stats(self) -> None:
         now = time.monotonic()
-        if force or now - self.stats_time >= STATS_INTERVAL_S:
+        if now - self.stats_time >= STATS_INTERVAL_S:
             self.stats = self.engine.get_stats()
             self.stats_time = now
 

@@ -7,6 +7,8 @@ steps) are read from the engine's stats snapshot at scrape time. Each server has
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -62,25 +64,19 @@ class ServerMetrics:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             self.ttft.observe(times.first_token - times.arrival)
         elif new > 0 and times.last_output is not None:  # last_output: the previous output's time
-            per_token = (_now() - times.last_output) / new
+            per_token = (time.monotonic() - times.last_output) / new
             for _ in range(new):
                 self.itl.observe(per_token)
         if event == "finished":
             self._tokens_seen.pop(request_id, None)
             if times.first_token is None:  # finished before any output (aborted or ignored)
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self.e2e.observe(_now() - times.arrival)
+            self.e2e.observe(time.monotonic() - times.arrival)
             for c in out.outputs:
                 self.finished.labels(**self.labels, finished_reason=c.finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 class _EngineCollector:

@@ -141,6 +141,7 @@ class DeviceStepState:
     draft_probs: torch.Tensor | None = None
     proposing_rows: np.ndarray | None = None
     proposals: torch.Tensor | None = None  # structured output: drafts proposed for the next step
+    uses_grammar: bool = False  # a row is constrained: its results go to the result listener
     fork_rows: list[tuple[int, int]] | None = None  # (row, number of extra first samples) of the prefill
     fork_tokens: torch.Tensor | None = None  # int64 [E] the extra first samples, in fork_rows order
     fork_logprobs: object | None = None  # LogprobsTensors of the extra samples

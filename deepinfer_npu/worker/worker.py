@@ -56,8 +56,8 @@ class Worker:
         self.varlen = varlen and drafter is not None
         self.slots = SlotState(num_state_slots, self.k, self.device)
         self.prev: DeviceStepState | None = None  # deferred ZOS decode step awaiting post-processing
-        # Called with each step's results as soon as they are post-processed, before the next sampling is launched
-        # (the engine advances structured-output grammars there).
+        # Called with the results of each step that has a constrained row as soon as they are post-processed, before
+        # the next sampling is launched (the engine advances structured-output grammars there).
         self.result_listener = None
         self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
@@ -327,6 +327,7 @@ class Worker:
 
     def _launch_sample(self, step: DeviceStepState, reqs: StepRequests) -> None:
         plan, attn = step.plan, step.attn
+        step.uses_grammar = reqs.grammars is not None
         n = plan.num_seqs
         positions = attn.positions
         if plan.is_prefill:
@@ -555,7 +556,7 @@ class Worker:
             result.proposals = host["proposals"].numpy()
             result.proposing_rows = step.proposing_rows
         step.host = None
-        if self.result_listener is not None:
+        if step.uses_grammar and self.result_listener is not None:
             self.result_listener(result)
         return result
 

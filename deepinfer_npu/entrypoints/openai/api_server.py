@@ -8,7 +8,6 @@ serving everyone else. A client that disconnects has its requests aborted.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -95,6 +94,3 @@ def describe_routes(app: FastAPI) -> list[dict[str, Any]]:
     return [{"path": r.path, "methods": sorted(getattr(r, "methods", []) or [])} for r in app.routes
             if getattr(r, "path", "").startswith(("/v1", "/health", "/metrics"))]
 
-
-def dumps(payload: Any) -> str:
-    return json.dumps(payload, ensure_ascii=False)
