@@ -20,13 +20,29 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "tags", "address"], "additionalProperties": False}
 
 
+def _v2_lite_dir() -> str:
+    """A model directory with DeepSeek-V2-Lite's config and the reference model's tokenizer (grammars need one)."""
+    import shutil
+
+    from benchmarks.decode_workload import V2_LITE, write_model_dir
+    from deepinfer_npu.config import REFERENCE_MODEL_DIR
+
+    path = write_model_dir(V2_LITE, "structured-v2-lite-")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(REFERENCE_MODEL_DIR / name, path)
+    return path
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="None: the shipped reference model")
+    p.add_argument("--shape", choices=["reference", "v2-lite"], default="reference",
+                   help="v2-lite: DeepSeek-V2-Lite dims with random bf16 weights and the reference tokenizer")
     p.add_argument("--backend", default="auto")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per point (the best is reported)")
+    p.add_argument("--out", default=None, help="append the JSON lines to this file too")
     args = p.parse_args(argv)
 
     from deepinfer_npu import LLM, SamplingParams
@@ -34,9 +50,19 @@ def main(argv=None) -> None:
     from deepinfer_npu.structured_output import StructuredOutputsParams
     from deepinfer_npu.structured_output.grammar import GrammarCompilerPool
 
-    meta = row_meta(None)
-    llm = LLM(args.model, backend=args.backend, max_num_seqs=max(args.concurrency))
+    extra = {}
+    if args.shape == "v2-lite":
+        args.model, extra = _v2_lite_dir(), {"load_format": "dummy", "dtype": "bfloat16"}
+    llm = LLM(args.model, backend=args.backend, max_num_seqs=max(args.concurrency), **extra)
     engine = llm.llm_engine
+    meta = row_meta("cuda" if engine.backend.name == "cuda" else None)
+
+    def emit(row: dict) -> None:
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
     t0 = time.perf_counter()
     pool = GrammarCompilerPool(engine.tokenizer, engine.vocab_size, engine._eos_ids)
     info_ms = (time.perf_counter() - t0) * 1e3
@@ -47,8 +73,8 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     pool.compile(constraint).result()
     hit_ms = (time.perf_counter() - t0) * 1e3
-    print(json.dumps({"bench": "structured_compile", "tokenizer_info_ms": round(info_ms, 3),
-                      "compile_cold_ms": round(cold_ms, 3), "compile_cached_ms": round(hit_ms, 3), **meta}))
+    emit({"bench": "structured_compile", "tokenizer_info_ms": round(info_ms, 3),
+                      "compile_cold_ms": round(cold_ms, 3), "compile_cached_ms": round(hit_ms, 3), **meta})
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     # A constrained row stops when its object is complete, so the comparison is per token (tokens/s).
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
@@ -68,11 +94,12 @@ def main(argv=None) -> None:
                 best = max(best, tokens / dt)
             rates[label] = (best,)
         ratio = rates["constrained"][0] / rates["unconstrained"][0]
-        print(json.dumps({"bench": "structured", "concurrency": conc, "max_tokens": args.max_tokens,
+        emit({"bench": "structured", "concurrency": conc, "max_tokens": args.max_tokens,
                           "constrained_fraction": 1.0 if conc == 1 else 0.5,
                           "unconstrained_tok_s": round(rates["unconstrained"][0], 2),
                           "constrained_tok_s": round(rates["constrained"][0], 2),
-                          "throughput_ratio": round(ratio, 4), "backend": engine.backend.name, **meta}))
+                          "throughput_ratio": round(ratio, 4), "backend": engine.backend.name, "shape": args.shape,
+                          **meta})
 
 
 if __name__ == "__main__":

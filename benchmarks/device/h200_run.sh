@@ -11,6 +11,9 @@
 #             its predecessor (PDL), so a kernel's span includes that wait
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
+#   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, ... absent on the host)
+#   structured  benchmarks/bench_structured.py on the reference model and on V2-Lite dims, concurrency 1 and 32
+#   serving   benchmarks/bench_serving.py against `python -m deepinfer_npu.serve --backend cuda` (reference model)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
 # DEADLINE (seconds from start, default unset) caps PHASE_LIMIT and skips phases once it has passed. Outputs under
@@ -68,6 +71,14 @@ for l in open('$OUT/profile.jsonl'):
     for t in r['top'][:18]: print('   ', t)
     for t in r['cpu_self_top'][:6]: print('   cpu', t)
 " ;;
+    wheels) python3 -m pip install -q --no-deps --no-index .carry/wheels/*.whl 2>&1 | tail -2
+             python3 -c "import xgrammar, fastapi, uvicorn; print('wheels ok', xgrammar.__version__)" ;;
+    structured) for shape in reference v2-lite; do timeout $LIM python3 -m benchmarks.bench_structured --backend cuda \
+             --shape $shape --concurrency 1 32 --out "$OUT/h200_structured.jsonl" 2>&1 | filt | grep -v "kernel_cache" \
+             | tail -4; done ;;
+    serving) timeout $LIM python3 -m benchmarks.bench_serving --launch "--backend cuda --max-num-seqs 64" \
+             --num-prompts 128 --rates inf 16 --compare-offline --hardware "$(nvidia-smi --query-gpu=name \
+             --format=csv,noheader | head -1)" --out "$OUT/h200_serving.jsonl" 2>&1 | filt | tail -6 ;;
     goldens) for dt in float32 bfloat16; do timeout 60 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --out "$OUT/cuda-$dt.json" 2>&1 | filt | tail -3; done ;;
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
