@@ -12,7 +12,16 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-__all__ = ["RequestGrammar", "allowed_mask", "new_bitmask"]
+__all__ = ["RequestGrammar", "allowed_mask", "fill_rows", "new_bitmask"]
+
+_batch: xgr.BatchGrammarMatcher | None = None  # xgrammar's threaded batch calls (one pool for the process)
+
+
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    global _batch
+    if _batch is None:
+        _batch = xgr.BatchGrammarMatcher(max_threads="auto")
+    return _batch
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -75,3 +84,40 @@ class RequestGrammar:
         for t in self.matcher.stop_token_ids:
             bit = 1 << (t % 32)
             bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words: bit 31 is the sign
+
+
+def fill_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int],
+              drafts: list[list[int]] | None = None) -> None:
+    """``RequestGrammar.fill`` for many requests at once: grammar ``i`` fills rows ``rows[i] ..
+    rows[i] + len(drafts[i])`` (the next position, then the position after each draft). Each draft depth is one
+    threaded xgrammar call over every request still accepting, so the cost per step grows with the draft depth,
+    not with the number of constrained requests."""
+    batch = _batch_matcher()
+    drafts = drafts if drafts is not None else [[] for _ in grammars]
+    accepted = [0] * len(grammars)
+    live = list(range(len(grammars)))
+    k = 0
+    while live:
+        running = []
+        for i in live:
+            if grammars[i].matcher.is_terminated():
+                grammars[i]._only_stop(bitmask, rows[i] + k)  # the grammar ended: only a stop token may follow
+            else:
+                running.append(i)
+        if running:
+            batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in running], bitmask,
+                                                [rows[i] + k for i in running])
+        deeper = [i for i in running if k < len(drafts[i])]
+        ok = batch.batch_accept_token([grammars[i].matcher for i in deeper], [int(drafts[i][k]) for i in deeper]) \
+            if deeper else []
+        accepts = dict(zip(deeper, ok))
+        for i in live:
+            if k < len(drafts[i]) and not accepts.get(i, False):
+                bitmask[rows[i] + k + 1: rows[i] + len(drafts[i]) + 1] = 0  # rejected here: all-false after it
+        live = [i for i, a in zip(deeper, ok) if a]
+        for i in live:
+            accepted[i] += 1
+        k += 1
+    back = [i for i in range(len(grammars)) if accepted[i]]
+    if back:
+        batch.batch_rollback([grammars[i].matcher for i in back], [accepted[i] for i in back])

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from deepinfer_npu.structured_output.matcher import allowed_mask, new_bitmask
+from deepinfer_npu.structured_output.matcher import allowed_mask, fill_rows, new_bitmask
 
 ToDevice = Callable[..., torch.Tensor]
 
@@ -33,8 +33,7 @@ def prefill_banned(grammars: list, sample_rows: np.ndarray, vocab: int, to_devic
     if not constrained:
         return None
     bitmask = new_bitmask(len(sample_rows), vocab)  # all allowed
-    for s in constrained:
-        grammars[int(sample_rows[s])].fill(bitmask, s)
+    fill_rows([grammars[int(sample_rows[s])] for s in constrained], bitmask, constrained)
     return ~allowed_mask(to_device(bitmask.numpy(), torch.int32), vocab)
 
 
@@ -46,17 +45,28 @@ def decode_banned(grammars: list, num_rows: int, max_q: int, row: torch.Tensor, 
     if not constrained:
         return None
     c = len(constrained)
+    if max_q == 1:  # no drafts: one mask row per constrained row
+        bitmask = new_bitmask(c, vocab)
+        fill_rows([grammars[i] for i in constrained], bitmask, list(range(c)))
+        row_to_c = np.full(num_rows, -1, dtype=np.int64)
+        row_to_c[constrained] = np.arange(c)
+        banned = ~allowed_mask(to_device(bitmask.numpy(), torch.int32), vocab)
+        sel = to_device(row_to_c).index_select(0, row)
+        return banned.index_select(0, sel.clamp(min=0)) & (sel >= 0)[:, None]
     bitmask = new_bitmask(c * max_q, vocab)
+    words = bitmask.numpy()  # a view: rows are cleared without tensor indexing
     assumed = np.full((c, max_q), -1, dtype=np.int64)
     row_to_c = np.full(num_rows, -1, dtype=np.int64)
+    drafts = []
     for r, i in enumerate(constrained):
         g = grammars[i]
-        drafts = [] if g.drafts is None else [int(d) for d in g.drafts[: max_q - 1]]
-        g.fill(bitmask, r * max_q, drafts)
-        bitmask[r * max_q + len(drafts) + 1: (r + 1) * max_q].zero_()  # past the known drafts: never reached
-        assumed[r, : len(drafts)] = drafts
+        d = [] if g.drafts is None else [int(x) for x in g.drafts[: max_q - 1]]
+        words[r * max_q + len(d) + 1: (r + 1) * max_q] = 0  # past the known drafts: never reached
+        assumed[r, : len(d)] = d
         row_to_c[i] = r
-    allowed = allowed_mask(to_device(bitmask.numpy(), torch.int32), vocab)
+        drafts.append(d)
+    fill_rows([grammars[i] for i in constrained], bitmask, [r * max_q for r in range(c)], drafts)
+    allowed = allowed_mask(to_device(words, torch.int32), vocab)
     sel = to_device(row_to_c).index_select(0, row)
     is_constrained = sel >= 0
     flat = sel.clamp(min=0) * max_q + j

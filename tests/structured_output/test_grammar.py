@@ -17,7 +17,7 @@ from deepinfer_npu.config import REFERENCE_MODEL_DIR
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.structured_output import StructuredOutputsParams
 from deepinfer_npu.structured_output.grammar import GrammarCompilerPool
-from deepinfer_npu.structured_output.matcher import RequestGrammar, allowed_mask, new_bitmask
+from deepinfer_npu.structured_output.matcher import RequestGrammar, allowed_mask, fill_rows, new_bitmask
 
 pytestmark = pytest.mark.skipif(not (REFERENCE_MODEL_DIR / "tokenizer.json").exists(), reason="no tokenizer")
 VOCAB = 4096
@@ -155,3 +155,53 @@ def test_bitmask_unpacking_matches_xgrammar(pool):
     xgr.apply_token_bitmask_inplace(expected, bitmask)
     ours = logits.masked_fill(~allowed_mask(bitmask, VOCAB), -float("inf"))
     assert torch.equal(ours, expected)
+
+
+def _valid_tokens(grammar: RequestGrammar, n: int, gen: torch.Generator) -> list[int]:
+    """Up to ``n`` tokens the grammar accepts in a row (sampled from its masks; the grammar is left unchanged)."""
+    bitmask, out = new_bitmask(1, VOCAB), []
+    for _ in range(n):
+        if grammar.is_terminated:
+            break
+        grammar.fill(bitmask, 0)
+        allowed = allowed_mask(bitmask, VOCAB)[0].nonzero().flatten()
+        t = int(allowed[torch.randint(len(allowed), (1,), generator=gen)])
+        if not grammar.matcher.accept_token(t):
+            break
+        out.append(t)
+    if out:
+        grammar.matcher.rollback(len(out))
+    return out
+
+
+def test_batched_fill_equals_the_per_request_fill(tok, pool):
+    """fill_rows over many requests (threaded xgrammar calls, one per draft depth) writes exactly the rows the
+    per-request fill writes, for drafts accepted in full, rejected part-way, past a grammar's end and absent, and
+    leaves every matcher where it was."""
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    constraints = [StructuredOutputsParams(json=random_schema(random.Random(s))) for s in range(6)]
+    constraints += [StructuredOutputsParams(regex=r"[a-z]{2,5}-\d{2}"), StructuredOutputsParams(choice=["yes", "no"])]
+    pairs, drafts = [], []
+    for i in range(24):
+        compiled = pool.compile(constraints[i % len(constraints)]).result(timeout=60)
+        a, b = RequestGrammar(compiled, VOCAB), RequestGrammar(compiled, VOCAB)
+        history = _valid_tokens(a, rng.randint(0, 12), gen)
+        for g in (a, b):
+            g.accept(history)
+        d = _valid_tokens(a, rng.randint(0, 4), gen)
+        if d and rng.random() < 0.4:
+            d[rng.randrange(len(d))] = rng.randrange(VOCAB)  # a draft the grammar (likely) rejects
+        pairs.append((a, b))
+        drafts.append(d)
+    width = 5
+    expected = new_bitmask(len(pairs) * width, VOCAB).fill_(0x5A5A5A5A)  # rows no request writes keep this
+    got = expected.clone()
+    for i, (a, _) in enumerate(pairs):
+        a.fill(expected, i * width, drafts[i])
+    fill_rows([b for _, b in pairs], got, [i * width for i in range(len(pairs))], drafts)
+    assert torch.equal(got, expected)
+    again_a, again_b = new_bitmask(len(pairs), VOCAB), new_bitmask(len(pairs), VOCAB)
+    for i, (a, b) in enumerate(pairs):
+        a.fill(again_a, i)
+        b.fill(again_b, i)
+    assert torch.equal(again_a, again_b)
