@@ -53,7 +53,7 @@ def main(argv=None) -> None:
 
     extra = {}
     if args.shape == "v2-lite":
-        args.model, extra = _v2_lite_dir(), {"load_format": "dummy", "dtype": "bfloat16"}
+        args.model, extra = _v2_lite_dir(), {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096}
     llm = LLM(args.model, backend=args.backend, max_num_seqs=max(args.concurrency), **extra)
     engine = llm.llm_engine
     meta = row_meta("cuda" if engine.backend.name == "cuda" else None)

@@ -74,8 +74,8 @@ for l in open('$OUT/profile.jsonl'):
     wheels) python3 -m pip install -q --no-deps --no-index .carry/wheels/*.whl 2>&1 | tail -2
              python3 -c "import xgrammar, fastapi, uvicorn; print('wheels ok', xgrammar.__version__)" ;;
     structured) for shape in v2-lite reference; do timeout $LIM python3 -m benchmarks.bench_structured --backend cuda \
-             --shape $shape --concurrency 1 32 --out "$OUT/h200_structured.jsonl" 2>&1 | filt | grep -v "kernel_cache" \
-             | tail -4; done ;;
+             --shape $shape --concurrency 1 32 --out "$OUT/h200_structured.jsonl" > "$OUT/structured_$shape.log" 2>&1
+             echo "$shape rc=$?"; grep '^{' "$OUT/structured_$shape.log" | cut -c1-260; done ;;
     serving) timeout $LIM python3 -m benchmarks.bench_serving --launch "--backend cuda --max-num-seqs 64" \
              --num-prompts 128 --rates inf 16 --compare-offline --hardware "$(nvidia-smi --query-gpu=name \
              --format=csv,noheader | head -1)" --out "$OUT/h200_serving.jsonl" 2>&1 | filt | tail -6 ;;

@@ -179,3 +179,28 @@ def test_kernel_set_runs_the_kernels_gpu():
     rep = ks.op_report()["spec_verify"]
     assert rep.startswith("native (kernels_cuda.spec_verify (greedy)"), rep
     assert "temperature rows without drafts" in rep and "sampled rows with drafts" in rep, rep
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+def test_kernel_set_masks_bans_in_and_keeps_the_kernels_gpu():
+    """A ban mask (min_tokens, structured output) is masked into the logits before the kernels: the same tokens as
+    the reference op with the mask (which differ from the unmasked ones), and the kernel path still taken."""
+    from deepinfer_npu.backends.cuda import kernels as ck
+
+    ks = ck.CudaKernelSet()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    decode, prefill = verify_step(16, 4, 102400, seed=12), verify_step(16, 1, 102400, layout="prefill", seed=13)
+    for step, t in ((decode, None), (prefill, sampling(16, 0.5, seed=5))):
+        n = step["logits"].shape[0]
+        t = t if t is not None else sampling(n, 1.0)
+        ban = torch.rand(n, 102400, device="cuda", generator=gen) < 0.5
+        ban[:, step["logits"].argmax(-1)] = True  # the unmasked winners are banned: the mask must matter
+        vo, rv = ks.spec_verify(**step, t=t, ban_mask=ban), cpu_spec_verify(**step, t=t, ban_mask=ban)
+        for f in ("emitted", "num_emitted", "accepted", "target_tokens"):
+            assert torch.equal(getattr(vo, f), getattr(rv, f)), f
+        plain = cpu_spec_verify(**step, t=t)
+        assert not torch.equal(plain.target_tokens, rv.target_tokens)  # the mask changed the tokens
+    rep = ks.op_report()["spec_verify"]
+    assert rep.startswith("native (kernels_cuda.spec_verify"), rep
+    assert "ban mask" not in rep, rep

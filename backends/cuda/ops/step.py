@@ -1,6 +1,6 @@
 """The step's small kernels, each where its module's ``reason`` accepts the step, else the reference op on CUDA
 tensors (sync-free): ``spec_verify`` (row arg-max + one accept kernel: all-greedy steps, and temperature rows
-without drafts, no logprobs, bans, top-k / top-p, penalties, min-p or logit bias), ``zos_fixup`` (the
+without drafts, no logprobs, top-k / top-p, penalties, min-p or logit bias; bans are masked into the logits first), ``zos_fixup`` (the
 seqlens_k correction and the varlen re-split in one launch), ``decode_inputs`` (one launch for the ~45 small torch
 ops of the reference)."""
 
@@ -20,7 +20,7 @@ class StepKernels(OpImpl):
     PRIMARY = {name: name for name in KERNELS}
     PLANNED = {
         "spec_verify": "kernels_cuda.spec_verify (split arg-max + accept) for greedy steps and temperature rows "
-        "without drafts, no logprobs / bans / top-k / top-p; else the reference op on CUDA tensors (sync-free)",
+        "without drafts, no logprobs / top-k / top-p (bans masked in first); else the reference op on CUDA tensors (sync-free)",
         "zos_fixup": "kernels_cuda.zos_fixup (seqlens_k correction, varlen re-split) in one launch; else the "
         "reference op on CUDA tensors (sync-free)",
         "decode_inputs": "kernels_cuda.decode_inputs (one launch) where its reason accepts the step; else the "
@@ -32,8 +32,11 @@ class StepKernels(OpImpl):
         if t.needs_processing:  # logit bias / penalties / min_p: the reference's torch ops (sync-free)
             mod, path = None, "reference (logit bias / penalties / min_p)"
         else:
-            mod, path = self.checked("spec_verify", logits, logits, draft_next, row_of_token, j_of_token,
-                                     num_rows, max_q, t, ban_mask)
+            # bans (min_tokens, structured output) are the reference's first step: masking the logits here
+            # leaves the kernel exactly the reference's work on them
+            masked = logits if ban_mask is None else logits.masked_fill(ban_mask, float("-inf"))
+            mod, path = self.checked("spec_verify", masked, masked, draft_next, row_of_token, j_of_token,
+                                     num_rows, max_q, t, None)
         if mod is None:
             self.note("spec_verify", path, False)
             return ref("spec_verify").spec_verify(logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t,
@@ -41,7 +44,7 @@ class StepKernels(OpImpl):
         kind = "greedy" if t.all_greedy else "greedy / temperature rows without drafts, seeded"
         self.note("spec_verify", f"kernels_cuda.spec_verify ({kind})", True)
         emitted, num_emitted, accepted, target = mod.spec_verify(
-            logits, draft_next, row_of_token, j_of_token, num_rows, max_q, t, num_sms=self.ks.sms(logits.device)
+            masked, draft_next, row_of_token, j_of_token, num_rows, max_q, t, num_sms=self.ks.sms(logits.device)
         )
         return ref("spec_verify").VerifyOutput(emitted=emitted, num_emitted=num_emitted, accepted=accepted,
                                                target_tokens=target, logprobs=None)
