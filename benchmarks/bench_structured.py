@@ -34,6 +34,22 @@ def _v2_lite_dir() -> str:
     return path
 
 
+def _profile(llm, prompts, runs: dict) -> None:
+    """Where the host's time goes in each run (cumulative, the engine's own functions first)."""
+    import cProfile
+    import io
+    import pstats
+
+    for label, params in runs.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompts, params, use_tqdm=False)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(f"== host profile, {label}, {len(prompts)} requests\n{text.getvalue()}", flush=True)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="None: the shipped reference model")
@@ -44,6 +60,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per point (the best is reported)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed runs, print the host's cProfile of one constrained and one unconstrained run")
     args = p.parse_args(argv)
 
     from deepinfer_npu import LLM, SamplingParams
@@ -101,6 +119,8 @@ def main(argv=None) -> None:
               "constrained_tok_s": round(best["constrained"], 2),
               "throughput_ratio": round(best["constrained"] / best["unconstrained"], 4),
               "backend": engine.backend.name, "shape": args.shape, **meta})
+        if args.profile:
+            _profile(llm, prompts, {"unconstrained": same_work, "constrained": mixed})
 
 
 if __name__ == "__main__":
