@@ -116,10 +116,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto', 'dummy' or 'dummy_portable', got {self.load_format!r}")
         if self.quantization not in (None, "fp8", "w8a8"):
             raise ValueError(f"quantization must be None, 'fp8' or 'w8a8', got {self.quantization!r}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet: the FP8 latent cache "
-                             "layout exists (model_executor/quantization/kv_fp8.py) but no attention path reads it; "
-                             "use 'auto' (the model dtype)")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'fp8' (packed e4m3 latent rows "
+                             f"with per-128 scales), got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.data_parallel_size > 1 and self.enable_expert_parallel:
             raise ValueError(f"quantization={self.quantization!r} with expert parallelism is not supported yet; "
                              "use --no-expert-parallel (each rank holds every expert) or no quantization")

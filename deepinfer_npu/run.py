@@ -36,8 +36,9 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
     add("--quantization", default=None, choices=["fp8", "w8a8"],
         help="fp8: FP8 block-scaled weights (kept from an FP8 checkpoint or quantised at load); w8a8: INT8 "
         "per-channel weights quantised at load; None: the checkpoint's precision (FP8 dequantised)")
-    add("--kv-cache-dtype", dest="kv_cache_dtype", default="auto", choices=["auto"],
-        help="KV cache dtype (auto: the model dtype)")
+    add("--kv-cache-dtype", dest="kv_cache_dtype", default="auto", choices=["auto", "fp8"],
+        help="latent KV cache: auto (the model dtype) or fp8 (e4m3 latents with per-128 scales, RoPE part in bf16: "
+        "656 bytes a token for DeepSeek-V3 instead of 1152; CPU backend so far)")
     if engine_only:
         add("--seed", type=int, default=0, help="engine seed (requests without a seed draw theirs from it)")
     else:
@@ -363,6 +364,9 @@ def _print_completions(args, shown, outputs, llm, load_s: float, gen_s: float) -
         f"{gen_s:.2f} s ({summary['output_tok_s']} tok/s output), load {load_s:.2f} s, "
         f"backend {summary['backend']} ({summary['dtype']}), model {summary['model']}", flush=True
     )
+    kv_report = getattr(getattr(llm.llm_engine, "runner", None), "kv_cache_report", lambda: None)()
+    if kv_report:
+        print(f"--- {kv_report}", flush=True)
     if args.speculative_method:
         print(
             f"--- speculative {args.speculative_method}: {summary['mean_accepted_length']} tokens per verify step "

@@ -31,6 +31,8 @@ class AscendBackend(Backend):
     #: stays exact. (Key lengths may still be optimistic; ops_mla.mla_attention_fia masks the excess on the
     #: device.)
     supports_device_resplit = False
+    fp8_kv_cache_unsupported = ("FP8 does not run on Atlas A2/A3 NPUs, and the fused attention ops read the cache "
+                                "in the model dtype; use kv_cache_dtype='auto'")
     drafter_hook_in_graphs = False  # DFlash's ring write (scatter_reduce) under NPU graph capture: not checked
 
     def __init__(self, device_index: int = 0) -> None:

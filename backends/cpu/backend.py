@@ -18,6 +18,7 @@ class CpuBackend(Backend):
     device_type = "cpu"
     dist_backend = "gloo"
     kernel_set_cls = CpuKernelSet
+    fp8_kv_cache_unsupported = None  # the reference MLA ops pack on write and dequantize on read
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)

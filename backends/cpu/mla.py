@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_npu.hal.types import MLAWeights, RopeLike
+from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, pack_fp8_latents, unpack_fp8_latents
 
 from .linear import linear
 from .norm import rms_norm
@@ -44,25 +45,37 @@ def mla_prolog(
     c_kv, k_pe = kv.split([lrank, rdim], dim=-1)
     c_kv = rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
     k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
-    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
     return q_latent, q_rope
 
 
-def write_kv_cache(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor,
+                   kv_lora_rank: int | None = None) -> None:
     """Scatter ``latents`` [T, L+R] into ``kv_cache`` [num_blocks, block_size, L+R] at ``slot_mapping``
-    [T]."""
+    [T]. A uint8 cache holds packed FP8 rows (``kv_cache_dtype="fp8"``; ``kv_lora_rank`` = L is then needed)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     valid = slot_mapping >= 0
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        if kv_lora_rank is None:
+            raise ValueError("writing a packed FP8 latent cache needs kv_lora_rank")
+        flat[slot_mapping[valid]] = pack_fp8_latents(latents[valid], kv_lora_rank)
+        return
     flat[slot_mapping[valid]] = latents[valid].to(kv_cache.dtype)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seqlen_k: int) -> torch.Tensor:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seqlen_k: int,
+              split: tuple[int, int] | None = None) -> torch.Tensor:
     """The first ``seqlen_k`` cache rows [seqlen_k, L+R] of one request, following its ``block_table``
-    [nb]."""
+    [nb]; rows of a packed FP8 cache come back dequantized to fp32 (``split`` = (L, R) is then needed)."""
     block_size = kv_cache.shape[1]
     num_blocks = -(-seqlen_k // block_size)
     blocks = kv_cache[block_table[:num_blocks].long()]  # [nb, block_size, L+R]
-    return blocks.reshape(-1, kv_cache.shape[-1])[:seqlen_k]
+    rows = blocks.reshape(-1, kv_cache.shape[-1])[:seqlen_k]
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        if split is None:
+            raise ValueError("reading a packed FP8 latent cache needs the (kv_lora_rank, rope_dim) split")
+        return unpack_fp8_latents(rows, *split)
+    return rows
 
 
 def mla_attention(
@@ -100,7 +113,7 @@ def mla_attention(
             continue
         if not on_host:
             start = int(cu_seqlens_q[b])
-        kv = gather_kv(kv_cache, block_tables[b], k_len).float()  # [k_len, L+R]
+        kv = gather_kv(kv_cache, block_tables[b], k_len, (lrank, q_rope.shape[-1])).float()  # [k_len, L+R]
         c_kv, k_pe = kv[:, :lrank], kv[:, lrank:]
         ql = q_latent[start : start + q_len].float()  # [q_len, H, L]
         qr = q_rope[start : start + q_len].float()  # [q_len, H, R]

@@ -135,7 +135,7 @@ def mla_prolog_quant(
     c_kv, k_pe = quant_linear(hidden, w.kv_a_proj, scales["kv_a_proj"], w.kv_a_bias).split([lrank, rdim], dim=-1)
     c_kv = rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
     k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
-    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
     return q_latent, q_rope
 
 

@@ -39,6 +39,9 @@ class Backend:
     #: Whether decode graphs may capture the drafter's device-only main-forward hook (DFlash's ring write:
     #: scatter-reduce + index writes). Ascend says False until that capture is checked on an NPU.
     drafter_hook_in_graphs: ClassVar[bool] = True
+    #: Why ``kv_cache_dtype="fp8"`` (packed FP8 latent rows, ``quantization/kv_fp8.py``) cannot run here, or None
+    #: when the backend's attention reads that cache. Checked once at start-up.
+    fp8_kv_cache_unsupported: ClassVar[str | None] = "no attention path of this backend reads a packed FP8 cache yet"
 
     def __init__(self, device_index: int = 0) -> None:
         self.device_index = device_index

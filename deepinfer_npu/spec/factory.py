@@ -18,7 +18,7 @@ def build_drafter(config: EngineConfig, runner) -> Drafter | None:
         from .mtp_drafter import MtpDrafter
 
         return MtpDrafter(runner.model, k, runner.num_kv_blocks, runner.block_size, runner.dtype, runner.device,
-                          max_model_len=runner.max_model_len)
+                          max_model_len=runner.max_model_len, cache_layout=(runner.kv_dim, runner.kv_cache_dtype))
     if method == "dflash":
         from .dflash import DFlashDrafter
 

@@ -41,7 +41,8 @@ class MtpDrafter(Drafter):
     name = "mtp"
 
     def __init__(self, model, num_speculative_tokens: int, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, max_model_len: int | None = None) -> None:
+                 dtype: torch.dtype, device: torch.device, max_model_len: int | None = None,
+                 cache_layout: tuple[int, torch.dtype] | None = None) -> None:
         super().__init__(num_speculative_tokens)
         self.max_model_len = max_model_len  # None: no chain graphs (their table width is unknown)
         self.dtype, self.device = dtype, device
@@ -54,10 +55,11 @@ class MtpDrafter(Drafter):
             )
         cfg = model.config
         self.hidden_size = cfg.hidden_size
-        kv_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        # the main caches' row layout (model dtype, or packed FP8 rows): (row width, element dtype)
+        kv_dim, cache_dtype = cache_layout or (cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
         self.block_size = block_size
         self.kv_caches = [
-            torch.zeros(num_blocks, block_size, kv_dim, dtype=dtype, device=device)
+            torch.zeros(num_blocks, block_size, kv_dim, dtype=cache_dtype, device=device)
             for _ in range(self.mtp.num_layers)
         ]
 

@@ -17,6 +17,7 @@ from deepinfer_npu.config import EngineConfig
 from deepinfer_npu.model_executor.loader import load_weights
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
 from deepinfer_npu.model_executor.models import build_model
+from deepinfer_npu.model_executor.quantization.kv_fp8 import latent_bytes_per_token, latent_cache_layout
 from deepinfer_npu.worker.step_io import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -54,19 +55,40 @@ class ModelRunner:
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
-        self.kv_dim = model_config.kv_lora_rank + model_config.qk_rope_head_dim
+        if config.kv_cache_dtype == "fp8" and backend.fp8_kv_cache_unsupported:
+            raise ValueError(f"kv_cache_dtype='fp8' is not supported on the {backend.name} backend: "
+                             f"{backend.fp8_kv_cache_unsupported}")
+        # the cache row: L + R values of the model dtype, or a packed FP8 row of bytes (kv_cache_dtype="fp8")
+        self.kv_dim, self.kv_cache_dtype = latent_cache_layout(
+            model_config.kv_lora_rank, model_config.qk_rope_head_dim, config.kv_cache_dtype, self.dtype)
         self.num_cache_layers = self.model.num_kv_cache_layers
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.num_state_slots = 0  # set by the engine from the scheduler config
         self.kv_caches = [
-            torch.zeros(self.num_kv_blocks, self.block_size, self.kv_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(self.num_kv_blocks, self.block_size, self.kv_dim, dtype=self.kv_cache_dtype,
+                        device=self.device)
             for _ in range(self.num_cache_layers)
         ]
+        if config.kv_cache_dtype == "fp8":
+            logger.info("%s", self.kv_cache_report())
 
     # ---------------------------------------------------------------- memory
+    def kv_cache_report(self) -> str | None:
+        """With ``kv_cache_dtype="fp8"``: a sentence on the packed rows and the tokens per GiB they gain."""
+        if self.config.kv_cache_dtype != "fp8":
+            return None
+        cfg = self.model_config
+        plain = latent_bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim, "auto", self.dtype)
+        fp8 = latent_bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim, "fp8", self.dtype)
+        layers = self.num_cache_layers + (cfg.num_nextn_predict_layers
+                                          if self.config.speculative_method == "mtp" else 0)
+        return (f"KV cache fp8: {fp8} bytes a token and layer instead of {plain} ({str(self.dtype).split('.')[-1]}), "
+                f"{2**30 / (fp8 * layers):.0f} tokens per GiB instead of {2**30 / (plain * layers):.0f} "
+                f"({plain / fp8:.2f}x); {self.num_kv_blocks} blocks of {self.block_size} tokens")
+
     def bytes_per_block(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         layers = self.num_cache_layers
         if self.config.speculative_method == "mtp":
             layers += self.model_config.num_nextn_predict_layers  # the MTP drafter's caches share the pool size

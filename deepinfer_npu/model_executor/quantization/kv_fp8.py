@@ -2,8 +2,9 @@
 e4m3 (one fp32 scale per 128 of them, ``amax / 448``), then those scales, then the ``R`` RoPE key values in bf16 —
 656 bytes for DeepSeek-V2/V3 (512 + 4 x 4 + 64 x 2) instead of 1 152 in bf16.
 
-Numerics and layout only: the cache write (pack) and the attention read (unpack) of a backend that stores its
-latent cache this way call these, and the start-up report uses :func:`latent_bytes_per_token`.
+The CPU reference stores its caches this way (``backends/cpu/mla.py`` packs on write and unpacks on read: a uint8
+cache is a packed one); backends without an FP8 attention path refuse ``kv_cache_dtype="fp8"`` at start-up
+(``Backend.supports_fp8_kv_cache``). The start-up report uses :func:`latent_bytes_per_token`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def latent_bytes_per_token(kv_lora_rank: int, rope_dim: int, kv_cache_dtype: str
     if kv_cache_dtype == "auto":
         return (kv_lora_rank + rope_dim) * torch.empty((), dtype=model_dtype).element_size()
     raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+
+
+def latent_cache_layout(kv_lora_rank: int, rope_dim: int, kv_cache_dtype: str,
+                        model_dtype: torch.dtype) -> tuple[int, torch.dtype]:
+    """``(row width, element dtype)`` of a latent cache tensor ``[blocks, block_size, width]``."""
+    if kv_cache_dtype == "fp8":
+        return fp8_latent_row_bytes(kv_lora_rank, rope_dim), FP8_KV_DTYPE
+    latent_bytes_per_token(kv_lora_rank, rope_dim, kv_cache_dtype, model_dtype)  # validates the name
+    return kv_lora_rank + rope_dim, model_dtype
 
 
 def pack_fp8_latents(latents: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
