@@ -60,6 +60,11 @@ class Limits:
     # npu_moe_init_routing_v2: expert_num <= 10240 outside key_value mode. Doc:
     # torch_npu-npu_moe_init_routing_v2.md
     routing_max_experts: int = 10240
+    # W8A8 (dynamic): npu_dynamic_quant takes fp16/bf16 activations; npu_quant_matmul and the quantised
+    # npu_grouped_matmul give fp16/bf16 outputs (A2/A3: pertoken + perchannel scales, bf16 or fp16 output).
+    # Docs: torch_npu-npu_dynamic_quant.md, torch_npu-npu_quant_matmul.md, aclnnGroupedMatmulV4.md; usage
+    # vllm_ascend/quantization/methods/w8a8_dynamic.py.
+    w8a8_dtypes: tuple[torch.dtype, ...] = HALF
     extra: dict = field(default_factory=dict)
 
 
@@ -80,6 +85,7 @@ EMULATION = Limits(
     gating_max_experts=2048,
     gating_k_group=None,
     gmm_dtypes=ANY_FLOAT,
+    w8a8_dtypes=ANY_FLOAT,
 )
 PROFILES = {p.name: p for p in (A2_A3, ASCEND_950, EMULATION)}
 PROFILE_ENV = "DEEPINFER_ASCEND_PROFILE"
@@ -187,6 +193,15 @@ def decide_grouped_mlp(lim: Limits, dtype: torch.dtype) -> Decision:
     if dtype not in lim.gmm_dtypes:
         return Decision(False, f"npu_grouped_matmul takes fp16/bf16 here, model runs {dtype}")
     return Decision(True, "torch_npu.npu_grouped_matmul x2 + torch_npu.npu_swiglu")
+
+
+def decide_w8a8(lim: Limits, dtype: torch.dtype, grouped: bool) -> Decision:
+    if dtype not in lim.w8a8_dtypes:
+        return Decision(False, f"npu_dynamic_quant / npu_quant_matmul take fp16/bf16 here, model runs {dtype}")
+    if grouped:
+        return Decision(True, "torch_npu.npu_dynamic_quant + npu_grouped_matmul (int8, per-token x per-channel "
+                              "scales) x2 around npu_swiglu")
+    return Decision(True, "torch_npu.npu_dynamic_quant + npu_quant_matmul (int8, per-token x per-channel scales)")
 
 
 def decide_dispatch(lim: Limits, num_experts: int) -> Decision:

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from deepinfer_npu.backends.cpu import cache_ops as ref_cache_ops
 from deepinfer_npu.backends.cpu import mla as ref_mla
 from deepinfer_npu.backends.cpu import moe as ref_moe
+from deepinfer_npu.backends.cpu import quant as ref_quant
 from deepinfer_npu.backends.cpu import rope as ref_rope
 from deepinfer_npu.backends.cpu import spec_verify as ref_spec_verify
 from deepinfer_npu.backends.cpu import zos as ref_zos
@@ -28,7 +29,7 @@ from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
-from . import kv_layout, ops_dense, ops_mla, ops_moe, tilelang_ascend
+from . import kv_layout, ops_dense, ops_mla, ops_moe, ops_quant, tilelang_ascend
 
 NOT_RUN_NOTE = (
     "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
@@ -57,10 +58,8 @@ class AscendKernelSet(CpuKernelSet):
         # FP8 does not run on 910-class NPUs; the reference dequantises to fp32 on the device
         "fp8_linear": "FP8 not supported by 910-class NPUs; reference op (dequantise, fp32 matmul) on the device",
         "fp8_grouped_mlp": "FP8 not supported by 910-class NPUs; reference op on the device",
-        "w8a8_linear": "torch_npu.npu_dynamic_quant + npu_quant_matmul not wired yet; reference op (int32 matmul) "
-        "on the device",
-        "w8a8_grouped_mlp": "torch_npu.npu_grouped_matmul (int8) not wired yet; reference op on the device",
-        "mla_prolog_quant": "no quantised MLA prolog yet; reference op on the device",
+        "mla_prolog_quant": "no quantised MLA prolog yet; reference op on the device (the latents written in the "
+        "attention's cache layout)",
         "mla_epilogue_quant": "no quantised MLA epilogue yet; reference op on the device",
     }
     #: Upper bound on how far a ZOS step's true key length may fall short of the host's optimistic one (the
@@ -186,6 +185,19 @@ class AscendKernelSet(CpuKernelSet):
             self.register_split_cache(kv_cache, w.kv_lora_rank, w.qk_rope_head_dim)
         return ops_mla.mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping, rope_fn, split)
 
+    def mla_prolog_quant(self, hidden, w: MLAWeights, scales, positions, rope: RopeLike, kv_cache, slot_mapping):
+        """The reference's quantised prolog; its latents go into the layout the attention reads (split k_nope /
+        k_rope when the fused attention runs), as ``mla_prolog`` writes them."""
+        split = self._attn_decision(
+            w.kv_lora_rank, w.qk_rope_head_dim, w.num_heads, kv_cache.shape[1], kv_cache.dtype
+        ).native
+        if not split:
+            return ref_quant.mla_prolog_quant(hidden, w, scales, positions, rope, kv_cache, slot_mapping)
+        self.register_split_cache(kv_cache, w.kv_lora_rank, w.qk_rope_head_dim)
+        q_latent, q_rope, c_kv, k_pe = ref_quant.mla_prolog_quant_parts(hidden, w, scales, positions, rope)
+        kv_layout.write_split(kv_cache, c_kv, k_pe, slot_mapping)
+        return q_latent, q_rope
+
     def mla_attention(
         self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale, host=None,
         max_seqlen_q=None,
@@ -278,6 +290,19 @@ class AscendKernelSet(CpuKernelSet):
         if not d.native:
             return ref_moe.grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
         return ops_moe.grouped_mlp(sorted_hidden, tokens_per_expert, w13, w2)
+
+    def w8a8_linear(self, x, weight, weight_scale, bias=None):
+        d = self._decide("w8a8_linear", (x.dtype,), lambda: caps.decide_w8a8(self._lim(), x.dtype, grouped=False))
+        if not d.native:
+            return super().w8a8_linear(x, weight, weight_scale, bias)
+        return ops_quant.w8a8_linear(x, weight, weight_scale, bias)
+
+    def w8a8_grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale):
+        d = self._decide("w8a8_grouped_mlp", (sorted_hidden.dtype,),
+                         lambda: caps.decide_w8a8(self._lim(), sorted_hidden.dtype, grouped=True))
+        if not d.native:
+            return super().w8a8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale)
+        return ops_quant.w8a8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale)
 
     def moe_combine(self, expert_out, state: DispatchState, weights):
         self._decisions.setdefault(

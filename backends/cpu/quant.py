@@ -121,6 +121,14 @@ def mla_prolog_quant(
     """``mla_prolog`` with the projections (``q_proj`` or ``q_a_proj`` / ``q_b_proj``, ``kv_a_proj``) quantised (FP8
     or INT8, :func:`quant_linear`) and ``scales[name]`` their scales; the absorbed ``w_uk`` stays in the model
     dtype."""
+    q_latent, q_rope, c_kv, k_pe = mla_prolog_quant_parts(hidden, w, scales, positions, rope)
+    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, w.kv_lora_rank)
+    return q_latent, q_rope
+
+
+def mla_prolog_quant_parts(hidden, w: MLAWeights, scales, positions, rope: RopeLike):
+    """:func:`mla_prolog_quant` before its cache write: ``(q_latent, q_rope, c_kv, k_pe)``, for a backend that
+    stores the latents in a layout of its own."""
     num_tokens = hidden.shape[0]
     nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
     if w.q_proj is not None:
@@ -135,8 +143,7 @@ def mla_prolog_quant(
     c_kv, k_pe = quant_linear(hidden, w.kv_a_proj, scales["kv_a_proj"], w.kv_a_bias).split([lrank, rdim], dim=-1)
     c_kv = rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
     k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
-    write_kv_cache(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
-    return q_latent, q_rope
+    return q_latent, q_rope, c_kv, k_pe
 
 
 def mla_epilogue_quant(out_latent: torch.Tensor, w: MLAWeights, scales: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import graphs, ops_attention, ops_dense, ops_moe
+from . import graphs, ops_attention, ops_dense, ops_moe, ops_quant
 from .contract import CALLS, ContractError
 from .device import FakeNpuNamespace
 
@@ -36,8 +36,10 @@ OPS = {
     "npu_fused_infer_attention_score": ops_attention.npu_fused_infer_attention_score,
     "npu_moe_gating_top_k": ops_moe.npu_moe_gating_top_k,
     "npu_moe_init_routing_v2": ops_moe.npu_moe_init_routing_v2,
-    "npu_grouped_matmul": ops_moe.npu_grouped_matmul,
+    "npu_grouped_matmul": ops_quant.npu_grouped_matmul,  # int8 calls there, floating-point ones in ops_moe
     "npu_moe_token_unpermute": ops_moe.npu_moe_token_unpermute,
+    "npu_dynamic_quant": ops_quant.npu_dynamic_quant,
+    "npu_quant_matmul": ops_quant.npu_quant_matmul,
     "_npu_fused_infer_attention_score_get_max_workspace":
         ops_attention.npu_fused_infer_attention_score_get_max_workspace,
 }
