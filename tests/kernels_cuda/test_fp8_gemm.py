@@ -116,12 +116,19 @@ def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
+def selected_params(request) -> list[dict]:
+    """The parameters of this module's selected cases that use the ``compiled`` fixture."""
+    return [item.callspec.params for item in request.session.items
+            if item.module is request.module and "compiled" in item.fixturenames and hasattr(item, "callspec")]
+
+
 @pytest.fixture(scope="module")
-def compiled():
-    """The configurations the GPU cases launch, compiled in parallel once (the GEMM cases' activations are
-    quantised by the reference, so only the quant cases' own widths compile fp8_quant)."""
-    fp8_gemm.precompile([fp8_gemm.config_for(n, k, m) for n, k in SHAPES.values() for m in ROWS])
-    fp8_quant.precompile([fp8_quant.config_for(k, m, gated) for k, gated in QUANT_CASES for m in ROWS])
+def compiled(request):
+    """The configurations the selected GPU cases launch, compiled in parallel once (the GEMM cases' activations
+    are quantised by the reference, so only the quant cases compile fp8_quant)."""
+    params = selected_params(request)
+    fp8_gemm.precompile([fp8_gemm.config_for(*SHAPES[p["name"]], p["m"]) for p in params if "name" in p])
+    fp8_quant.precompile([fp8_quant.config_for(p["k"], p["m"], p["gated"]) for p in params if "gated" in p])
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ import torch
 from deepinfer_npu.kernels_cuda import fp8_grouped_gemm, fp8_quant, moe_gemm
 from deepinfer_npu.model_executor.quantization.fp8 import FP8_DTYPE, quantize_per_token_group
 
-from .test_fp8_gemm import ROWS, activations, check_close, fp8_weight, gemm_fp32
+from test_fp8_gemm import ROWS, activations, check_close, fp8_weight, gemm_fp32, selected_params
 
 MODELS = {  # name: (experts, top_k, D, I)
     "v2lite": (64, 6, 2048, 1408),
@@ -85,13 +85,14 @@ def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def compiled():
+def compiled(request):
+    """The configurations the selected GPU cases launch, compiled in parallel once."""
     cfgs, quant = [], []
-    for e, top_k, d, inter in MODELS.values():
-        for t in ROWS:
-            m = t * top_k
-            cfgs += [fp8_grouped_gemm.config_for(2 * inter, d, m, e), fp8_grouped_gemm.config_for(d, inter, m, e)]
-            quant += [fp8_quant.config_for(d, m), fp8_quant.config_for(inter, m, True)]
+    for p in selected_params(request):
+        e, top_k, d, inter = MODELS[p["model"]]
+        m = p["tokens"] * top_k
+        cfgs += [fp8_grouped_gemm.config_for(2 * inter, d, m, e), fp8_grouped_gemm.config_for(d, inter, m, e)]
+        quant += [fp8_quant.config_for(d, m), fp8_quant.config_for(inter, m, True)]
     fp8_grouped_gemm.precompile(cfgs)
     fp8_quant.precompile(quant)
 
