@@ -22,6 +22,7 @@ from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPla
 from .branches import ParallelBranches
 from .ops import FAMILIES, OpConfig, OpImpl
 from .ops.base import KernelModules, PathLog, current_device_is_sm90, tilelang_importable
+from .ops.mla_quant import MLAQuant
 from .ops.quant import QuantOps
 
 __all__ = ["CudaKernelSet", "tilelang_importable"]
@@ -34,13 +35,13 @@ _FALLBACK = {
     "fp8_grouped_mlp": "reference op on CUDA tensors (per-expert loop, syncs on the expert counts)",
     "w8a8_linear": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors (int32 matmul)",
     "w8a8_grouped_mlp": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors",
-    "mla_prolog_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
-    "mla_epilogue_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
+    "mla_prolog_quant": "reference op on CUDA tensors (quantised projections dequantised to fp32)",
+    "mla_epilogue_quant": "reference op on CUDA tensors (quantised o_proj dequantised to fp32)",
 }
 _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 
 #: the op families (``ops.FAMILIES``) and the quantised-weight ops, in warm-up order
-_FAMILIES = {**FAMILIES, "quant": QuantOps}
+_FAMILIES = {**FAMILIES, "quant": QuantOps, "mla_quant": MLAQuant}
 
 
 class CudaKernelSet(CpuKernelSet):
@@ -175,6 +176,12 @@ class CudaKernelSet(CpuKernelSet):
     def fp8_grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2, w2_scale_inv):
         return self.impl("quant").fp8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2,
                                                   w2_scale_inv)
+
+    def mla_prolog_quant(self, hidden, w, scales, positions, rope, kv_cache, slot_mapping):
+        return self.impl("mla_quant").mla_prolog_quant(hidden, w, scales, positions, rope, kv_cache, slot_mapping)
+
+    def mla_epilogue_quant(self, out_latent, w, scales):
+        return self.impl("mla_quant").mla_epilogue_quant(out_latent, w, scales)
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):

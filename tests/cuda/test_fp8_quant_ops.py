@@ -95,3 +95,70 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
         assert (err <= 2.0**-7 * want.float().abs() + 1e-3 * want.float().abs().max()).all(), err.max()
     assert ks.op_report()["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
     assert ks.syncing_ops() == {}
+
+
+def test_mla_quant_ops_on_host_tensors_take_the_reference():
+    ks = CudaKernelSet()
+    w, scales = _mla_fp8_weights("cpu", q_lora=False, dtype=torch.float32, heads=2, hidden=256)
+    t = 3
+    out = torch.randn(t, 2, 512)
+    assert torch.equal(ks.mla_epilogue_quant(out, w, scales), ref.mla_epilogue_quant(out, w, scales))
+    assert ks.op_report()["mla_epilogue_quant"] == "fallback (reference (tensor not on a CUDA device))"
+
+
+def _mla_fp8_weights(device, q_lora: bool, dtype=BF16, heads: int = 16, hidden: int = 2048):
+    """DeepSeek MLA weights (nope 128, rope 64, v 128, kv_lora 512; q_lora 1536) with FP8 projections."""
+    from deepinfer_npu.hal.types import MLAWeights
+
+    g = torch.Generator(device=device).manual_seed(5)
+    h, n, r, v, lrank, qr = heads, 128, 64, 128, 512, 1536
+
+    def mk(*s):
+        return (torch.randn(*s, generator=g, device=device) * s[-1] ** -0.5).to(dtype)
+
+    w = MLAWeights(num_heads=h, qk_nope_head_dim=n, qk_rope_head_dim=r, v_head_dim=v, kv_lora_rank=lrank,
+                   kv_a_proj=mk(lrank + r, hidden), kv_a_layernorm=(torch.rand(lrank, device=device) + 0.5).to(dtype),
+                   w_uk=mk(h, n, lrank), w_uv=mk(h, v, lrank), o_proj=mk(hidden, h * v))
+    if q_lora:
+        w.q_a_proj, w.q_b_proj = mk(qr, hidden), mk(h * (n + r), qr)
+        w.q_a_layernorm = (torch.rand(qr, device=device) + 0.5).to(dtype)
+    else:
+        w.q_proj = mk(h * (n + r), hidden)
+    scales = {}
+    for f in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
+        if getattr(w, f) is not None:
+            q, scales[f] = quantize_fp8_block(getattr(w, f))
+            setattr(w, f, q)
+    return w, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("q_lora", [False, True])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
+    """Same quantised projections, the same activation quantisation: close to the reference op on the device
+    (bf16 roundings of intermediate results differ): relative Frobenius error < 1e-2."""
+    from types import SimpleNamespace
+
+    w, scales = _mla_fp8_weights("cuda", q_lora)
+    hidden = (torch.randn(tokens, 2048, device="cuda") * 0.5).to(BF16)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    ang = torch.arange(4096, device="cuda").float()[:, None] * inv[None]
+    rope = SimpleNamespace(cos_sin_cache=torch.cat((ang.cos(), ang.sin()), -1), interleaved=True)
+    pos = torch.arange(tokens, device="cuda") + 7
+    slots = torch.arange(tokens, device="cuda") + 64  # block 1 onwards: block 0 is the reserved padding block
+    ks = CudaKernelSet()
+    cache, cache_ref = (torch.zeros(4, 64, 576, device="cuda", dtype=BF16) for _ in range(2))
+    got = ks.mla_prolog_quant(hidden, w, scales, pos, rope, cache, slots)
+    want = ref.mla_prolog_quant(hidden, w, scales, pos, rope, cache_ref, slots)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2 and rel(cache, cache_ref) < 1e-2
+    out_latent = torch.randn(tokens, 16, 512, device="cuda").to(BF16)
+    assert rel(ks.mla_epilogue_quant(out_latent, w, scales), ref.mla_epilogue_quant(out_latent, w, scales)) < 1e-2
+    report = ks.op_report()
+    assert report["mla_prolog_quant"].startswith("native (fp8_linear projections"), report["mla_prolog_quant"]
+    assert report["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
