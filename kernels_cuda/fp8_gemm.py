@@ -19,7 +19,8 @@ Two forms, picked on the host from M (no device value):
   - "swap" (M <= ``SWAP_MAX_ROWS``, decode): weights are the wgmma's M side and tokens its N side,
     ``C^T [BN, RT] = W_tile [BN, 128] @ A [RT, 128]^T`` with RT = 8 .. 64 rows (wgmma's N goes down to 8), so the
     pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
-    for N / 64 CTAs streaming the weights (the step is a read of the weights).
+    for N / 64 CTAs streaming the weights (the step is a read of the weights); where N / 64 is short of the
+    multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16).
 """
 
 import torch
@@ -31,6 +32,8 @@ SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 128  # one scale block of K per pipeline stage: the promotion happens after every stage
 SCALE_BLOCK = 128
 SWAP_MAX_ROWS = 64  # rows up to this: the swapped form
+NUM_SMS = 132  # H100 / H200 SXM: the swapped form slices K until its CTAs would exceed one wave
+MIN_SLICE_BLOCKS = 4
 MULT_N = 64
 MULT_K = 16  # 16-byte rows for the TMA copies; a partial last K block is zero-filled by the TMA unit
 
@@ -83,14 +86,18 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
     return fp8_gemm_tile
 
 
-def build_fp8_gemm_swap(n: int, k: int, rt: int, block_n: int = 64, num_stages: int = 4, threads: int = 128):
+def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 64, num_stages: int = 4,
+                        threads: int = 128):
     """PrimFunc of the "swap" form for w [n, k]: ``rt`` token rows a tile (wgmma N), ``block_n`` weight rows a
-    CTA (wgmma M); rows M are dynamic (more than ``rt``: row tiles in a loop)."""
+    CTA (wgmma M), K in ``split`` equal slices (one CTA each); rows M are dynamic (more than ``rt``: row tiles in
+    a loop). ``split`` 1 writes ``Out`` [1, M, N] bf16; more write fp32 partial sums [split, M, N] for
+    :func:`build_split_reduce`."""
     assert tilelang is not None, "tilelang is not installed"
-    assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64), (n, k, rt, block_n)
-    N, K, BN, BK, RT = n, k, block_n, BLOCK_K, rt
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
+    assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
+    N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
     fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
+    out_dtype = bf16 if split == 1 else f32
     M = T.dynamic("num_rows")
 
     @T.prim_func
@@ -99,9 +106,9 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, block_n: int = 64, num_stages: 
         SA: T.Tensor([M, KB], f32),
         W: T.Tensor([N, K], fp8),
         SW: T.Tensor([NB, KB], f32),
-        Out: T.Tensor([M, N], bf16),
+        Out: T.Tensor([S, M, N], out_dtype),
     ):
-        with T.Kernel(N // BN, threads=threads) as bn:
+        with T.Kernel(N // BN, S, threads=threads) as (bn, ks):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             A_s = T.alloc_shared([RT, BK], fp8)
@@ -110,7 +117,8 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, block_n: int = 64, num_stages: 
             Acc = T.alloc_fragment([BN, RT], f32)
             for mb in T.serial(T.ceildiv(M, RT)):
                 T.clear(Acc)
-                for kb in T.Pipelined(KB, num_stages=num_stages):
+                for kk in T.Pipelined(KBS, num_stages=num_stages):
+                    kb = ks * KBS + kk
                     T.copy(A[mb * RT, kb * BK], A_s)  # rows past M read as zero (bounds-checked copy)
                     T.copy(W[bn * BN, kb * BK], W_s)
                     T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
@@ -120,16 +128,42 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, block_n: int = 64, num_stages: 
                             * SW[(bn * BN + j) // SCALE_BLOCK, kb])
                 for j, i in T.Parallel(BN, RT):
                     if mb * RT + i < M:
-                        Out[mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], bf16)
+                        Out[ks, mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], out_dtype)
 
     return fp8_gemm_swap
+
+
+def build_split_reduce(n: int, split: int, block: int = 256, threads: int = 128):
+    """PrimFunc summing the swapped form's fp32 K-slice partials [split, M, n] into [M, n] bf16 (one row's
+    ``block`` columns a CTA; ``block`` divides n)."""
+    assert tilelang is not None, "tilelang is not installed"
+    assert n % block == 0, (n, block)
+    N, S, BC = n, split, block
+    bf16, f32 = T.bfloat16, T.float32
+    M = T.dynamic("num_rows")
+
+    @T.prim_func
+    def fp8_gemm_split_reduce(P: T.Tensor([S, M, N], f32), Out: T.Tensor([M, N], bf16)):
+        with T.Kernel(M, N // BC, threads=threads) as (m, bc):
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
+            acc = T.alloc_fragment([BC], f32)
+            T.clear(acc)
+            for s in T.serial(S):
+                for j in T.Parallel(BC):
+                    acc[j] += P[s, m, bc * BC + j]
+            for j in T.Parallel(BC):
+                Out[m, bc * BC + j] = T.cast(acc[j], bf16)
+
+    return fp8_gemm_split_reduce
 
 
 def _compile(func, target=None):
     return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
 
-_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap}, _compile,
+_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "reduce": build_split_reduce},
+                     _compile,
                      available=tilelang is not None)
 
 
@@ -146,15 +180,33 @@ def supported(n: int, k: int) -> bool:
     return reason(1, n, k) is None
 
 
-def config_for(n: int, k: int, m: int) -> tuple[str, tuple]:
-    """The ``(kind, cfg)`` :func:`fp8_gemm` launches for ``m`` rows."""
+def split_for(n: int, k: int) -> int:
+    """K slices of the swapped form: with fewer weight tiles (N / 64) than ``NUM_SMS``, the largest divisor of the
+    K blocks that keeps one CTA a multiprocessor at most and at least ``MIN_SLICE_BLOCKS`` blocks a slice (the
+    pipeline's depth); else 1. Decode reads the weights once: with N = 576 (kv_a_proj) 9 CTAs could not draw the
+    memory bandwidth."""
+    tiles, kb = n // 64, -(-k // BLOCK_K)
+    target = NUM_SMS // max(1, tiles)
+    return max([d for d in range(1, kb + 1) if kb % d == 0 and d <= target and kb // d >= MIN_SLICE_BLOCKS],
+               default=1)
+
+
+def reduce_block(n: int) -> int:
+    return next(b for b in (256, 128, 64) if n % b == 0)
+
+
+def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
+    """The ``(kind, cfg)`` of every kernel :func:`fp8_gemm` launches for ``m`` rows: "swap" up to
+    ``SWAP_MAX_ROWS`` rows (and "reduce" when K is sliced), else "tile"."""
     if m <= SWAP_MAX_ROWS:
-        return "swap", (int(n), int(k), rows_tile(m))
-    return "tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64)
+        split = split_for(n, k)
+        swap = ("swap", (int(n), int(k), rows_tile(m), split))
+        return [swap] if split == 1 else [swap, ("reduce", (int(n), split, reduce_block(n)))]
+    return [("tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64))]
 
 
 def precompile(configs) -> None:
-    """Compile ``(kind, cfg)`` pairs of :func:`config_for`, nvcc in parallel threads."""
+    """Compile ``(kind, cfg)`` pairs of :func:`configs_for`, nvcc in parallel threads."""
     _CACHE.precompile((kind, tuple(cfg)) for kind, cfg in configs)
 
 
@@ -179,18 +231,28 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: t
         out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
-    kind, cfg = config or config_for(n, k, m)
-    _CACHE.get(kind, tuple(cfg))(a.contiguous(), a_scale.float().contiguous(), w.contiguous(),
-                                 w_scale.float().contiguous(), out)
+    kind, cfg = config or configs_for(n, k, m)[0]
+    args = (a.contiguous(), a_scale.float().contiguous(), w.contiguous(), w_scale.float().contiguous())
+    if kind == "tile":
+        _CACHE.get(kind, tuple(cfg))(*args, out)
+        return out
+    split = cfg[3] if len(cfg) > 3 else 1
+    if split == 1:
+        _CACHE.get(kind, tuple(cfg))(*args, out.view(1, m, n))
+        return out
+    partial = torch.empty(split, m, n, dtype=torch.float32, device=a.device)
+    _CACHE.get(kind, tuple(cfg))(*args, partial)
+    _CACHE.get("reduce", (n, split, reduce_block(n)))(partial, out)
     return out
 
 
 CI_CONFIGS = [
     ("tile", (2048, 2048, 128, 128)),  # V2-Lite o_proj at prefill
     ("tile", (576, 7168, 128, 64)),  # V3 kv_a_proj (N not a multiple of 128) at prefill
-    ("swap", (7168, 18432, 16, 64)),  # V3 dense down projection at batch 1
-    ("swap", (3072, 2048, 64, 64)),  # V2-Lite q_proj at 64 rows
-    ("swap", (2048, 10944, 16, 64)),  # V2-Lite dense down projection: a partial last K block
+    ("swap", (7168, 18432, 16, 1)),  # V3 dense down projection at batch 1
+    ("swap", (3072, 2048, 64, 2)),  # V2-Lite q_proj at 64 rows, K in 2 slices
+    ("swap", (2048, 10944, 16, 2)),  # V2-Lite dense down projection: a partial last K block
+    ("reduce", (576, 4, 64)),  # kv_a_proj's 4 K slices summed
 ]
 
 

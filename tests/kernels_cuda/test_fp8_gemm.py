@@ -92,10 +92,11 @@ def test_rejects_bad_operands_with_the_parameter_named():
 
 
 def test_configurations_by_rows():
-    assert fp8_gemm.config_for(2048, 2048, 1) == ("swap", (2048, 2048, 16))
-    assert fp8_gemm.config_for(2048, 2048, 64) == ("swap", (2048, 2048, 64))
-    assert fp8_gemm.config_for(2048, 2048, 65) == ("tile", (2048, 2048, 128, 128))
-    assert fp8_gemm.config_for(576, 7168, 4096) == ("tile", (576, 7168, 128, 64))
+    assert fp8_gemm.configs_for(2048, 2048, 1) == [("swap", (2048, 2048, 16, 4)), ("reduce", (2048, 4, 256))]
+    assert fp8_gemm.configs_for(7168, 16384, 64) == [("swap", (7168, 16384, 64, 1))]  # 112 tiles: no slicing
+    assert fp8_gemm.configs_for(576, 7168, 1)[0] == ("swap", (576, 7168, 16, 14))  # 9 tiles x 14 slices
+    assert fp8_gemm.configs_for(2048, 2048, 65) == [("tile", (2048, 2048, 128, 128))]
+    assert fp8_gemm.configs_for(576, 7168, 4096) == [("tile", (576, 7168, 128, 64))]
     assert fp8_quant.config_for(1408, 6, gated=True) == (1408, 8, True)
     assert fp8_gemm.reason(1, 2048, 10944) is None and "multiple of 16" in fp8_gemm.reason(1, 2048, 1000)
 
@@ -103,15 +104,16 @@ def test_configurations_by_rows():
 @pytest.mark.nvcc
 @pytest.mark.tilelang
 def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
-    """One configuration of each kernel kind (quant, gated quant with a partial group, both GEMM forms) compiles
-    for sm_90a with fp8 wgmma and the PDL wait; the full list is tests/kernels_cuda/test_compile.py's."""
+    """The gated quant with a partial last group and both GEMM forms (the swapped one in K slices, a partial last K
+    block) compile for sm_90a with fp8 wgmma and the PDL wait; every kind is in tests/kernels_cuda/test_compile.py's
+    list (CI_CONFIGS)."""
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")  # really compile
-    kernels = fp8_quant.ci_compile([("quant", (2048, 8, False)), ("quant", (10944, 8, True))]) + fp8_gemm.ci_compile(
-        [("tile", (576, 2048, 128, 64)), ("swap", (2048, 10944, 16, 64))])
+    kernels = fp8_quant.ci_compile([("quant", (10944, 8, True))]) + fp8_gemm.ci_compile(
+        [("tile", (576, 2048, 128, 64)), ("swap", (2048, 10944, 16, 2))])
     for kern in kernels:
         src = kern.get_kernel_source()
         assert "sm_90a" in str(kern.target) and "cudaGridDependencySynchronize" in src
-    for kern in kernels[2:]:
+    for kern in kernels[1:]:
         assert "kFloat8_e4m3" in kern.get_kernel_source(), "the GEMM does not issue fp8 wgmma"
 
 
@@ -127,7 +129,7 @@ def compiled(request):
     """The configurations the selected GPU cases launch, compiled in parallel once (the GEMM cases' activations
     are quantised by the reference, so only the quant cases compile fp8_quant)."""
     params = selected_params(request)
-    fp8_gemm.precompile([fp8_gemm.config_for(*SHAPES[p["name"]], p["m"]) for p in params if "name" in p])
+    fp8_gemm.precompile([c for p in params if "name" in p for c in fp8_gemm.configs_for(*SHAPES[p["name"]], p["m"])])
     fp8_quant.precompile([fp8_quant.config_for(p["k"], p["m"], p["gated"]) for p in params if "gated" in p])
 
 
@@ -163,9 +165,11 @@ def test_gemm_matches_fp32_reference_gpu(compiled, name, m):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("config", [("swap", (3072, 2048, 16)), ("tile", (3072, 2048, 128, 64))])
+@pytest.mark.parametrize("config", [("swap", (3072, 2048, 16, 1)), ("swap", (3072, 2048, 16, 8)),
+                                    ("tile", (3072, 2048, 128, 64))])
 def test_other_forms_on_row_counts_they_do_not_divide_gpu(config):
-    """The swapped form looping over row tiles (100 rows in tiles of 16) and 64-wide tiles over 1 row."""
+    """The swapped form looping over row tiles (100 rows in tiles of 16), unsliced and in 8 K slices, and
+    64-wide tiles over 1 row."""
     for m in (1, 100):
         aq, sa = quantize_per_token_group(activations(m, 2048, seed=m))
         wq, sw = fp8_weight(n=3072, k=2048)

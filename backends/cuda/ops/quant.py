@@ -113,7 +113,7 @@ class QuantOps(OpImpl):
             fg = kernel_module("fp8_gemm")
             for n, k in getattr(plan, "fp8_linear_shapes", ()):
                 if fg.supported(n, k):
-                    out["fp8_gemm"] += [fg.config_for(n, k, m) for m in range(lo, hi + 1)]
+                    out["fp8_gemm"] += [c for m in range(lo, hi + 1) for c in fg.configs_for(n, k, m)]
                     out["fp8_quant"] += [fq.config_for(k, m) for m in range(lo, hi + 1)]
         g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
         if self.wants("fp8_grouped_gemm") and g is not None and inter:
