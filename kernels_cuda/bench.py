@@ -546,7 +546,8 @@ def bench_fp8_gemm(args, copy):
             us_bf16, _ = time_us(lambda: torch.matmul(a, w_bf16.t()))
             row = {"M": rows, "N": n, "K": k, "config": m.configs_for(n, k, rows)[0], "timing": how,
                    "TFLOPs": tflops(rows, n, k, us), "with_quant_us": round(us_linear, 2),
-                   "with_quant_TFLOPs": tflops(rows, n, k, us_linear), "bf16_matmul_TFLOPs": tflops(rows, n, k, us_bf16)}
+                   "with_quant_TFLOPs": tflops(rows, n, k, us_linear),
+                   "bf16_matmul_TFLOPs": tflops(rows, n, k, us_bf16)}
             row = against(row, us, "bf16_matmul", us_bf16)
             fn, why = scaled_mm_blockwise(aq, sa, wq, sw)
             if fn is None:

@@ -213,8 +213,8 @@ def precompile(configs) -> None:
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out: torch.Tensor | None = None, config: tuple[str, tuple] | None = None) -> torch.Tensor:
     """``a`` [M, K] e4m3 with ``a_scale`` [M, ceil(K / 128)] fp32 times ``w`` [N, K] e4m3 with ``w_scale``
-    [ceil(N / 128), ceil(K / 128)] fp32, transposed -> [M, N] bf16. ``config``: a ``(kind, cfg)`` to launch instead of the heuristic's
-    (tuning runs). No host read of device values."""
+    [ceil(N / 128), ceil(K / 128)] fp32, transposed -> [M, N] bf16. ``config``: a ``(kind, cfg)`` to launch
+    instead of the heuristic's (tuning runs). No host read of device values."""
     m, k = a.shape
     n, k2 = w.shape
     if k2 != k:

@@ -127,8 +127,9 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
                      starts: torch.Tensor, out: torch.Tensor | None = None, config: tuple | None = None
                      ) -> torch.Tensor:
     """[M, K] e4m3 rows sorted by expert (``a_scale`` [M, ceil(K / 128)]) x [E, N, K] e4m3 (``w_scale`` [E,
-    ceil(N / 128), ceil(K / 128)]) -> [M, N] bf16, with ``starts`` = ``moe_gemm.expert_starts(tokens_per_expert)``. ``config``: the
-    ``build_grouped`` arguments to launch instead of the heuristic's (tuning runs). No host read of device values."""
+    ceil(N / 128), ceil(K / 128)]) -> [M, N] bf16, with ``starts`` = ``moe_gemm.expert_starts(tokens_per_expert)``.
+    ``config``: the ``build_grouped`` arguments to launch instead of the heuristic's (tuning runs). No host read of
+    device values."""
     m, k = a.shape
     e, n, k2 = w.shape
     if k2 != k:
