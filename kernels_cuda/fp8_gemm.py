@@ -51,6 +51,7 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
     assert k % MULT_K == 0 and n % block_n == 0 and SCALE_BLOCK % block_n == 0, (n, k, block_n)
     N, K, BM, BN, BK = n, k, block_m, block_n, BLOCK_K
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
+    num_stages = max(1, min(num_stages, KB))  # no deeper than the K loop
     fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
     M = T.dynamic("num_rows")
 
@@ -96,6 +97,7 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
     N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
+    num_stages = max(1, min(num_stages, KBS))  # no deeper than the K loop
     fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
     out_dtype = bf16 if split == 1 else f32
     M = T.dynamic("num_rows")

@@ -34,6 +34,7 @@ def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_
     assert k % MULT_K == 0 and n % block_n == 0 and SCALE_BLOCK % block_n == 0, (n, k, block_n)
     N, K, BN, BK, R = n, k, block_n, BLOCK_K, rows
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
+    num_stages = max(1, min(num_stages, KB))  # no deeper than the K loop
     threads = 128 if swap or rows == 64 else 256
     fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
     M = T.dynamic("num_rows")
