@@ -135,9 +135,9 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
     return fp8_gemm_swap
 
 
-def build_split_reduce(n: int, split: int, block: int = 256, threads: int = 128):
+def build_split_reduce(n: int, split: int, block: int = 256):
     """PrimFunc summing the swapped form's fp32 K-slice partials [split, M, n] into [M, n] bf16 (one row's
-    ``block`` columns a CTA; ``block`` divides n)."""
+    ``block`` columns a CTA, two a thread; ``block`` divides n)."""
     assert tilelang is not None, "tilelang is not installed"
     assert n % block == 0, (n, block)
     N, S, BC = n, split, block
@@ -146,7 +146,7 @@ def build_split_reduce(n: int, split: int, block: int = 256, threads: int = 128)
 
     @T.prim_func
     def fp8_gemm_split_reduce(P: T.Tensor([S, M, N], f32), Out: T.Tensor([M, N], bf16)):
-        with T.Kernel(M, N // BC, threads=threads) as (m, bc):
+        with T.Kernel(M, N // BC, threads=BC // 2) as (m, bc):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             acc = T.alloc_fragment([BC], f32)
