@@ -17,6 +17,8 @@ fast). Without a GPU the compile check below builds one configuration of each ke
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -48,9 +50,10 @@ def activations(m: int, k: int, device="cuda", seed=0) -> torch.Tensor:
     return (torch.randn(m, k, generator=g, device=device) * mag.repeat_interleave(128, 1)[:, :k]).bfloat16()
 
 
+@functools.lru_cache(maxsize=8)
 def fp8_weight(*lead: int, n: int, k: int, device="cuda", seed=1) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [*lead, n, k], block scales [*lead, ceil(n/128), ceil(k/128)]) of a weight with a random magnitude per
-    128 x 128 block."""
+    128 x 128 block; cached (the cases only read it)."""
     g = torch.Generator(device=device).manual_seed(seed)
     nb, kb = -(-n // 128), -(-k // 128)
     mag = torch.exp2(torch.randint(-4, 5, (*lead, nb, kb), generator=g, device=device).float())
