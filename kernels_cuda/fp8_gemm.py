@@ -167,6 +167,7 @@ def _compile(func, target=None):
 _CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "reduce": build_split_reduce},
                      _compile,
                      available=tilelang is not None)
+_KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
 
 
 def reason(m: int, n: int, k: int) -> str | None:

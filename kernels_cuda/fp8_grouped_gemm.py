@@ -96,6 +96,7 @@ def _compile(func, target=None):
 
 
 _CACHE = KernelCache({"grouped": build_grouped}, _compile, available=tilelang is not None)
+_KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
 
 
 def reason(n: int, k: int) -> str | None:

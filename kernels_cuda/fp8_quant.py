@@ -83,6 +83,7 @@ def _compile(func, target=None):
 
 
 _CACHE = KernelCache({"quant": build_fp8_quant}, _compile, available=tilelang is not None)
+_KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
 
 
 def supported(k: int) -> bool:
