@@ -526,39 +526,61 @@ def bench_fp8_quant(args, copy):
             yield rate(against(row, us, "torch", us_ref), x.numel() * 2 + rows * k * (1 + 4 / 128), us, copy)
 
 
+def fp8_gemm_variants(m, n: int, k: int, rows: int) -> list[tuple[str, tuple]]:
+    """Configurations ``--fp8-sweep`` times beside the heuristic's: tile shapes and pipeline depths at prefill
+    rows, K slicing off and doubled at decode rows."""
+    if rows > m.SWAP_MAX_ROWS:
+        bn = 128 if n % 128 == 0 else 64
+        return [("tile", (n, k, 128, bn, 3)), ("tile", (n, k, 128, bn, 6)), ("tile", (n, k, 64, bn, 4, 128)),
+                ("tile", (n, k, 128, 64, 4))]
+    rt, split = m.rows_tile(rows), m.split_for(n, k)
+    kb = -(-k // m.BLOCK_K)
+    alts = [("swap", (n, k, rt, 1))] + ([("swap", (n, k, rt, 2 * split))] if kb % (2 * split) == 0 else [])
+    return [c for c in alts if c[1][3] != split]
+
+
 @bench
 def bench_fp8_gemm(args, copy):
     """Dense FP8 GEMM TFLOP/s: DeepGEMM's V3 shapes at M = 4096 and decode rows, V2-Lite's projections at decode
     rows; the kernel alone and with the activation quantisation (what ``fp8_linear`` costs), against
     ``torch._scaled_mm`` with block scales (cuBLASLt; "unsupported" with the error where torch refuses them) and
-    the bf16 ``torch.matmul`` of the same shape. Decode rows also report the weight bytes / time."""
+    the bf16 ``torch.matmul`` of the same shape. Decode rows also report the weight bytes / time. ``--fp8-sweep``:
+    other configurations too (rows with ``variant``), for tuning the heuristic."""
     from . import fp8_gemm as m
     from . import fp8_quant
 
-    for n, k in FP8_DENSE_SHAPES:
-        for rows in (1, 16, 32, 64, 4096) if n != 576 else (1, 16, 64):
-            a, aq, sa, wq, sw = fp8_operands(rows, n, k)
-            m.fp8_gemm(aq, sa, wq, sw)  # compiles
-            out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
-            us, how = time_us(lambda: m.fp8_gemm(aq, sa, wq, sw, out=out))
-            us_linear, _ = time_us(lambda: m.fp8_gemm(*fp8_quant.quantize(a), wq, sw, out=out))
-            w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            us_bf16, _ = time_us(lambda: torch.matmul(a, w_bf16.t()))
-            row = {"M": rows, "N": n, "K": k, "config": m.configs_for(n, k, rows)[0], "timing": how,
-                   "TFLOPs": tflops(rows, n, k, us), "with_quant_us": round(us_linear, 2),
-                   "with_quant_TFLOPs": tflops(rows, n, k, us_linear),
-                   "bf16_matmul_TFLOPs": tflops(rows, n, k, us_bf16)}
-            row = against(row, us, "bf16_matmul", us_bf16)
-            fn, why = scaled_mm_blockwise(aq, sa, wq, sw)
-            if fn is None:
-                row["scaled_mm"] = f"unsupported: {why}"
-            else:
-                us_sm, _ = time_us(fn)
-                cos = torch.nn.functional.cosine_similarity(fn().float().flatten(), out.float().flatten(), dim=0)
-                row.update(scaled_mm_us=round(us_sm, 2), scaled_mm_TFLOPs=tflops(rows, n, k, us_sm),
-                           speedup_vs_scaled_mm=round(us_sm / us, 3), scaled_mm_cos=round(cos.item(), 5))
-            yield rate(row, n * k + rows * k + rows * n * 2, us, copy) if rows <= 64 else row
-            del a, aq, sa, wq, sw, w_bf16, out
+    cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in ((1, 16, 64, 4096) if n != 576 else (1, 16, 64))]
+    m.precompile([c for n, k, rows in cases for c in m.configs_for(n, k, rows)
+                  + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])])  # in parallel, before timing
+    fp8_quant.precompile([fp8_quant.config_for(k, rows) for _n, k, rows in cases])
+    for n, k, rows in cases:
+        a, aq, sa, wq, sw = fp8_operands(rows, n, k)
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        us, how = time_us(lambda: m.fp8_gemm(aq, sa, wq, sw, out=out))
+        us_linear, _ = time_us(lambda: m.fp8_gemm(*fp8_quant.quantize(a), wq, sw, out=out))
+        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        us_bf16, _ = time_us(lambda: torch.matmul(a, w_bf16.t()))
+        row = {"M": rows, "N": n, "K": k, "config": m.configs_for(n, k, rows)[0], "timing": how,
+               "TFLOPs": tflops(rows, n, k, us), "with_quant_us": round(us_linear, 2),
+               "with_quant_TFLOPs": tflops(rows, n, k, us_linear),
+               "bf16_matmul_TFLOPs": tflops(rows, n, k, us_bf16)}
+        row = against(row, us, "bf16_matmul", us_bf16)
+        fn, why = scaled_mm_blockwise(aq, sa, wq, sw)
+        if fn is None:
+            row["scaled_mm"] = f"unsupported: {why}"
+        else:
+            us_sm, _ = time_us(fn)
+            cos = torch.nn.functional.cosine_similarity(fn().float().flatten(), out.float().flatten(), dim=0)
+            row.update(scaled_mm_us=round(us_sm, 2), scaled_mm_TFLOPs=tflops(rows, n, k, us_sm),
+                       speedup_vs_scaled_mm=round(us_sm / us, 3), scaled_mm_cos=round(cos.item(), 5))
+        nbytes = n * k + rows * k + rows * n * 2
+        yield rate(row, nbytes, us, copy) if rows <= m.SWAP_MAX_ROWS else row
+        for cfg in fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else ():
+            us_v, how_v = time_us(lambda cfg=cfg: m.fp8_gemm(aq, sa, wq, sw, out=out, config=cfg))
+            vrow = {"M": rows, "N": n, "K": k, "variant": cfg, "timing": how_v, "us": round(us_v, 2),
+                    "TFLOPs": tflops(rows, n, k, us_v), "vs_heuristic": round(us / us_v, 3)}
+            yield rate(vrow, nbytes, us_v, copy) if rows <= m.SWAP_MAX_ROWS else vrow
+        del a, aq, sa, wq, sw, w_bf16, out
 
 
 @bench
@@ -570,6 +592,12 @@ def bench_fp8_grouped_gemm(args, copy):
     from . import fp8_quant
     from . import moe_gemm
 
+    decode = [(e, top_k, d, inter, t * top_k) for _name, e, top_k, d, inter in FP8_GROUPED_DECODE for t in (1, 16, 64)]
+    m.precompile([m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
+                 + [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode
+                    for n, k in ((2 * inter, d), (d, inter))])  # in parallel, before timing
+    fp8_quant.precompile([c for _e, _t, d, inter, rows in decode
+                          for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))])
     for experts, per, n, k in FP8_GROUPED_PREFILL:
         counts = torch.full((experts,), per, dtype=torch.int64, device="cuda")
         rows = experts * per
@@ -629,6 +657,8 @@ def main(argv=None) -> int:
     sk = ap.add_argument_group("skinny_gemm")
     sk.add_argument("--variants", nargs="+", default=["1,4", "2,4", "1,8", "2,8", "1,4,4"],
                     help="rows_per_warp,unroll[,col_iters] (the engine's: 1,4)")
+    fp8 = ap.add_argument_group("fp8_gemm")
+    fp8.add_argument("--fp8-sweep", action="store_true", help="also other tile / K-slice configurations")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
