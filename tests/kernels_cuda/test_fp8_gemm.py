@@ -10,14 +10,19 @@ Tolerances, against the fp32 product of the dequantised operands (``dequantize_p
 Shapes: the DeepSeek-V2-Lite projections (q_proj, kv_a_proj, o_proj, the dense down projection with K = 10944, a
 partial last K block) and V3's (q_a / q_b, kv_a, o_proj, the dense gate/up and down), at M in {1, 16, 64, 512, 4096}.
 
-GPU tier: ``pytest -m gpu tests/kernels_cuda/test_fp8_gemm.py tests/kernels_cuda/test_fp8_grouped_gemm.py``; the
-configurations compile once per module, in parallel, before the first case (TileLang's disk cache makes a rerun
-fast). Without a GPU the compile check below builds one configuration of each kernel kind for sm_90a.
+GPU tier: ``pytest -m gpu tests/kernels_cuda/test_fp8_gemm.py tests/kernels_cuda/test_fp8_grouped_gemm.py
+tests/cuda/test_fp8_quant_ops.py``; the selected cases' configurations compile once per module, in worker processes,
+before the first case (TileLang's disk cache makes a rerun fast). Without a GPU the compile check below builds the
+GEMM's two forms and the gated quantisation for sm_90a.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import functools
+import importlib
+import multiprocessing
+import os
 
 import pytest
 import torch
@@ -121,6 +126,24 @@ def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
+def _compile_one(module: str, cfg) -> None:
+    importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile([cfg])
+
+
+def precompile_in_processes(jobs: list[tuple[str, object]]) -> None:
+    """Compile ``(kernels_cuda module, precompile item)`` jobs in worker processes: TileLang's lowering holds the GIL,
+    so threads compile one kernel at a time; the workers fill TileLang's disk cache, from which each module's own
+    ``precompile`` then loads them (no recompile)."""
+    jobs = list(dict.fromkeys(jobs))
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) // 2, 16))
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for fut in [ex.submit(_compile_one, module, cfg) for module, cfg in jobs]:
+            fut.result()
+    for module in dict.fromkeys(module for module, _cfg in jobs):
+        importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile(
+            [cfg for mod, cfg in jobs if mod == module])
+
+
 def selected_params(request) -> list[dict]:
     """The parameters of this module's selected cases that use the ``compiled`` fixture."""
     return [item.callspec.params for item in request.session.items
@@ -132,8 +155,9 @@ def compiled(request):
     """The configurations the selected GPU cases launch, compiled in parallel once (the GEMM cases' activations
     are quantised by the reference, so only the quant cases compile fp8_quant)."""
     params = selected_params(request)
-    fp8_gemm.precompile([c for p in params if "name" in p for c in fp8_gemm.configs_for(*SHAPES[p["name"]], p["m"])])
-    fp8_quant.precompile([fp8_quant.config_for(p["k"], p["m"], p["gated"]) for p in params if "gated" in p])
+    precompile_in_processes(
+        [("fp8_gemm", c) for p in params if "name" in p for c in fp8_gemm.configs_for(*SHAPES[p["name"]], p["m"])]
+        + [("fp8_quant", fp8_quant.config_for(p["k"], p["m"], p["gated"])) for p in params if "gated" in p])
 
 
 @pytest.mark.gpu

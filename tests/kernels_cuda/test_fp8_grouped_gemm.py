@@ -18,7 +18,15 @@ import torch
 from deepinfer_npu.kernels_cuda import fp8_grouped_gemm, fp8_quant, moe_gemm
 from deepinfer_npu.model_executor.quantization.fp8 import FP8_DTYPE, quantize_per_token_group
 
-from test_fp8_gemm import ROWS, activations, check_close, fp8_weight, gemm_fp32, selected_params
+from test_fp8_gemm import (  # tests/kernels_cuda is on sys.path (pytest's rootdir-less test modules)
+    ROWS,
+    activations,
+    check_close,
+    fp8_weight,
+    gemm_fp32,
+    precompile_in_processes,
+    selected_params,
+)
 
 MODELS = {  # name: (experts, top_k, D, I)
     "v2lite": (64, 6, 2048, 1408),
@@ -87,14 +95,13 @@ def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
 @pytest.fixture(scope="module")
 def compiled(request):
     """The configurations the selected GPU cases launch, compiled in parallel once."""
-    cfgs, quant = [], []
+    jobs = []
     for p in selected_params(request):
         e, top_k, d, inter = MODELS[p["model"]]
         m = p["tokens"] * top_k
-        cfgs += [fp8_grouped_gemm.config_for(2 * inter, d, m, e), fp8_grouped_gemm.config_for(d, inter, m, e)]
-        quant += [fp8_quant.config_for(d, m), fp8_quant.config_for(inter, m, True)]
-    fp8_grouped_gemm.precompile(cfgs)
-    fp8_quant.precompile(quant)
+        jobs += [("fp8_grouped_gemm", fp8_grouped_gemm.config_for(n, k, m, e)) for n, k in ((2 * inter, d), (d, inter))]
+        jobs += [("fp8_quant", fp8_quant.config_for(d, m)), ("fp8_quant", fp8_quant.config_for(inter, m, True))]
+    precompile_in_processes(jobs)
 
 
 @pytest.mark.gpu
