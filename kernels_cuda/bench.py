@@ -11,7 +11,11 @@ achieved bytes/s over the device-to-device copy bandwidth measured in the same r
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import importlib
 import json
+import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -498,6 +502,26 @@ def scaled_mm_blockwise(aq, sa, wq, sw):
     return None, "; ".join(errors)
 
 
+def _compile_one(module: str, cfg) -> None:
+    importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile([cfg])
+
+
+def precompile_in_processes(jobs: list[tuple[str, object]]) -> None:
+    """Compile ``(kernels_cuda module, precompile item)`` jobs in worker processes (TileLang's lowering holds the
+    GIL, so threads build one kernel at a time); the workers fill TileLang's disk cache, from which each module's own
+    ``precompile`` then loads them without recompiling. Also used by the FP8 kernel tests."""
+    jobs = list(dict.fromkeys(jobs))
+    if not jobs:
+        return
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) // 2, 16))
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for fut in [ex.submit(_compile_one, module, cfg) for module, cfg in jobs]:
+            fut.result()
+    for module in dict.fromkeys(module for module, _cfg in jobs):
+        importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile(
+            [cfg for mod, cfg in jobs if mod == module])
+
+
 def tflops(m: int, n: int, k: int, us: float) -> float:
     return round(2 * m * n * k / (us * 1e-6) / 1e12, 1)
 
@@ -550,9 +574,9 @@ def bench_fp8_gemm(args, copy):
     from . import fp8_quant
 
     cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in ((1, 16, 64, 4096) if n != 576 else (1, 16, 64))]
-    m.precompile([c for n, k, rows in cases for c in m.configs_for(n, k, rows)
-                  + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])])  # in parallel, before timing
-    fp8_quant.precompile([fp8_quant.config_for(k, rows) for _n, k, rows in cases])
+    precompile_in_processes([("fp8_gemm", c) for n, k, rows in cases for c in m.configs_for(n, k, rows)
+                             + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])]
+                            + [("fp8_quant", fp8_quant.config_for(k, rows)) for _n, k, rows in cases])
     for n, k, rows in cases:
         a, aq, sa, wq, sw = fp8_operands(rows, n, k)
         out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
@@ -593,11 +617,11 @@ def bench_fp8_grouped_gemm(args, copy):
     from . import moe_gemm
 
     decode = [(e, top_k, d, inter, t * top_k) for _name, e, top_k, d, inter in FP8_GROUPED_DECODE for t in (1, 16, 64)]
-    m.precompile([m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
-                 + [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode
-                    for n, k in ((2 * inter, d), (d, inter))])  # in parallel, before timing
-    fp8_quant.precompile([c for _e, _t, d, inter, rows in decode
-                          for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))])
+    grouped = [m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
+    grouped += [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode for n, k in ((2 * inter, d), (d, inter))]
+    quant = [c for _e, _t, d, inter, rows in decode
+             for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))]
+    precompile_in_processes([("fp8_grouped_gemm", c) for c in grouped] + [("fp8_quant", c) for c in quant])
     for experts, per, n, k in FP8_GROUPED_PREFILL:
         counts = torch.full((experts,), per, dtype=torch.int64, device="cuda")
         rows = experts * per

@@ -18,16 +18,13 @@ GEMM's two forms and the gated quantisation for sm_90a.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
-import importlib
-import multiprocessing
-import os
 
 import pytest
 import torch
 
 from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_quant
+from deepinfer_npu.kernels_cuda.bench import precompile_in_processes
 from deepinfer_npu.model_executor.quantization.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_block,
@@ -126,24 +123,6 @@ def test_compiles_for_sm90a_without_a_gpu(monkeypatch):
 
 
 # ---- GPU ---------------------------------------------------------------------------------------------------------
-def _compile_one(module: str, cfg) -> None:
-    importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile([cfg])
-
-
-def precompile_in_processes(jobs: list[tuple[str, object]]) -> None:
-    """Compile ``(kernels_cuda module, precompile item)`` jobs in worker processes: TileLang's lowering holds the GIL,
-    so threads compile one kernel at a time; the workers fill TileLang's disk cache, from which each module's own
-    ``precompile`` then loads them (no recompile)."""
-    jobs = list(dict.fromkeys(jobs))
-    workers = max(1, min(len(jobs), (os.cpu_count() or 2) // 2, 16))
-    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        for fut in [ex.submit(_compile_one, module, cfg) for module, cfg in jobs]:
-            fut.result()
-    for module in dict.fromkeys(module for module, _cfg in jobs):
-        importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile(
-            [cfg for mod, cfg in jobs if mod == module])
-
-
 def selected_params(request) -> list[dict]:
     """The parameters of this module's selected cases that use the ``compiled`` fixture."""
     return [item.callspec.params for item in request.session.items

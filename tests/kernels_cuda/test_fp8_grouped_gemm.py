@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deepinfer_npu.kernels_cuda import fp8_grouped_gemm, fp8_quant, moe_gemm
+from deepinfer_npu.kernels_cuda.bench import precompile_in_processes
 from deepinfer_npu.model_executor.quantization.fp8 import FP8_DTYPE, quantize_per_token_group
 
 from test_fp8_gemm import (  # tests/kernels_cuda is on sys.path (pytest's rootdir-less test modules)
@@ -24,7 +25,6 @@ from test_fp8_gemm import (  # tests/kernels_cuda is on sys.path (pytest's rootd
     check_close,
     fp8_weight,
     gemm_fp32,
-    precompile_in_processes,
     selected_params,
 )
 
