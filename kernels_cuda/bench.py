@@ -618,7 +618,8 @@ def bench_fp8_grouped_gemm(args, copy):
 
     decode = [(e, top_k, d, inter, t * top_k) for _name, e, top_k, d, inter in FP8_GROUPED_DECODE for t in (1, 16, 64)]
     grouped = [m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
-    grouped += [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode for n, k in ((2 * inter, d), (d, inter))]
+    grouped += [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode
+                for n, k in ((2 * inter, d), (d, inter))]
     quant = [c for _e, _t, d, inter, rows in decode
              for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))]
     precompile_in_processes([("fp8_grouped_gemm", c) for c in grouped] + [("fp8_quant", c) for c in quant])
