@@ -1,10 +1,11 @@
 """``fp8_linear`` and ``fp8_grouped_mlp`` on the FP8 kernels (DeepGEMM's numerics, Hopper).
 
 ``fp8_linear``: the activations quantised per 1 x 128 group by ``kernels_cuda.fp8_quant``, then
-``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, 128 x 128 tiles above); two launches, no host read.
+``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above);
+two or three launches, no host read.
 ``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
 ``kernels_cuda.fp8_grouped_gemm``, the SwiGLU fused into the second quantisation (``fp8_quant`` gated), the w2
-GEMM; five launches, no host read, CUDA-graph capturable. Each runs on bf16 activations with K a multiple of 128 and
+GEMM; five launches, no host read, CUDA-graph capturable. Each runs on bf16 activations with K a multiple of 16 and
 N of 64 on a Hopper GPU; anything else takes the CPU reference on the device (dequantise, fp32 matmul; the grouped
 one loops over experts after ``tokens_per_expert.tolist()``, a sync), with the reason in the op report.
 """
@@ -24,7 +25,7 @@ class QuantOps(OpImpl):
     KERNELS = ("fp8_quant", "fp8_gemm", "fp8_grouped_gemm")
     PRIMARY = {"fp8_linear": "fp8_gemm", "fp8_grouped_mlp": "fp8_grouped_gemm"}
     PLANNED = {
-        "fp8_linear": "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm (bf16 rows, K % 128 == 0, N % 64 == 0); "
+        "fp8_linear": "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm (bf16 rows, K % 16 == 0, N % 64 == 0); "
         "else the reference (dequantise, fp32 matmul)",
         "fp8_grouped_mlp": "kernels_cuda.fp8_quant + kernels_cuda.fp8_grouped_gemm (w13, SwiGLU fused into the "
         "second quantisation, w2); else the reference (per-expert loop, syncs)",
@@ -64,7 +65,7 @@ class QuantOps(OpImpl):
         self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
         out = gemm.fp8_gemm(*quant.quantize(x2d), weight, weight_scale_inv)
         if bias is not None:
-            out = out.float().add_(bias.float()).to(x.dtype)  # the reference: fp32 sum, then rounded once
+            out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
         return out.view(*x.shape[:-1], n)
 
     def fp8_grouped_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
