@@ -13,12 +13,13 @@ scale is applied in fp32). The result matches the fp32 reference of the dequanti
 summation order.
 
 Two forms, picked on the host from M (no device value):
-  - "tile" (M > ``SWAP_MAX_ROWS``, prefill): a CTA owns a [BM, BN] output tile (BM = BN = 128, two consumer
-    warpgroups, 4-stage TMA pipeline of [128, 128] fp8 tiles; rows past M masked by the copies' bounds checks,
-    L2-friendly rasterisation).
+  - "tile" (M > ``SWAP_MAX_ROWS``, prefill): a CTA owns a [BM, BN] output tile (BM = 128, BN = 128, or 64 where
+    N is not a multiple of 128; TileLang warp-specialises it: a TMA producer warpgroup and two consumer warpgroups
+    over a 4-stage pipeline of [128, 128] fp8 tiles; rows past M read as zeros from the TMA unit and are not
+    stored; L2-friendly rasterisation).
   - "swap" (M <= ``SWAP_MAX_ROWS``, decode): weights are the wgmma's M side and tokens its N side,
-    ``C^T [BN, RT] = W_tile [BN, 128] @ A [RT, 128]^T`` with RT = 8 .. 64 rows (wgmma's N goes down to 8), so the
-    pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
+    ``C^T [BN, RT] = W_tile [BN, 128] @ A [RT, 128]^T`` with RT = 16 or 64 rows (wgmma's N goes down to 8), so
+    the pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
     for N / 64 CTAs streaming the weights (the step is a read of the weights); where N / 64 is short of the
     multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16).
 """
@@ -186,8 +187,8 @@ def supported(n: int, k: int) -> bool:
 def split_for(n: int, k: int) -> int:
     """K slices of the swapped form: with fewer weight tiles (N / 64) than ``NUM_SMS``, the largest divisor of the
     K blocks that keeps one CTA a multiprocessor at most and at least ``MIN_SLICE_BLOCKS`` blocks a slice (the
-    pipeline's depth); else 1. Decode reads the weights once: with N = 576 (kv_a_proj) 9 CTAs could not draw the
-    memory bandwidth."""
+    pipeline's depth); else 1. Decode reads the weights once, spread over as many multiprocessors as it can: N = 576
+    (kv_a_proj) alone would be 9 CTAs."""
     tiles, kb = n // 64, -(-k // BLOCK_K)
     target = NUM_SMS // max(1, tiles)
     return max([d for d in range(1, kb + 1) if kb % d == 0 and d <= target and kb // d >= MIN_SLICE_BLOCKS],
