@@ -101,6 +101,16 @@ class CudaKernelSet(CpuKernelSet):
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         return self.num_sms
 
+    def quantization_capture_refusal(self, quantization: str | None) -> str | None:
+        """Why decode graphs cannot capture this engine's quantised ops (their reference fallbacks read host
+        values), or None: FP8 with the FP8 GEMM kernels selected (sync-free, capturable); never INT8 W8A8."""
+        if quantization is None:
+            return None
+        if quantization != "fp8":
+            return f"quantization={quantization!r} runs the reference ops on CUDA"
+        off = self.impl("quant").off  # fp8_quant, fp8_gemm, fp8_grouped_gemm: each one's absence is a fallback
+        return "; ".join(f"kernels_cuda.{name} off: {why}" for name, why in off.items()) or None
+
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def has_run(self) -> bool:
         """True once any op has been called (the model's first forward decides which paths are taken)."""

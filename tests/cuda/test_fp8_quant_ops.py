@@ -58,6 +58,17 @@ def test_off_hopper_the_kernels_are_off_with_the_reason():
     assert "take bf16 activations" in ks.op_report()["fp8_linear"]
 
 
+def test_decode_graphs_may_capture_fp8_only_with_its_kernels():
+    ks = CudaKernelSet()
+    ks.select(OpConfig(dtype=BF16, sm90=True))
+    assert ks.quantization_capture_refusal(None) is None
+    assert "reference" in ks.quantization_capture_refusal("w8a8")
+    if ks.modules.get("fp8_gemm") is not None and ks.modules.get("fp8_grouped_gemm") is not None:
+        assert ks.quantization_capture_refusal("fp8") is None
+    ks.select(OpConfig(dtype=BF16, sm90=False))
+    assert "kernels_cuda.fp8_gemm off: FP8 wgmma kernels are built for Hopper" in ks.quantization_capture_refusal("fp8")
+
+
 @pytest.mark.tilelang
 def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
     from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_grouped_gemm, fp8_quant
