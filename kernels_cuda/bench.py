@@ -11,7 +11,11 @@ achieved bytes/s over the device-to-device copy bandwidth measured in the same r
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import importlib
 import json
+import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -456,6 +460,210 @@ def bench_zos_fixup(args, copy):
                           "reference", us_ref)
 
 
+# ---- FP8 (DeepGEMM's numerics) ------------------------------------------------------------------------------------
+#: dense (N, K): DeepGEMM's published V3 set, then V2-Lite's projections (q_proj, kv_a_proj, o_proj)
+FP8_DENSE_SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048),
+                    (3072, 2048), (576, 2048), (2048, 2048)]
+#: grouped contiguous prefill (experts, rows an expert, N, K): DeepGEMM's published set
+FP8_GROUPED_PREFILL = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
+#: grouped decode (name, experts, top_k, D, I)
+FP8_GROUPED_DECODE = [("v2-lite", 64, 6, 2048, 1408), ("v3", 256, 8, 7168, 2048)]
+
+
+def fp8_operands(m: int, n: int, k: int, experts: int | None = None):
+    """Random e4m3 operands with their scales: a [m, k] (1 x 128 groups), w [(experts,) n, k] (128 x 128 blocks)."""
+    from deepinfer_npu.model_executor.quantization.fp8 import quantize_per_token_group
+
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    aq, sa = quantize_per_token_group(a)
+    lead = () if experts is None else (experts,)
+    wq = (torch.randn(*lead, n, k, device="cuda", dtype=torch.bfloat16) * 16).to(torch.float8_e4m3fn)
+    sw = torch.rand(*lead, -(-n // 128), -(-k // 128), device="cuda") * 1e-3 + 1e-4
+    return a, aq, sa, wq, sw
+
+
+def scaled_mm_blockwise(aq, sa, wq, sw):
+    """``torch._scaled_mm`` with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt, CUDA >= 12.9): ->
+    (callable, None), or (None, the error of every scale layout tried)."""
+    scale_a = sa.t().contiguous().t()  # [M, K/128], M-major, as ScaledBlas.cpp checks it
+    kb = sw.shape[1]
+    padded = torch.zeros(sw.shape[0], -(-kb // 4) * 4, device=sw.device)  # newer torch: K/128 padded to 4
+    padded[:, :kb] = sw
+    errors = []
+    for scale_b in (sw.t(), padded[:, :kb].t()):
+        def fn(scale_b=scale_b):
+            return torch._scaled_mm(aq, wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        try:
+            fn()
+            torch.cuda.synchronize()
+            return fn, None
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            errors.append(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}")
+    return None, "; ".join(errors)
+
+
+def _compile_one(module: str, cfg) -> None:
+    importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile([cfg])
+
+
+def precompile_in_processes(jobs: list[tuple[str, object]]) -> None:
+    """Compile ``(kernels_cuda module, precompile item)`` jobs in worker processes (TileLang's lowering holds the
+    GIL, so threads build one kernel at a time); the workers fill TileLang's disk cache, from which each module's own
+    ``precompile`` then loads them without recompiling. Also used by the FP8 kernel tests."""
+    jobs = list(dict.fromkeys(jobs))
+    if not jobs:
+        return
+    workers = max(1, min(len(jobs), (os.cpu_count() or 2) // 2, 16))
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        for fut in [ex.submit(_compile_one, module, cfg) for module, cfg in jobs]:
+            fut.result()
+    for module in dict.fromkeys(module for module, _cfg in jobs):
+        importlib.import_module(f"deepinfer_npu.kernels_cuda.{module}").precompile(
+            [cfg for mod, cfg in jobs if mod == module])
+
+
+def tflops(m: int, n: int, k: int, us: float) -> float:
+    return round(2 * m * n * k / (us * 1e-6) / 1e12, 1)
+
+
+@bench
+def bench_fp8_quant(args, copy):
+    """The per-token-group quantisation (plain and with the SwiGLU fused) against the torch composition."""
+    from deepinfer_npu.model_executor.quantization.fp8 import quantize_per_token_group
+
+    from . import fp8_quant as m
+
+    for rows in (1, 64, 4096):
+        for k, gated in ((2048, False), (7168, False), (1408, True), (2048, True)):
+            x = torch.randn(rows, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+            us, how = time_us(lambda: m.quantize(x, gated=gated))
+
+            def composed():
+                src = x
+                if gated:
+                    g, u = x.chunk(2, dim=-1)
+                    src = torch.nn.functional.silu(g) * u
+                return quantize_per_token_group(src)
+
+            us_ref, _ = time_us(composed)
+            row = {"rows": rows, "K": k, "gated": gated, "timing": how}
+            yield rate(against(row, us, "torch", us_ref), x.numel() * 2 + rows * k * (1 + 4 / 128), us, copy)
+
+
+def fp8_gemm_variants(m, n: int, k: int, rows: int) -> list[tuple[str, tuple]]:
+    """Configurations ``--fp8-sweep`` times beside the heuristic's: tile shapes and pipeline depths at prefill
+    rows, K slicing off and doubled at decode rows."""
+    if rows > m.SWAP_MAX_ROWS:
+        bn = 128 if n % 128 == 0 else 64
+        return [("tile", (n, k, 128, bn, 3)), ("tile", (n, k, 128, bn, 6)), ("tile", (n, k, 64, bn, 4, 128)),
+                ("tile", (n, k, 128, 64, 4))]
+    rt, split = m.rows_tile(rows), m.split_for(n, k)
+    kb = -(-k // m.BLOCK_K)
+    alts = [("swap", (n, k, rt, 1))] + ([("swap", (n, k, rt, 2 * split))] if kb % (2 * split) == 0 else [])
+    return [c for c in alts if c[1][3] != split]
+
+
+@bench
+def bench_fp8_gemm(args, copy):
+    """Dense FP8 GEMM TFLOP/s: DeepGEMM's V3 shapes at M = 4096 and decode rows, V2-Lite's projections at decode
+    rows; the kernel alone and with the activation quantisation (what ``fp8_linear`` costs), against
+    ``torch._scaled_mm`` with block scales (cuBLASLt; "unsupported" with the error where torch refuses them) and
+    the bf16 ``torch.matmul`` of the same shape. Decode rows also report the weight bytes / time. ``--fp8-sweep``:
+    other configurations too (rows with ``variant``), for tuning the heuristic."""
+    from . import fp8_gemm as m
+    from . import fp8_quant
+
+    cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in ((1, 16, 64, 4096) if n != 576 else (1, 16, 64))]
+    precompile_in_processes([("fp8_gemm", c) for n, k, rows in cases for c in m.configs_for(n, k, rows)
+                             + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])]
+                            + [("fp8_quant", fp8_quant.config_for(k, rows)) for _n, k, rows in cases])
+    for n, k, rows in cases:
+        a, aq, sa, wq, sw = fp8_operands(rows, n, k)
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        us, how = time_us(lambda: m.fp8_gemm(aq, sa, wq, sw, out=out))
+        us_linear, _ = time_us(lambda: m.fp8_gemm(*fp8_quant.quantize(a), wq, sw, out=out))
+        w_bf16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        us_bf16, _ = time_us(lambda: torch.matmul(a, w_bf16.t()))
+        row = {"M": rows, "N": n, "K": k, "config": m.configs_for(n, k, rows)[0], "timing": how,
+               "TFLOPs": tflops(rows, n, k, us), "with_quant_us": round(us_linear, 2),
+               "with_quant_TFLOPs": tflops(rows, n, k, us_linear),
+               "bf16_matmul_TFLOPs": tflops(rows, n, k, us_bf16)}
+        row = against(row, us, "bf16_matmul", us_bf16)
+        fn, why = scaled_mm_blockwise(aq, sa, wq, sw)
+        if fn is None:
+            row["scaled_mm"] = f"unsupported: {why}"
+        else:
+            us_sm, _ = time_us(fn)
+            cos = torch.nn.functional.cosine_similarity(fn().float().flatten(), out.float().flatten(), dim=0)
+            row.update(scaled_mm_us=round(us_sm, 2), scaled_mm_TFLOPs=tflops(rows, n, k, us_sm),
+                       speedup_vs_scaled_mm=round(us_sm / us, 3), scaled_mm_cos=round(cos.item(), 5))
+        nbytes = n * k + rows * k + rows * n * 2
+        yield rate(row, nbytes, us, copy) if rows <= m.SWAP_MAX_ROWS else row
+        for cfg in fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else ():
+            us_v, how_v = time_us(lambda cfg=cfg: m.fp8_gemm(aq, sa, wq, sw, out=out, config=cfg))
+            vrow = {"M": rows, "N": n, "K": k, "variant": cfg, "timing": how_v, "us": round(us_v, 2),
+                    "TFLOPs": tflops(rows, n, k, us_v), "vs_heuristic": round(us / us_v, 3)}
+            yield rate(vrow, nbytes, us_v, copy) if rows <= m.SWAP_MAX_ROWS else vrow
+        del a, aq, sa, wq, sw, w_bf16, out
+
+
+@bench
+def bench_fp8_grouped_gemm(args, copy):
+    """Grouped FP8 GEMM over rows sorted by expert: DeepGEMM's contiguous prefill set (TFLOP/s) against the bf16
+    ``torch._grouped_mm``, and decode of the V2-Lite / V3 experts (1 / 16 / 64 tokens, random top-k; the weight
+    bytes of the hit experts / time) with the whole FP8 MLP (quant, w13, gated quant, w2) beside it."""
+    from . import fp8_grouped_gemm as m
+    from . import fp8_quant
+    from . import moe_gemm
+
+    decode = [(e, top_k, d, inter, t * top_k) for _name, e, top_k, d, inter in FP8_GROUPED_DECODE for t in (1, 16, 64)]
+    grouped = [m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
+    grouped += [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode
+                for n, k in ((2 * inter, d), (d, inter))]
+    quant = [c for _e, _t, d, inter, rows in decode
+             for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))]
+    precompile_in_processes([("fp8_grouped_gemm", c) for c in grouped] + [("fp8_quant", c) for c in quant])
+    for experts, per, n, k in FP8_GROUPED_PREFILL:
+        counts = torch.full((experts,), per, dtype=torch.int64, device="cuda")
+        rows = experts * per
+        a, aq, sa, wq, sw = fp8_operands(rows, n, k, experts)
+        starts = moe_gemm.expert_starts(counts)
+        out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
+        us, how = time_us(lambda: m.fp8_grouped_gemm(aq, sa, wq, sw, starts, out=out))
+        w_bf16 = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        us_bf16, _ = time_us(lambda: torch._grouped_mm(a, w_bf16.transpose(1, 2), offs=offs))
+        row = {"layout": "contiguous", "experts": experts, "rows_per_expert": per, "N": n, "K": k,
+               "config": list(m.config_for(n, k, rows, experts)), "timing": how, "TFLOPs": tflops(rows, n, k, us),
+               "bf16_grouped_mm_TFLOPs": tflops(rows, n, k, us_bf16)}
+        yield against(row, us, "bf16_grouped_mm", us_bf16)
+        del a, aq, sa, wq, sw, w_bf16, out
+
+    for name, experts, top_k, d, inter in FP8_GROUPED_DECODE:
+        _, _, _, w13, s13 = fp8_operands(1, 2 * inter, d, experts)
+        _, _, _, w2, s2 = fp8_operands(1, d, inter, experts)
+        for tokens in (1, 16, 64):
+            ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)])
+            counts = torch.bincount(ids.flatten(), minlength=experts)
+            hit, rows = int((counts > 0).sum()), tokens * top_k
+            hidden = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16)
+            starts = moe_gemm.expert_starts(counts)
+            aq, sa = fp8_quant.quantize(hidden)
+            us13, how = time_us(lambda: m.fp8_grouped_gemm(aq, sa, w13, s13, starts))
+
+            def mlp():
+                h = m.fp8_grouped_gemm(*fp8_quant.quantize(hidden), w13, s13, starts)
+                return m.fp8_grouped_gemm(*fp8_quant.quantize(h, gated=True), w2, s2, starts)
+
+            us_mlp, _ = time_us(mlp)
+            nbytes = hit * (2 * inter * d + d * inter)
+            row = {"layout": "decode", "model": name, "tokens": tokens, "experts_hit": hit,
+                   "config_w13": list(m.config_for(2 * inter, d, rows, experts)), "timing": how,
+                   "w13_us": round(us13, 2), "mlp_us": round(us_mlp, 2)}
+            yield rate(row, nbytes, us_mlp, copy)
+        del w13, s13, w2, s2
+
+
 # ---- command line --------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -474,6 +682,8 @@ def main(argv=None) -> int:
     sk = ap.add_argument_group("skinny_gemm")
     sk.add_argument("--variants", nargs="+", default=["1,4", "2,4", "1,8", "2,8", "1,4,4"],
                     help="rows_per_warp,unroll[,col_iters] (the engine's: 1,4)")
+    fp8 = ap.add_argument_group("fp8_gemm")
+    fp8.add_argument("--fp8-sweep", action="store_true", help="also other tile / K-slice configurations")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)

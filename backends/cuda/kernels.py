@@ -22,22 +22,26 @@ from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPla
 from .branches import ParallelBranches
 from .ops import FAMILIES, OpConfig, OpImpl
 from .ops.base import KernelModules, PathLog, current_device_is_sm90, tilelang_importable
+from .ops.mla_quant import MLAQuant
+from .ops.quant import QuantOps
 
 __all__ = ["CudaKernelSet", "tilelang_importable"]
 
 _FALLBACK = {
     "copy_kv_blocks": "reference index_copy on CUDA tensors (fork copy-on-write); sync-free",
     "rope": "reference op on CUDA tensors (gather + elementwise); sync-free",
-    # FP8 (quantization="fp8"): no TileLang kernels yet; the reference dequantises to fp32 on the device
-    "fp8_linear": "no FP8 GEMM kernel yet; reference op on CUDA tensors (dequantise both operands, fp32 matmul)",
-    "fp8_grouped_mlp": "no FP8 grouped GEMM kernel yet; reference op on CUDA tensors (per-expert loop, syncs on "
-    "the expert counts)",
+    # FP8 (quantization="fp8"): ops/quant.py's kernels, else the reference dequantises to fp32 on the device
+    "fp8_linear": "reference op on CUDA tensors (dequantise both operands, fp32 matmul)",
+    "fp8_grouped_mlp": "reference op on CUDA tensors (per-expert loop, syncs on the expert counts)",
     "w8a8_linear": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors (int32 matmul)",
     "w8a8_grouped_mlp": "INT8 W8A8 is the Ascend scheme; reference op on CUDA tensors",
-    "mla_prolog_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
-    "mla_epilogue_quant": "no quantised MLA projection kernel yet; reference op on CUDA tensors",
+    "mla_prolog_quant": "reference op on CUDA tensors (quantised projections dequantised to fp32)",
+    "mla_epilogue_quant": "reference op on CUDA tensors (quantised o_proj dequantised to fp32)",
 }
 _DEFAULT_FALLBACK = "reference op on CUDA tensors"
+
+#: the op families (``ops.FAMILIES``) and the quantised-weight ops, in warm-up order
+_FAMILIES = {**FAMILIES, "quant": QuantOps, "mla_quant": MLAQuant}
 
 
 class CudaKernelSet(CpuKernelSet):
@@ -51,7 +55,7 @@ class CudaKernelSet(CpuKernelSet):
         self.log = PathLog()
         self.branches = ParallelBranches()
         self.dispatch_scan: tuple[torch.Tensor, torch.Tensor] | None = None  # moe dispatch -> grouped_mlp
-        self._impls: dict[str, OpImpl] = {name: cls(self) for name, cls in FAMILIES.items()}
+        self._impls: dict[str, OpImpl] = {name: cls(self) for name, cls in _FAMILIES.items()}
         self._by_op = {op: impl for impl in self._impls.values() for op in (*impl.PLANNED, *impl.FALLBACK)}
         self.config: OpConfig | None = None
         self.FALLBACK_REASONS = {**_FALLBACK, **{op: t for i in self._impls.values() for op, t in i.FALLBACK.items()}}
@@ -96,6 +100,16 @@ class CudaKernelSet(CpuKernelSet):
         if self.num_sms is None:
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         return self.num_sms
+
+    def quantization_capture_refusal(self, quantization: str | None) -> str | None:
+        """Why decode graphs cannot capture this engine's quantised ops (their reference fallbacks read host
+        values), or None: FP8 with the FP8 GEMM kernels selected (sync-free, capturable); never INT8 W8A8."""
+        if quantization is None:
+            return None
+        if quantization != "fp8":
+            return f"quantization={quantization!r} runs the reference ops on CUDA"
+        off = self.impl("quant").off  # fp8_quant, fp8_gemm, fp8_grouped_gemm: each one's absence is a fallback
+        return "; ".join(f"kernels_cuda.{name} off: {why}" for name, why in off.items()) or None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def has_run(self) -> bool:
@@ -165,6 +179,19 @@ class CudaKernelSet(CpuKernelSet):
 
     def moe_combine_add(self, expert_out, state: DispatchState, weights, addend):
         return self.impl("moe_routing").moe_combine_add(expert_out, state, weights, addend)
+
+    def fp8_linear(self, x, weight, weight_scale_inv, bias=None):
+        return self.impl("quant").fp8_linear(x, weight, weight_scale_inv, bias)
+
+    def fp8_grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2, w2_scale_inv):
+        return self.impl("quant").fp8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2,
+                                                  w2_scale_inv)
+
+    def mla_prolog_quant(self, hidden, w, scales, positions, rope, kv_cache, slot_mapping):
+        return self.impl("mla_quant").mla_prolog_quant(hidden, w, scales, positions, rope, kv_cache, slot_mapping)
+
+    def mla_epilogue_quant(self, out_latent, w, scales):
+        return self.impl("mla_quant").mla_epilogue_quant(out_latent, w, scales)
 
     def spec_verify(self, logits, draft_next, row_of_token, j_of_token, num_rows: int, max_q: int, t,
                     ban_mask=None):

@@ -1,0 +1,70 @@
+"""``mla_prolog_quant`` / ``mla_epilogue_quant`` with FP8 projections: the reference's arithmetic
+(``backends/cpu/quant.py``) with each projection through the kernel set's ``fp8_linear`` (``kernels_cuda.fp8_quant``
++ ``kernels_cuda.fp8_gemm`` where they apply), W_UK / W_UV as the bf16 prolog and epilogue run them (``mla_absorb``
+or ``skinny_gemm`` for one token, else cuBLAS), the kv_a layernorm on the kernel set's ``rms_norm``, and a cache write
+that needs no host read. INT8 projections (the Ascend scheme) take the reference op."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_npu.hal.types import MLAWeights, RopeLike
+
+from .base import OpImpl, known_syncing_fallback, ref
+from .mla_prolog import absorb_heads, write_kv_cache_sync_free
+
+FP8 = torch.float8_e4m3fn
+PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
+
+
+class MLAQuant(OpImpl):
+    PLANNED = {
+        "mla_prolog_quant": "FP8 projections through fp8_linear, W_UK as mla_prolog, rms_norm kernel, sync-free "
+        "cache write; INT8 projections: the reference",
+        "mla_epilogue_quant": "W_UV as mla_epilogue, o_proj through fp8_linear; INT8: the reference",
+    }
+    SYNCING = {"mla_prolog_quant": "boolean-mask cache write (slot_mapping >= 0)"}
+
+    def mla_prolog_quant(self, hidden: torch.Tensor, w: MLAWeights, scales: dict[str, torch.Tensor],
+                         positions: torch.Tensor, rope: RopeLike, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights = [getattr(w, name) for name in PROJECTIONS if getattr(w, name) is not None]
+        if not hidden.is_cuda or any(t.dtype != FP8 for t in weights):
+            why = "tensor not on a CUDA device" if not hidden.is_cuda else "INT8 projections"
+            self.note("mla_prolog_quant", f"reference ({why})", False, syncs=hidden.is_cuda)
+            with known_syncing_fallback():
+                return ref("quant").mla_prolog_quant(hidden, w, scales, positions, rope, kv_cache, slot_mapping)
+        ks = self.ks
+        apply_rope = ref("rope").rope
+        num_tokens = hidden.shape[0]
+        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+
+        def lin(x, name, bias=None):
+            return ks.fp8_linear(x, getattr(w, name), scales[name], bias)
+
+        if w.q_proj is not None:
+            q = lin(hidden, "q_proj")
+        else:
+            q = lin(ks.rms_norm(lin(hidden, "q_a_proj", w.q_a_bias), w.q_a_layernorm, w.norm_eps), "q_b_proj")
+        q = q.view(num_tokens, w.num_heads, nope + rdim)
+        q_latent = ks.impl("mla_prolog").absorb_q(q, w)
+        q_rope = apply_rope(q[..., nope:], positions, rope.cos_sin_cache, rope.interleaved)
+        c_kv, k_pe = lin(hidden, "kv_a_proj", w.kv_a_bias).split([lrank, rdim], dim=-1)
+        c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
+        k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
+        if num_tokens:
+            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+        self.note("mla_prolog_quant", "fp8_linear projections, composed torch tail, sync-free cache write", True)
+        return q_latent, q_rope
+
+    def mla_epilogue_quant(self, out_latent: torch.Tensor, w: MLAWeights,
+                           scales: dict[str, torch.Tensor]) -> torch.Tensor:
+        if not out_latent.is_cuda or w.o_proj.dtype != FP8:
+            why = "tensor not on a CUDA device" if not out_latent.is_cuda else "INT8 o_proj"
+            self.note("mla_epilogue_quant", f"reference ({why})", False)
+            return ref("quant").mla_epilogue_quant(out_latent, w, scales)
+        values = self.ks.impl("mla_epilogue").w_uv_skinny(out_latent, w)
+        if values is None:
+            values = absorb_heads(out_latent, w.w_uv.transpose(1, 2))
+        self.note("mla_epilogue_quant", "W_UV as mla_epilogue, o_proj through fp8_linear", True)
+        return self.ks.fp8_linear(values.reshape(values.shape[0], -1), w.o_proj, scales["o_proj"], w.o_bias)

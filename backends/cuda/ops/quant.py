@@ -1,0 +1,134 @@
+"""``fp8_linear`` and ``fp8_grouped_mlp`` on the FP8 kernels (DeepGEMM's numerics, Hopper).
+
+``fp8_linear``: the activations quantised per 1 x 128 group by ``kernels_cuda.fp8_quant``, then
+``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above);
+two or three launches, no host read.
+``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
+``kernels_cuda.fp8_grouped_gemm``, the SwiGLU fused into the second quantisation (``fp8_quant`` gated), the w2
+GEMM; five launches, no host read, CUDA-graph capturable. Each runs on bf16 activations with K a multiple of 16 and
+N of 64 on a Hopper GPU; anything else takes the CPU reference on the device (dequantise, fp32 matmul; the grouped
+one loops over experts after ``tokens_per_expert.tolist()``, a sync), with the reason in the op report.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_npu.hal.types import KernelWarmupPlan
+
+from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
+
+FP8 = torch.float8_e4m3fn
+
+
+class QuantOps(OpImpl):
+    KERNELS = ("fp8_quant", "fp8_gemm", "fp8_grouped_gemm")
+    PRIMARY = {"fp8_linear": "fp8_gemm", "fp8_grouped_mlp": "fp8_grouped_gemm"}
+    PLANNED = {
+        "fp8_linear": "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm (bf16 rows, K % 16 == 0, N % 64 == 0); "
+        "else the reference (dequantise, fp32 matmul)",
+        "fp8_grouped_mlp": "kernels_cuda.fp8_quant + kernels_cuda.fp8_grouped_gemm (w13, SwiGLU fused into the "
+        "second quantisation, w2); else the reference (per-expert loop, syncs)",
+    }
+    SYNCING = {"fp8_grouped_mlp": "tokens_per_expert.tolist()"}
+
+    def refuses(self, name: str, cfg: OpConfig) -> str | None:
+        if not cfg.sm90:
+            return "FP8 wgmma kernels are built for Hopper (compute capability 9.x); not this device"
+        if cfg.dtype is not None and cfg.dtype != BF16:
+            return f"model dtype {cfg.dtype}: the FP8 kernels take bf16 activations"
+        return None
+
+    def _modules(self, x: torch.Tensor, gemm: str):
+        """``(fp8_quant, gemm module, None)`` when both serve this call's activations, else ``(None, None, why)``."""
+        if not x.is_cuda:
+            return None, None, NOT_ON_DEVICE
+        if x.dtype != BF16:
+            return None, None, f"{x.dtype} activations: the FP8 kernels take bf16"
+        quant, why = self.use("fp8_quant")
+        if quant is None:
+            return None, None, why
+        mod, why = self.use(gemm)
+        return (quant, mod, None) if mod is not None else (None, None, why)
+
+    # ---- ops -----------------------------------------------------------------------------------------------
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        quant, gemm, why = self._modules(x, "fp8_gemm")
+        n, k = weight.shape
+        if gemm is not None:
+            why = gemm.reason(1, n, k) or (None if weight.dtype == FP8 else f"weight dtype {weight.dtype}")
+        if why is not None:
+            self.note("fp8_linear", f"reference ({why})", False)
+            return ref("quant").fp8_linear(x, weight, weight_scale_inv, bias)
+        x2d = x.reshape(-1, k)
+        self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
+        out = gemm.fp8_gemm(*quant.quantize(x2d), weight, weight_scale_inv)
+        if bias is not None:
+            out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
+        return out.view(*x.shape[:-1], n)
+
+    def fp8_grouped_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
+                        w13_scale_inv: torch.Tensor, w2: torch.Tensor, w2_scale_inv: torch.Tensor) -> torch.Tensor:
+        why = self._grouped_reason(sorted_hidden, tokens_per_expert, w13, w2)
+        if why is not None:
+            self.note("fp8_grouped_mlp", f"reference ({why})", False, syncs=sorted_hidden.is_cuda)
+            with known_syncing_fallback():
+                return ref("quant").fp8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2,
+                                                    w2_scale_inv)
+        quant, gg = self.modules.get("fp8_quant"), self.modules.get("fp8_grouped_gemm")
+        grouped = self.ks.impl("grouped_mlp")
+        starts = grouped.expert_starts(self.modules.get("moe_gemm"), tokens_per_expert)  # the dispatch's scan
+        self.note("fp8_grouped_mlp", "kernels_cuda.fp8_quant + kernels_cuda.fp8_grouped_gemm (w13, gated quant, "
+                  "w2)", True)
+        h = gg.fp8_grouped_gemm(*quant.quantize(sorted_hidden), w13, w13_scale_inv, starts)
+        return gg.fp8_grouped_gemm(*quant.quantize(h, gated=True), w2, w2_scale_inv, starts)
+
+    def _grouped_reason(self, sorted_hidden, tokens_per_expert, w13, w2) -> str | None:
+        quant, gg, why = self._modules(sorted_hidden, "fp8_grouped_gemm")
+        if why is not None:
+            return why
+        if w13.dtype != FP8 or w2.dtype != FP8:
+            return f"expert weights {w13.dtype} / {w2.dtype}: expected float8_e4m3fn"
+        if sorted_hidden.shape[0] == 0:
+            return "no rows"
+        mg = self.modules.get("moe_gemm")  # expert_starts: the row scan shared with the bf16 grouped GEMMs
+        if mg is None:
+            return self.modules.error("moe_gemm")
+        if w13.shape[0] > mg.MAX_EXPERTS:
+            return f"{w13.shape[0]} experts: the expert scan takes at most {mg.MAX_EXPERTS}"
+        (_e, n13, d), (_e2, d2, inter) = w13.shape, w2.shape
+        return gg.reason(n13, d) or gg.reason(d2, inter) or quant_reason(quant, d, inter)
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
+        """For an FP8 model (``plan.quantization == "fp8"``), at every row count a step can have: ``fp8_gemm``
+        for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` and ``fp8_quant`` at its K;
+        ``fp8_grouped_gemm`` for w13 / w2 and ``fp8_quant`` at D and (gated) I; ``moe_gemm``'s expert scan."""
+        if getattr(plan, "quantization", None) != "fp8" or plan.dtype != BF16:
+            return {}
+        lo, hi = step_token_bounds(plan)
+        out: dict[str, list[tuple]] = {"fp8_quant": [], "fp8_gemm": [], "fp8_grouped_gemm": []}
+        fq = kernel_module("fp8_quant")
+        if self.wants("fp8_gemm"):
+            fg = kernel_module("fp8_gemm")
+            for n, k in getattr(plan, "fp8_linear_shapes", ()):
+                if fg.supported(n, k):
+                    out["fp8_gemm"] += [c for m in range(lo, hi + 1) for c in fg.configs_for(n, k, m)]
+                    out["fp8_quant"] += [fq.config_for(k, m) for m in range(lo, hi + 1)]
+        g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
+        if self.wants("fp8_grouped_gemm") and g is not None and inter:
+            gg = kernel_module("fp8_grouped_gemm")
+            if gg.supported(2 * inter, d) and gg.supported(d, inter) and fq.supported(d) and fq.supported(inter):
+                rows = range(lo * g.top_k, hi * g.top_k + 1)
+                out["fp8_grouped_gemm"] += [gg.config_for(n, k, m, g.num_experts) for n, k in
+                                            ((2 * inter, d), (d, inter)) for m in rows]
+                out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
+                out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
+        return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
+
+
+def quant_reason(quant, d: int, inter: int) -> str | None:
+    if not quant.supported(d) or not quant.supported(inter):
+        return f"D={d}, I={inter}: fp8_quant needs multiples of {quant.MULT_K}"
+    return None

@@ -1,0 +1,177 @@
+"""The CUDA kernel set's FP8 ops (``fp8_linear`` / ``fp8_grouped_mlp``, backends/cuda/ops/quant.py): the FP8 kernels
+where they apply, else the CPU reference op with the reason in the op report; the start-up warm-up lists the FP8
+kernel configurations an FP8 model reaches. Selection and warm-up lists run everywhere; numerics on an H200."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from deepinfer_npu.backends.cpu import quant as ref
+from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+from deepinfer_npu.backends.cuda.ops import OpConfig
+from deepinfer_npu.hal.types import KernelWarmupPlan
+from deepinfer_npu.model_executor.quantization.fp8 import quantize_fp8_block
+
+BF16 = torch.bfloat16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Plan(KernelWarmupPlan):
+    """A plan with the FP8 facts the warm-up reads (``quantization``, the FP8 projections' ``(N, K)``)."""
+
+    quantization: str | None = "fp8"
+    fp8_linear_shapes: tuple[tuple[int, int], ...] = ()
+
+
+def fp8_plan(plan: KernelWarmupPlan, **extra) -> Fp8Plan:
+    return Fp8Plan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}, **extra)
+
+
+def test_host_tensors_take_the_reference_with_the_reason():
+    ks = CudaKernelSet()
+    ks.select(OpConfig(dtype=BF16, sm90=True))
+    x = torch.randn(3, 256).to(BF16)
+    w, s = quantize_fp8_block(torch.randn(192, 256))
+    assert torch.equal(ks.fp8_linear(x, w, s), ref.fp8_linear(x, w, s))
+    counts = torch.tensor([2, 0, 1])
+    w13, s13 = quantize_fp8_block(torch.randn(3, 256, 256))
+    w2, s2 = quantize_fp8_block(torch.randn(3, 256, 128))
+    assert torch.equal(ks.fp8_grouped_mlp(x, counts, w13, s13, w2, s2),
+                       ref.fp8_grouped_mlp(x, counts, w13, s13, w2, s2))
+    report = ks.op_report()
+    assert report["fp8_linear"] == "fallback (reference (tensor not on a CUDA device))", report["fp8_linear"]
+    assert report["fp8_grouped_mlp"].startswith("fallback (reference (tensor not on a CUDA device)")
+    assert ks.syncing_ops() == {}  # host reads of host tensors are free
+
+
+def test_off_hopper_the_kernels_are_off_with_the_reason():
+    ks = CudaKernelSet()
+    ks.select(OpConfig(dtype=BF16, sm90=False))
+    report = ks.op_report()
+    assert report["fp8_linear"].startswith("fallback (kernels_cuda.fp8_gemm off: FP8 wgmma kernels are built for "
+                                           "Hopper"), report["fp8_linear"]
+    assert report["fp8_grouped_mlp"].startswith("fallback (kernels_cuda.fp8_grouped_gemm off")
+    ks.select(OpConfig(dtype=torch.float32, sm90=True))
+    assert "take bf16 activations" in ks.op_report()["fp8_linear"]
+
+
+def test_decode_graphs_may_capture_fp8_only_with_its_kernels():
+    ks = CudaKernelSet()
+    ks.select(OpConfig(dtype=BF16, sm90=True))
+    assert ks.quantization_capture_refusal(None) is None
+    assert "reference" in ks.quantization_capture_refusal("w8a8")
+    if ks.modules.get("fp8_gemm") is not None and ks.modules.get("fp8_grouped_gemm") is not None:
+        assert ks.quantization_capture_refusal("fp8") is None
+    ks.select(OpConfig(dtype=BF16, sm90=False))
+    assert "kernels_cuda.fp8_gemm off: FP8 wgmma kernels are built for Hopper" in ks.quantization_capture_refusal("fp8")
+
+
+@pytest.mark.tilelang
+def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
+    from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_grouped_gemm, fp8_quant
+
+    shapes = ((3072, 2048), (576, 2048), (2048, 2048))
+    base = v2_lite_plan()
+    plan = fp8_plan(base, fp8_linear_shapes=shapes)
+    ks = CudaKernelSet()
+    ks.select(OpConfig.from_plan(plan, sm90=True))
+    cfgs = ks.warmup_configs(plan, 132)
+    lo, hi = 1, max(plan.max_num_batched_tokens, *plan.decode_graph_sizes)
+    assert set(cfgs["fp8_gemm"]) == {c for n, k in shapes for m in range(lo, hi + 1)
+                                     for c in fp8_gemm.configs_for(n, k, m)}
+    assert ("reduce", (576, 4, 64)) in cfgs["fp8_gemm"]  # kv_a_proj's K slices at decode
+    g, d, inter = plan.moe_gating, plan.hidden_size, plan.moe_intermediate_size
+    rows = range(lo * g.top_k, hi * g.top_k + 1)
+    assert set(cfgs["fp8_grouped_gemm"]) == {fp8_grouped_gemm.config_for(n, k, m, g.num_experts)
+                                             for n, k in ((2 * inter, d), (d, inter)) for m in rows}
+    assert fp8_quant.config_for(inter, 6, True) in cfgs["fp8_quant"]
+    assert ("expert_scan", (g.num_experts,)) in cfgs["moe_gemm"]
+    # a bf16 engine compiles none of them
+    assert not {"fp8_gemm", "fp8_grouped_gemm", "fp8_quant"} & set(ks.warmup_configs(base, 132))
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("rows", [1, 48, 300])
+def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
+    ks = CudaKernelSet()
+    x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
+    w, s = quantize_fp8_block(torch.randn(3072, 2048, device="cuda") * 0.02)
+    bias = torch.randn(3072, device="cuda").to(BF16)
+    for b in (None, bias):
+        got, want = ks.fp8_linear(x.view(1, rows, 2048), w, s, b), ref.fp8_linear(x.view(1, rows, 2048), w, s, b)
+        assert got.shape == want.shape == (1, rows, 3072) and got.dtype == BF16
+        err = (got.float() - want.float()).abs()
+        assert (err <= 2.0**-7 * want.float().abs() + 1e-3 * want.float().abs().max()).all(), err.max()
+    assert ks.op_report()["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
+    assert ks.syncing_ops() == {}
+
+
+def test_mla_quant_ops_on_host_tensors_take_the_reference():
+    ks = CudaKernelSet()
+    w, scales = _mla_fp8_weights("cpu", q_lora=False, dtype=torch.float32, heads=2, hidden=256)
+    t = 3
+    out = torch.randn(t, 2, 512)
+    assert torch.equal(ks.mla_epilogue_quant(out, w, scales), ref.mla_epilogue_quant(out, w, scales))
+    assert ks.op_report()["mla_epilogue_quant"] == "fallback (reference (tensor not on a CUDA device))"
+
+
+def _mla_fp8_weights(device, q_lora: bool, dtype=BF16, heads: int = 16, hidden: int = 2048):
+    """DeepSeek MLA weights (nope 128, rope 64, v 128, kv_lora 512; q_lora 1536) with FP8 projections."""
+    from deepinfer_npu.hal.types import MLAWeights
+
+    g = torch.Generator(device=device).manual_seed(5)
+    h, n, r, v, lrank, qr = heads, 128, 64, 128, 512, 1536
+
+    def mk(*s):
+        return (torch.randn(*s, generator=g, device=device) * s[-1] ** -0.5).to(dtype)
+
+    w = MLAWeights(num_heads=h, qk_nope_head_dim=n, qk_rope_head_dim=r, v_head_dim=v, kv_lora_rank=lrank,
+                   kv_a_proj=mk(lrank + r, hidden), kv_a_layernorm=(torch.rand(lrank, device=device) + 0.5).to(dtype),
+                   w_uk=mk(h, n, lrank), w_uv=mk(h, v, lrank), o_proj=mk(hidden, h * v))
+    if q_lora:
+        w.q_a_proj, w.q_b_proj = mk(qr, hidden), mk(h * (n + r), qr)
+        w.q_a_layernorm = (torch.rand(qr, device=device) + 0.5).to(dtype)
+    else:
+        w.q_proj = mk(h * (n + r), hidden)
+    scales = {}
+    for f in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "o_proj"):
+        if getattr(w, f) is not None:
+            q, scales[f] = quantize_fp8_block(getattr(w, f))
+            setattr(w, f, q)
+    return w, scales
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("q_lora", [False, True])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
+    """Same quantised projections, the same activation quantisation: close to the reference op on the device
+    (bf16 roundings of intermediate results differ): relative Frobenius error < 1e-2."""
+    from types import SimpleNamespace
+
+    w, scales = _mla_fp8_weights("cuda", q_lora)
+    hidden = (torch.randn(tokens, 2048, device="cuda") * 0.5).to(BF16)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    ang = torch.arange(4096, device="cuda").float()[:, None] * inv[None]
+    rope = SimpleNamespace(cos_sin_cache=torch.cat((ang.cos(), ang.sin()), -1), interleaved=True)
+    pos = torch.arange(tokens, device="cuda") + 7
+    slots = torch.arange(tokens, device="cuda") + 64  # block 1 onwards: block 0 is the reserved padding block
+    ks = CudaKernelSet()
+    cache, cache_ref = (torch.zeros(4, 64, 576, device="cuda", dtype=BF16) for _ in range(2))
+    got = ks.mla_prolog_quant(hidden, w, scales, pos, rope, cache, slots)
+    want = ref.mla_prolog_quant(hidden, w, scales, pos, rope, cache_ref, slots)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2 and rel(cache, cache_ref) < 1e-2
+    out_latent = torch.randn(tokens, 16, 512, device="cuda").to(BF16)
+    assert rel(ks.mla_epilogue_quant(out_latent, w, scales), ref.mla_epilogue_quant(out_latent, w, scales)) < 1e-2
+    report = ks.op_report()
+    assert report["mla_prolog_quant"].startswith("native (fp8_linear projections"), report["mla_prolog_quant"]
+    assert report["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
