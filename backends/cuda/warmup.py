@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 #: the order modules compile in: the forward's, then verification and the ZOS correction
 COMPILE_ORDER = ("rms_norm", "mla_rope_cache", "mla_decode", "mla_absorb", "skinny_gemm", "silu_mul", "moe_routing",
-                 "moe_gemm", "moe_gemm_swap", "spec_verify", "zos_fixup", "decode_inputs")
+                 "moe_gemm", "moe_gemm_swap", "fp8_quant", "fp8_gemm", "fp8_grouped_gemm", "spec_verify", "zos_fixup",
+                 "decode_inputs")
 
 
 def reachable_configs(kernels: Any, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:

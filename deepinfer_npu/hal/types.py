@@ -131,6 +131,8 @@ class KernelWarmupPlan:
     varlen: bool = False  # draft counts are re-split on the device (zos_fixup's re-split; host q lengths unknown)
     decode_graph_sizes: tuple[int, ...] = ()  # total_q of the captured decode graphs (empty: eager decode)
     decode_graph_width: int = 0  # block-table width of those graphs
+    quantization: str | None = None  # EngineConfig.quantization ("fp8" / "w8a8") or None
+    fp8_linear_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of the model's 2-D FP8 weights
 
     @property
     def block_table_width(self) -> int:

@@ -7,6 +7,8 @@ the first steps that reach them.
 
 from __future__ import annotations
 
+import torch
+
 from deepinfer_npu.hal.types import KernelWarmupPlan
 from deepinfer_npu.model_executor.layers.mla import LATENT_NORM_EPS
 from deepinfer_npu.model_executor.layers.mlp import DenseMLP
@@ -55,4 +57,7 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
         varlen=varlen,
         decode_graph_sizes=tuple(graphs.sizes) if graphs is not None else (),
         decode_graph_width=graphs.width if graphs is not None else 0,
+        quantization=cfg.quantization,
+        fp8_linear_shapes=tuple(sorted({tuple(map(int, p.shape)) for p in runner.model.parameters()
+                                        if p.dim() == 2 and p.dtype == torch.float8_e4m3fn})),
     )

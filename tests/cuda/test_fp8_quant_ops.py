@@ -18,16 +18,9 @@ from deepinfer_npu.model_executor.quantization.fp8 import quantize_fp8_block
 BF16 = torch.bfloat16
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Fp8Plan(KernelWarmupPlan):
-    """A plan with the FP8 facts the warm-up reads (``quantization``, the FP8 projections' ``(N, K)``)."""
-
-    quantization: str | None = "fp8"
-    fp8_linear_shapes: tuple[tuple[int, int], ...] = ()
-
-
-def fp8_plan(plan: KernelWarmupPlan, **extra) -> Fp8Plan:
-    return Fp8Plan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}, **extra)
+def fp8_plan(plan: KernelWarmupPlan, **extra) -> KernelWarmupPlan:
+    """``plan`` with the FP8 facts the warm-up reads (``quantization``, the FP8 projections' ``(N, K)``)."""
+    return dataclasses.replace(plan, **{"quantization": "fp8", **extra})
 
 
 def test_host_tensors_take_the_reference_with_the_reason():

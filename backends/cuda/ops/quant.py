@@ -105,14 +105,14 @@ class QuantOps(OpImpl):
         """For an FP8 model (``plan.quantization == "fp8"``), at every row count a step can have: ``fp8_gemm``
         for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` and ``fp8_quant`` at its K;
         ``fp8_grouped_gemm`` for w13 / w2 and ``fp8_quant`` at D and (gated) I; ``moe_gemm``'s expert scan."""
-        if getattr(plan, "quantization", None) != "fp8" or plan.dtype != BF16:
+        if plan.quantization != "fp8" or plan.dtype != BF16:
             return {}
         lo, hi = step_token_bounds(plan)
         out: dict[str, list[tuple]] = {"fp8_quant": [], "fp8_gemm": [], "fp8_grouped_gemm": []}
         fq = kernel_module("fp8_quant")
         if self.wants("fp8_gemm"):
             fg = kernel_module("fp8_gemm")
-            for n, k in getattr(plan, "fp8_linear_shapes", ()):
+            for n, k in plan.fp8_linear_shapes:
                 if fg.supported(n, k):
                     out["fp8_gemm"] += [c for m in range(lo, hi + 1) for c in fg.configs_for(n, k, m)]
                     out["fp8_quant"] += [fq.config_for(k, m) for m in range(lo, hi + 1)]
