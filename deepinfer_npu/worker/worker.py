@@ -32,10 +32,12 @@ from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
 from deepinfer_npu.spec.drafter import DraftContext, Drafter
 from deepinfer_npu.worker import grammar_mask, penalty_state
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+from deepinfer_npu.worker.device_transfers import DeviceTransfers
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.slot_state import SlotState
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
+from deepinfer_npu.worker.step_readback import StepReadback
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 DUMMY_SEQ_ID = -1  # the padding sequence of a dummy step (no request has it)
 
 
-class Worker:
+class Worker(StepReadback, DeviceTransfers):
     def __init__(self, runner: ModelRunner, backend, zero_overhead_scheduling: bool, num_state_slots: int,
                  drafter: Drafter | None = None, varlen: bool = False) -> None:
         self.runner = runner
@@ -165,18 +167,6 @@ class Worker:
         return [self._post_process(state)]
 
     # ---------------------------------------------------------------- phase 1
-    def _dev(self, a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        """Host array -> device tensor without a host-device sync: on devices the copy goes through pinned
-        memory asynchronously (a pageable copy would block)."""
-        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _dev_many(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
-        """Several host arrays -> device tensors, one copy each."""
-        return [self._dev(a, dtype) for a, dtype in arrays]
-
     def _apply_state_ops(self, plan: StepPlan) -> None:
         extra = self.drafter.kv_caches if self.drafter is not None and hasattr(self.drafter, "kv_caches") else None
         self.runner.apply_block_ops(plan, extra)
@@ -464,102 +454,6 @@ class Worker:
         rows = self._dev(index)
         step.prompt_lp = prompt_logprobs(lambda r: self.runner.logits(step.hidden, r), rows,
                                          target.index_select(0, rows), int(reqs.prompt_logprobs.max()))
-
-    # ---------------------------------------------------------------- phase 2 / 4
-    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the
-        stream behind the step's work, so post-processing waits for this step's end event only, never for work
-        launched after it (a plain ``.cpu()`` would wait for the next step's forward too, undoing ZOS)."""
-        if t is None:
-            return t
-        if t.device.type == "cpu":  # a copy: the tensor may be a graph's static output, rewritten by the next step
-            return t.clone()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-
-    def _copy_results_to_host(self, step: DeviceStepState) -> None:
-        """Queue the copies of everything post-processing reads (before the step's end event is recorded)."""
-        h = self._to_host
-        step.host = {"emitted": h(step.emitted), "num_emitted": h(step.num_emitted)}
-        if not step.plan.is_prefill:
-            step.host.update(seqlens_q=h(step.seqlens_q), accepted=h(step.accepted))
-        if step.logprobs is not None:
-            lp = step.logprobs
-            step.host.update(logprob_rows=h(step.logprob_rows), sampled_logprob=h(lp.sampled_logprob),
-                             sampled_rank=h(lp.sampled_rank), top_ids=h(lp.top_ids), top_logprobs=h(lp.top_logprobs))
-        if step.draft_probs is not None:
-            step.host["draft_probs"] = h(step.draft_probs)
-        if step.proposals is not None:
-            step.host["proposals"] = h(step.proposals)
-        if step.fork_tokens is not None:
-            step.host["fork_tokens"] = h(step.fork_tokens)
-        if step.prompt_lp is not None:
-            lp = step.prompt_lp
-            step.host.update(plp_logprob=h(lp.sampled_logprob), plp_rank=h(lp.sampled_rank),
-                             plp_top_ids=h(lp.top_ids), plp_top_logprobs=h(lp.top_logprobs))
-
-    def _post_process(self, step: DeviceStepState) -> StepResult:
-        t_wait = time.perf_counter()
-        step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
-        host_wait_ms = (time.perf_counter() - t_wait) * 1e3
-        plan, host = step.plan, step.host
-        if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting
-            step.model_ms = step.fwd_events[0].elapsed_time(step.fwd_events[1])
-            step.t_sample_ms = step.fwd_events[1].elapsed_time(step.sample_end_event)
-        emitted = host["emitted"].numpy()
-        counts = host["num_emitted"].numpy()
-        token_ids = [emitted[i, : counts[i]].tolist() for i in range(plan.num_seqs)]
-        logprobs: list = [None] * plan.num_seqs
-        if step.logprobs is not None:
-            rows = host["logprob_rows"].numpy()
-            sampled, rank = host["sampled_logprob"].tolist(), host["sampled_rank"].tolist()
-            top_ids, top_lps = host["top_ids"].tolist(), host["top_logprobs"].tolist()
-            logprobs = [
-                [(sampled[r], rank[r], top_ids[r], top_lps[r]) for r in rows[i, : counts[i]]]
-                for i in range(plan.num_seqs)
-            ]
-        result = StepResult(step_id=plan.step_id, is_prefill=plan.is_prefill, seq_ids=plan.seq_ids,
-                            token_ids=token_ids, logprobs=logprobs, num_tokens=plan.num_tokens,
-                            forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms,
-                            host_wait_ms=host_wait_ms)
-        if not plan.is_prefill:
-            result.num_drafts = host["seqlens_q"].numpy().astype(np.int64) - 1
-            result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
-            result.num_accepted = host["accepted"].numpy()
-        if step.fork_rows:  # the first tokens of completions 1..n-1 (sampled after the main rows)
-            tokens = host["fork_tokens"].tolist()
-            lp_row = int((plan.is_last_chunk).sum())
-            pos = 0
-            for row, count in step.fork_rows:
-                entries = []
-                for tok in tokens[pos:pos + count]:
-                    entry = None
-                    if step.logprobs is not None:
-                        entry = (sampled[lp_row], rank[lp_row], top_ids[lp_row], top_lps[lp_row])
-                    entries.append((tok, entry))
-                    pos += 1
-                    lp_row += 1
-                result.fork_tokens[row] = entries
-        if step.prompt_lp is not None:
-            lps, ranks = host["plp_logprob"].tolist(), host["plp_rank"].tolist()
-            p_ids, p_lps = host["plp_top_ids"].tolist(), host["plp_top_logprobs"].tolist()
-            pos = 0
-            for row, count in step.prompt_lp_rows:
-                result.prompt_logprobs[row] = [(lps[r], ranks[r], p_ids[r], p_lps[r])
-                                               for r in range(pos, pos + count)]
-                pos += count
-        if step.draft_probs is not None:
-            result.draft_probs = host["draft_probs"].float().numpy()
-            result.proposing_rows = step.proposing_rows
-        if "proposals" in host:
-            result.proposals = host["proposals"].numpy()
-            result.proposing_rows = step.proposing_rows
-        step.host = None
-        if step.uses_grammar and self.result_listener is not None:
-            self.result_listener(result)
-        return result
-
 
 def _prefill_samples(reqs: StepRequests, rows: np.ndarray) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """A prefill's sampled rows: one per prompt that ends in the step (``rows``), then the first tokens of the
