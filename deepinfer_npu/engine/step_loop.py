@@ -2,8 +2,8 @@
 
 Under zero-overhead scheduling the worker keeps a decode step in flight, so the results applied by a step are
 usually the previous step's; a step with nothing scheduled flushes the kept one. With a step group (data-parallel
-ranks with expert-parallel MoE) every rank votes on the step kind first and a rank with nothing scheduled runs a
-dummy step, so the collectives inside the model pair up (``distributed/step_vote.py``).
+ranks with expert-parallel MoE) the ranks vote on the step kind first, and a rank with nothing scheduled runs a
+dummy step while another has work, so the collectives inside the model pair up (``distributed/step_vote.py``).
 
 A mixin of ``LLMEngine``: it reads the engine's ``scheduler``, ``worker``, ``lock``, ``_router``, ``stats`` and
 request tables, and hands results to ``OutputProcessing``.

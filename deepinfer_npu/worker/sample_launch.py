@@ -6,8 +6,8 @@ structured-output masks and the penalty counts. The speculative bookkeeping live
 (``SlotState``): each row's last token (the bonus token), the ``seqlens_k`` correction the next step's
 ``zos_fixup`` applies, and the drafts with their confidences that the drafter proposes from the step's hidden states.
 
-A mixin of ``Worker``: it reads the worker's ``runner``, ``kernels``, ``slots``, ``drafter``, ``k``, ``backend`` and
-``step_events``, and the ``DeviceTransfers`` / ``StepReadback`` methods.
+A mixin of ``Worker``: it reads the worker's ``runner``, ``device``, ``kernels``, ``slots``, ``drafter``, ``k``,
+``backend`` and ``step_events``, and uses the ``DeviceTransfers`` / ``StepReadback`` methods.
 """
 
 from __future__ import annotations
