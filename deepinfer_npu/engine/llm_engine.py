@@ -7,52 +7,42 @@ than the pool) finishes with ``finish_reason="ignored"`` and a message naming th
 
 Thread safety: every public method takes ``self.lock`` (re-entrant), so threads may share one engine. Each
 request's outputs go to whoever added it (``engine/output_router.py``), whichever thread runs the step.
+
+This file builds the engine and holds its state; the behaviour is in three mixins over that state:
+``RequestAdmission`` (``request_admission.py``: add, validate, fork), ``StepLoop`` (``step_loop.py``: schedule,
+launch, lockstep with other ranks) and ``OutputProcessing`` (``output_processing.py``: results, finishing, outputs).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import numpy as np
 
 from deepinfer_npu import _core
 from deepinfer_npu.config import EngineConfig
-from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill
-from deepinfer_npu.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_npu.engine.engine_stats import SpecCounters, new_counters, stats_report
 from deepinfer_npu.engine.generation_config import load_generation_defaults
 from deepinfer_npu.engine.grammar_requests import GrammarRequests
-from deepinfer_npu.engine.input_processing import build_step_requests, tokenize_prompt
-from deepinfer_npu.engine.output_router import OutputRouter, OutputSink
-from deepinfer_npu.engine.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
-from deepinfer_npu.engine.request import Request, RequestGroup
+from deepinfer_npu.engine.output_processing import OutputProcessing
+from deepinfer_npu.engine.output_router import OutputRouter
+from deepinfer_npu.engine.outputs import RequestOutput
+from deepinfer_npu.engine.request import Request
+from deepinfer_npu.engine.request_admission import RequestAdmission
 from deepinfer_npu.engine.sampling_params import SamplingParams
-from deepinfer_npu.engine.stop_checker import StopChecker
+from deepinfer_npu.engine.step_loop import StepLoop
 from deepinfer_npu.engine.tokenizer import load_tokenizer
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
-from deepinfer_npu.sampling import derive_seed
 from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
 from deepinfer_npu.worker.model_runner import ModelRunner
-from deepinfer_npu.worker.step_io import StepPlan, StepRequests, StepResult
-from deepinfer_npu.worker.worker import DUMMY_SEQ_ID, Worker, dummy_plan
-
-logger = logging.getLogger(__name__)
-
-_SCHEDULER_FINISH_REASONS = {
-    _core.SeqStatus.FINISHED_IGNORED: "ignored",
-    _core.SeqStatus.FINISHED_PREEMPTED: "preempted",
-    _core.SeqStatus.FINISHED_ABORTED: "abort",
-}
-_FINISH_STATUS = {"stop": _core.SeqStatus.FINISHED_STOPPED, "length": _core.SeqStatus.FINISHED_LENGTH}
+from deepinfer_npu.worker.worker import Worker
 
 
-class LLMEngine:
+class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
     """Offline engine. ``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests``."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -118,142 +108,10 @@ class LLMEngine:
         cfg.validate()
         return cfg
 
-    # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | dict | Sequence[int] | None,
-        sampling_params: SamplingParams | None = None,
-        *,
-        output_sink: OutputSink | None = None,
-    ) -> None:
-        """Queue a request. ``prompt``: text, ``{"prompt_token_ids": [...]}`` / ``{"prompt": text}``, or ids.
-
-        ``sampling_params=None`` takes :meth:`default_sampling_params`. Without ``output_sink`` the request's
-        outputs are returned by ``step()``; with one, every output of the request is handed to it instead.
-        """
-        self.add_requests([(request_id, prompt, sampling_params)], output_sink=output_sink)
-
-    def add_requests(self, requests: Iterable[tuple], *, output_sink: OutputSink | None = None) -> None:
-        """Queue several ``(request_id, prompt, sampling_params)`` at once, all or nothing: every request is
-        validated before any is queued, so a ``ValueError`` / ``TypeError`` leaves the engine unchanged."""
-        with self.lock:
-            requests = list(requests)
-            checked, ids = [], set()
-            for index, (request_id, prompt, params) in enumerate(requests):
-                request_id = str(request_id)
-                try:
-                    if request_id in self._requests or request_id in ids:
-                        raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-                    ids.add(request_id)
-                    checked.append(self._validate(request_id, prompt, params))
-                except (ValueError, TypeError) as e:
-                    if len(requests) == 1:
-                        raise
-                    raise type(e)(f"{e} (index {index} of the {len(requests)} submitted; none was queued)") from e
-            self._warn_capped(checked)
-            for request_id, text, prompt_ids, params in checked:
-                self._enqueue(request_id, text, prompt_ids, params, output_sink)
-
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's ``generation_config.json`` defaults (temperature, top_k, top_p),
         as vLLM's ``LLM.get_default_sampling_params``."""
         return SamplingParams(**self.generation_defaults)
-
-    def _validate(self, request_id: str, prompt, params) -> tuple[str, str | None, list[int], SamplingParams]:
-        params = params if params is not None else self.default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
-                            f"got {type(params).__name__}")
-        self._check_params(request_id, params)
-        text, ids = self._tokenize(request_id, prompt)
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                f"request {request_id!r}: stop strings need a tokenizer, and {self.config.model_dir} has no "
-                "tokenizer.json; use stop_token_ids instead"
-            )
-        return request_id, text, ids, params
-
-    def _warn_capped(self, checked: list) -> None:
-        """One line when max_model_len, not max_tokens, will end some of these requests."""
-        capped = [(rid, len(ids), p.max_tokens) for rid, _, ids, p in checked
-                  if p.max_tokens is not None and len(ids) < self.max_model_len < len(ids) + p.max_tokens]
-        if capped:
-            rid, n_prompt, max_tokens = capped[0]
-            logger.warning(
-                "%d of %d requests ask for more tokens than max_model_len=%d holds (e.g. %r: %d prompt + "
-                "max_tokens=%d); they stop at max_model_len with finish_reason='length'",
-                len(capped), len(checked), self.max_model_len, rid, n_prompt, max_tokens)
-
-    def _enqueue(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                 output_sink: OutputSink | None) -> None:
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
-        req = self._new_request(request_id, text, ids, params, seed)
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
-        if params.n > 1:  # completions 1..n-1 fork off this one at the prompt's end, each with its own seed
-            req.group = RequestGroup(request_id, params.n, [req])
-            req.fork_seeds = [derive_seed(seed, i) for i in range(1, params.n)]
-        if params.structured_outputs is not None:  # scheduled once its grammar is compiled
-            self._grammars.start(req)
-        else:
-            self.scheduler.add_seq(req.seq_id, ids, self._max_new_tokens(params, len(ids)))
-        self._requests[request_id] = req
-        self._by_seq[req.seq_id] = req
-        self._router.register(request_id, output_sink)
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar finished compiling enter the scheduler (or fail, naming the reason)."""
-        if not self._grammars.awaiting:
-            return
-        if not self.scheduler.has_unfinished() and not self.worker.has_pending_step:
-            self._grammars.wait(0.05)  # nothing else to run: do not spin
-        for req, error in self._grammars.take_compiled():
-            if req.finished:
-                continue
-            if error is not None:
-                self._finish(req, "abort", message=f"structured output grammar failed to compile: {error}",
-                             notify_scheduler=False)
-                self._pending_outputs.append(self._make_output(req))
-                continue
-            self.scheduler.add_seq(req.seq_id, req.prompt_token_ids,
-                                   self._max_new_tokens(req.params, len(req.prompt_token_ids)))
-
-    def _new_request(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                     seed: int) -> Request:
-        """A Request with its detokenizer, stop checker and logprob lists, on a new sequence id."""
-        req = Request(request_id=request_id, seq_id=self._next_seq_id, prompt=text, prompt_token_ids=list(ids),
-                      params=params, seed=seed)
-        self._next_seq_id += 1
-        if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                                     params.skip_special_tokens)
-        if params.logprobs is not None:
-            req.logprobs = []
-            req.cumulative_logprob = 0.0
-        req.stop_checker = StopChecker(params, self._eos_ids, self.max_model_len, len(ids))
-        if params.uses_penalties:  # the device token counts exist from the first request that needs them
-            self.worker.slots.enable_penalties(self.vocab_size)
-        return req
-
-    def _max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
-        # max_tokens=None: limited by max_model_len only (a prompt too long for it is ignored by the scheduler).
-        return params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - prompt_len)
-
-    def _check_params(self, request_id: str, params: SamplingParams) -> None:
-        """Checks that need the model (SamplingParams validated the rest at construction)."""
-        bad = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: stop_token_ids {bad} are outside the vocabulary [0, {self.vocab_size})"
-            )
-        bad = sorted(t for t in params.logit_bias or {} if t >= self.vocab_size)
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: logit_bias token id(s) {bad} are outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        self._grammars.check(request_id, params)
 
     @functools.cached_property
     def _eos_ids(self) -> list[int]:
@@ -264,53 +122,6 @@ class LLMEngine:
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)
         return sorted(i for i in ids if 0 <= i < self.vocab_size)
-
-    def _tokenize(self, request_id: str, prompt) -> tuple[str | None, list[int]]:
-        return tokenize_prompt(request_id, prompt, self.tokenizer, self.vocab_size, self.config.model_dir)
-
-    def fork_request(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None = None) -> None:
-        """Branch ``child_id`` off a running request: the child shares the parent's KV blocks and state slot
-        (copy-on-write at its first step, seed §5.4) and starts with the parent's prompt and outputs so far.
-
-        The parent must have finished its prefill. Fork right after the parent's first tokens: the state slot is
-        copied when the child is first scheduled, and a parent that ran far ahead by then would hand the child a
-        drafter state from later positions (drafts are only proposals, so outputs stay exact either way).
-        """
-        with self.lock:
-            self._fork(str(parent_id), str(child_id), sampling_params)
-
-    def _fork(self, parent_id: str, child_id: str, sampling_params: SamplingParams | None) -> None:
-        parent = self._requests.get(parent_id)
-        if parent is None or parent.finished:
-            raise ValueError(f"fork_request: parent {parent_id!r} is not an unfinished request")
-        if child_id in self._requests:
-            raise ValueError(f"request_id {child_id!r} is already in use by an unfinished request")
-        status = self.scheduler.get_seq_status(parent.seq_id)
-        if status not in (_core.SeqStatus.PROMPTED, _core.SeqStatus.RUNNING):
-            raise ValueError(f"fork_request: parent {parent_id!r} has not finished its prefill (status {status})")
-        params = sampling_params if sampling_params is not None else parent.params
-        if params.n != 1:
-            raise ValueError(f"fork_request: a forked request is one completion (n=1), got n={params.n}")
-        self._check_params(child_id, params)
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63 - 1))
-        child = self._new_request(child_id, parent.prompt, parent.prompt_token_ids, params, seed)
-        child.rebuild_penalties = params.uses_penalties
-        child_max = self._max_new_tokens(params, len(child.prompt_token_ids))
-        self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max)
-        self._requests[child_id] = child
-        self._by_seq[child.seq_id] = child
-        self._grammars.fork(child, parent, list(parent.output_token_ids))
-        if child.grammar is not None:
-            child.grammar.drafts = None  # the parent may be steps ahead of the drafts the child verifies first
-        if parent.output_token_ids:
-            # Inherited tokens go through the child's stop checks (a smaller max_tokens may end it at once).
-            inherited = None
-            if child.logprobs is not None and parent.logprobs is not None:
-                inherited = parent.logprobs_raw[: len(parent.output_token_ids)]
-            self._append_tokens(child, list(parent.output_token_ids), inherited)
-            self.stats["generation_tokens"] -= len(child.output_token_ids)
-            if child.finished:
-                self._pending_outputs.append(self._make_output(child))
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort one or several requests in any state; their final output (``finish_reason="abort"``) is
@@ -348,268 +159,7 @@ class LLMEngine:
         with self.lock:
             return list(self._requests)
 
-    # ------------------------------------------------------------------ step
-    def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return the outputs of requests added without an output sink that
-        progressed or finished (also those produced by steps other threads ran since the last call)."""
-        with self.lock:
-            return self._router.route(self._step(), for_step_caller=True)
-
-    def step_for_sinks(self) -> None:
-        """Run one step for callers waiting on output sinks (``LLM.generate``): sink outputs go to their sinks,
-        the outputs of sink-less requests are kept for the next ``step()``."""
-        with self.lock:
-            self._router.route(self._step(), for_step_caller=False)
-
-    def attach_step_group(self, group) -> None:
-        """Run every step in lockstep with the other data-parallel ranks of ``group`` (a gloo CPU group): the
-        two-round vote decides the step kind for all, and a rank with nothing scheduled runs a dummy step so the
-        expert-parallel collectives inside the model pair up (``distributed/step_vote.py``)."""
-        self._step_group = group
-
-    def _step(self) -> list[RequestOutput]:
-        if self._step_group is not None:
-            return self._step_lockstep()
-        if threading.get_ident() != self._stepping_thread:
-            self._bind_device_to_thread()
-        t0 = time.perf_counter()
-        self._admit_compiled()
-        outputs, self._pending_outputs = self._pending_outputs, []
-        vote = self.scheduler.prefill_vote()
-        out = self.scheduler.schedule(vote != 0)
-        outputs += self._finished_by_scheduler(out.finished)
-        if vote != 0 and out.kind == _core.StepKind.PREFILL and out.num_seqs == 0:
-            # Round two of the vote on one rank: nothing could be prefilled, run decode instead.
-            out = self.scheduler.schedule(False)
-            outputs += self._finished_by_scheduler(out.finished)
-        if out.num_seqs == 0:
-            results = self.worker.flush()
-        else:
-            results = self._run_plan(StepPlan.from_schedule(self._step_id, out, out.kind == _core.StepKind.PREFILL))
-        outputs += self._apply_results(results)
-        self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
-        return outputs
-
-    def _step_lockstep(self) -> list[RequestOutput]:
-        if threading.get_ident() != self._stepping_thread:
-            self._bind_device_to_thread()
-        group = self._step_group
-        t0 = time.perf_counter()
-        self._admit_compiled()
-        outputs, self._pending_outputs = self._pending_outputs, []
-        prefill = vote_prefill(self.scheduler.prefill_vote(), group)
-        out = self.scheduler.schedule(prefill)
-        outputs += self._finished_by_scheduler(out.finished)
-        agreed = confirm_step(prefill, out.num_seqs if prefill else 0, out.num_seqs, group)
-        if prefill and not agreed.prefill:  # round two: no rank could prefill; every rank decodes instead
-            prefill = False
-            out = self.scheduler.schedule(False)
-            outputs += self._finished_by_scheduler(out.finished)
-            any_work = agree_decode_size(out.num_seqs, group) > 0
-        else:
-            any_work = agreed.any_work
-        self.last_step_had_work = any_work
-        if out.num_seqs:
-            results = self._run_plan(StepPlan.from_schedule(self._step_id, out, prefill))
-        elif any_work:
-            results = self.worker.execute_dummy_step(prefill, self._step_requests(dummy_plan(prefill)))
-        else:
-            results = self.worker.flush()
-        outputs += self._apply_results([r for r in results if not _is_dummy(r)])
-        self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
-        return outputs
-
-    def _run_plan(self, plan: StepPlan) -> list[StepResult]:
-        self._step_id += 1
-        results = self.worker.execute_model_step(plan, self._step_requests(plan))
-        self.stats["num_steps"] += 1
-        self.stats["prefill_steps" if plan.is_prefill else "decode_steps"] += 1
-        if plan.is_prefill:
-            self.stats["prompt_tokens"] += plan.num_tokens
-        return results
-
-    def _bind_device_to_thread(self) -> None:
-        """The current device is per thread (CUDA, NPU): a step run by another thread than the one that built
-        the engine selects the engine's device first."""
-        self._stepping_thread = threading.get_ident()
-        if self.backend.device_type == "cpu":
-            return
-        import torch
-
-        module = getattr(torch, self.backend.device_type, None)
-        if module is not None and hasattr(module, "set_device"):
-            module.set_device(self.backend.device_index)
-
-    def _step_requests(self, plan: StepPlan) -> StepRequests:
-        return build_step_requests(plan, self._by_seq, self.config.nextn, self.max_model_len, self._eos_ids)
-
-    def _apply_results(self, results: list[StepResult]) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
-        for res in results:
-            self.stats["forward_ms"] += res.forward_ms
-            self.stats["sample_ms"] += res.sample_ms
-            self.stats["model_ms"] += res.model_ms
-            self.stats["host_wait_ms"] += res.host_wait_ms
-            if res.num_drafts is not None and self.config.nextn:
-                self._record_spec(res)
-            if self.varlen is not None:
-                self.varlen.observe(res)
-            counts = np.array([len(t) for t in res.token_ids], dtype=np.int32)
-            flat = np.array([t for toks in res.token_ids for t in toks], dtype=np.int32)
-            self.scheduler.update(res.seq_ids, counts, flat)
-            touched: dict[str, Request] = {}  # one output per request (a group's completions share it)
-            for i, seq_id in enumerate(res.seq_ids.tolist()):
-                req = self._by_seq.get(seq_id)
-                tokens = res.token_ids[i]
-                if req is None or req.finished:
-                    continue
-                if i in res.prompt_logprobs:
-                    self._append_prompt_logprobs(req, res.prompt_logprobs[i])
-                if not tokens:
-                    continue
-                forked = self._fork_completions(req, res.fork_tokens[i]) if i in res.fork_tokens else []
-                self._append_tokens(req, tokens, res.logprobs[i] if res.logprobs else None)
-                for child, (token, entry) in forked:
-                    self._append_tokens(child, [token], [entry] if entry is not None else None)
-                touched.setdefault(req.request_id, req)
-            outputs += [self._make_output(req) for req in touched.values()]
-        return outputs
-
-    def _fork_completions(self, parent: Request, samples: list[tuple]) -> list[tuple[Request, tuple]]:
-        """Completions ``1..n-1`` of ``parent``'s group, forked at its prompt's end: each shares the prompt's KV
-        blocks copy-on-write and starts from its own first sample (``samples[i-1]``: token, logprob entry)."""
-        if not parent.fork_seeds or parent.group is None:
-            return []
-        forked = []
-        child_max = self._max_new_tokens(parent.params, len(parent.prompt_token_ids))
-        for index, (seed, sample) in enumerate(zip(parent.fork_seeds, samples), start=1):
-            child = self._new_request(parent.request_id, parent.prompt, parent.prompt_token_ids, parent.params,
-                                      seed)
-            child.index, child.group = index, parent.group
-            child.prompt_logprobs = parent.prompt_logprobs
-            child.rebuild_penalties = parent.params.uses_penalties
-            self.scheduler.fork_seq(parent.seq_id, child.seq_id, child_max, last_token=int(sample[0]))
-            parent.group.members.append(child)
-            self._by_seq[child.seq_id] = child
-            self._grammars.fork(child, parent, [int(sample[0])])
-            forked.append((child, sample))
-        parent.fork_seeds = []
-        return forked
-
-    def _append_prompt_logprobs(self, req: Request, entries: list[tuple]) -> None:
-        """Prompt positions computed by a prefill chunk, in order (a recomputed prompt adds nothing)."""
-        if req.prompt_logprobs is None:
-            return
-        prompt = req.prompt_token_ids
-        for lp, rank, top_ids, top_lps in entries:
-            pos = len(req.prompt_logprobs)
-            if pos >= len(prompt):
-                break
-            req.prompt_logprobs.append(self._logprob_dict(prompt[pos], (lp, rank, top_ids, top_lps)))
-
-    def _record_spec(self, res: StepResult) -> None:
-        live = np.array([self._by_seq.get(int(s)) is not None for s in res.seq_ids], dtype=bool)
-        self.spec_counters.record(self.stats, res, live)
-
-    def _append_tokens(self, req: Request, tokens: list[int], logprobs) -> None:
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        kept, reason, stop_reason = req.stop_checker.append(tokens, req.detokenizer)
-        req.output_token_ids.extend(tokens[:kept])
-        self.stats["generation_tokens"] += kept
-        if req.detokenizer is not None:
-            req.output_text = req.stop_checker.text
-        if req.logprobs is not None and logprobs:
-            for tok, entry in zip(tokens[:kept], logprobs[:kept]):
-                req.logprobs.append(self._logprob_dict(tok, entry))
-                req.logprobs_raw.append(entry)
-                req.cumulative_logprob += entry[0]
-        if reason is None and req.grammar is not None:
-            if req.grammar.failed:  # cannot happen while masks are applied; never hand out invalid output quietly
-                reason = "abort"
-                req.stop_checker.finish_message = "a generated token broke the structured output grammar"
-                logger.error("request %r: %s", req.request_id, req.stop_checker.finish_message)
-            elif req.grammar.is_terminated:
-                reason = "stop"
-        if reason is not None:
-            req.stop_reason = stop_reason
-            self._finish(req, reason, message=req.stop_checker.finish_message)
-
-    def _logprob_dict(self, token_id: int, entry) -> dict:
-        sampled_lp, sampled_rank, top_ids, top_lps = entry
-        decode = None
-        if self.tokenizer is not None:
-            decode = lambda tid: self.tokenizer.decode([tid], skip_special_tokens=False)  # noqa: E731
-        return make_logprobs_dict(top_ids, top_lps, token_id, sampled_lp, sampled_rank, decode)
-
-    def _finished_by_scheduler(self, finished) -> list[RequestOutput]:
-        touched: dict[str, Request] = {}
-        for seq_id, status, message in finished:
-            req = self._by_seq.get(int(seq_id))
-            if req is None or req.finished:
-                continue
-            reason = _SCHEDULER_FINISH_REASONS.get(status, "abort")
-            if reason == "preempted":
-                self.stats["preempted_requests"] += 1
-            elif reason == "ignored":
-                self.stats["ignored_requests"] += 1
-            self._finish(req, reason, message=str(message), notify_scheduler=False)
-            touched.setdefault(req.request_id, req)
-        return [self._make_output(req) for req in touched.values()]
-
-    def _finish(self, req: Request, reason: str, message: str | None = None, notify_scheduler: bool = True):
-        req.finished = True
-        req.finish_reason = reason
-        if self.varlen is not None:
-            self.varlen.calibrator.forget(req.seq_id)
-        req.finish_message = message
-        req.finished_time = time.monotonic()
-        if notify_scheduler and reason in _FINISH_STATUS:
-            self.scheduler.finish(req.seq_id, _FINISH_STATUS[reason])
-        self._by_seq.pop(req.seq_id, None)
-        if req.group is not None and req.fork_seeds:  # ended before its prompt did: so do the other completions
-            for index in range(1, req.group.n):
-                twin = Request(request_id=req.request_id, seq_id=-1, prompt=req.prompt,
-                               prompt_token_ids=req.prompt_token_ids, params=req.params, seed=req.fork_seeds[0],
-                               finished=True, finish_reason=reason, finish_message=message, index=index,
-                               group=req.group, logprobs=[] if req.logprobs is not None else None,
-                               cumulative_logprob=req.cumulative_logprob)
-                req.group.members.append(twin)
-            req.fork_seeds = []
-        if req.done:
-            self._requests.pop(req.request_id, None)
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        """The request's cumulative output: one CompletionOutput per completion (``n``), finished when all are."""
-        members = req.group.members if req.group is not None else [req]
-        completions = [
-            CompletionOutput(
-                index=m.index,
-                text=m.output_text,
-                token_ids=list(m.output_token_ids),
-                cumulative_logprob=m.cumulative_logprob,
-                logprobs=list(m.logprobs) if m.logprobs is not None else None,
-                finish_reason=m.finish_reason,
-                stop_reason=m.stop_reason,
-                finish_message=m.finish_message,
-            )
-            for m in members
-        ]
-        first = members[0]
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=req.done,
-            prompt_logprobs=list(first.prompt_logprobs) if first.prompt_logprobs is not None else None,
-        )
-
-    # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict:
         with self.lock:
             return stats_report(self)
 
-
-def _is_dummy(result: StepResult) -> bool:
-    return result.seq_ids.size == 1 and int(result.seq_ids[0]) == DUMMY_SEQ_ID

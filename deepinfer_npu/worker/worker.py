@@ -13,29 +13,31 @@ device buffers (``SlotState``): the row's first input token, its drafts and thei
 ``seqlens_k`` correction; ``zos_fixup`` corrects the lengths and re-splits the drafts on the device. The launch
 path runs under ``backend.forbid_sync()``. The CPU backend runs the identical code, only without overlap, so ZOS on
 and off produce identical tokens.
+
+The phases live in mixins over the worker's state: ``ForwardLaunch`` (``forward_launch.py``, phase 1),
+``SampleLaunch`` (``sample_launch.py``, phase 3 and drafting), ``StepReadback`` (``step_readback.py``, phases 2 and
+4) and ``DeviceTransfers`` (``device_transfers.py``, the copies that never wait). This file builds the worker (decode
+graphs, kernel warm-up) and runs the phases in order.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import numpy as np
-import torch
 
 from deepinfer_npu.hal.graph_runner import GraphRunner
-from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
-from deepinfer_npu.model_executor.device_metadata import build_device_metadata
-from deepinfer_npu.sampling import SamplingTensors
-from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
-from deepinfer_npu.spec.drafter import DraftContext, Drafter
-from deepinfer_npu.worker import grammar_mask, penalty_state
+from deepinfer_npu.spec.drafter import Drafter
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+from deepinfer_npu.worker.device_transfers import DeviceTransfers
+from deepinfer_npu.worker.forward_launch import ForwardLaunch
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
+from deepinfer_npu.worker.sample_launch import SampleLaunch
 from deepinfer_npu.worker.slot_state import SlotState
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
+from deepinfer_npu.worker.step_readback import StepReadback
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,9 @@ logger = logging.getLogger(__name__)
 DUMMY_SEQ_ID = -1  # the padding sequence of a dummy step (no request has it)
 
 
-class Worker:
+class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
+    """The step: ``execute_model_step`` (the four phases), ``execute_dummy_step``, ``flush``."""
+
     def __init__(self, runner: ModelRunner, backend, zero_overhead_scheduling: bool, num_state_slots: int,
                  drafter: Drafter | None = None, varlen: bool = False) -> None:
         self.runner = runner
@@ -163,416 +167,6 @@ class Worker:
             return []
         state, self.prev = self.prev, None
         return [self._post_process(state)]
-
-    # ---------------------------------------------------------------- phase 1
-    def _dev(self, a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
-        """Host array -> device tensor without a host-device sync: on devices the copy goes through pinned
-        memory asynchronously (a pageable copy would block)."""
-        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
-
-    def _dev_many(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
-        """Several host arrays -> device tensors, one copy each."""
-        return [self._dev(a, dtype) for a, dtype in arrays]
-
-    def _apply_state_ops(self, plan: StepPlan) -> None:
-        extra = self.drafter.kv_caches if self.drafter is not None and hasattr(self.drafter, "kv_caches") else None
-        self.runner.apply_block_ops(plan, extra)
-        if plan.zero_states.size:
-            z = self._dev(plan.zero_states)
-            self.slots.zero(z)
-            if self.drafter is not None:
-                self.drafter.zero_slots(z)
-        if plan.clone_states.size:
-            src, dst = self._dev(plan.clone_states[:, 0]), self._dev(plan.clone_states[:, 1])
-            self.slots.clone(src, dst)
-            if self.drafter is not None:
-                self.drafter.clone_slots(src, dst)
-
-    def _launch_forward(self, plan: StepPlan, reqs: StepRequests) -> DeviceStepState:
-        start_event = None
-        if self.step_events is not None:
-            start_event = self.backend.create_event(enable_timing=True)
-            start_event.record()
-        self._apply_state_ops(plan)
-        max_q, max_k = int(plan.seqlens_q.max()), int(plan.seqlens_k.max())
-        host_ids = plan.input_ids.astype(np.int64)
-        draft_next = None
-        host = HostLengths(tuple(plan.seqlens_q.tolist()), tuple(plan.seqlens_k.tolist()), True, max_q, max_k)
-        # the step's host inputs, all known here
-        inputs = [(plan.seqlens_q, torch.int32), (plan.seqlens_k, torch.int32), (plan.block_tables, torch.int32),
-                  (plan.state_slots, torch.int64)]
-        if plan.is_prefill:
-            sq, sk, tables, slots, ids = self._dev_many(inputs + [(host_ids, torch.int64)])
-            attn, row, j = build_device_metadata(sq, sk, tables, self.runner.block_size, plan.num_tokens,
-                                                 max_q, max_k, True, host)
-        else:
-            first_host = host_ids[plan.row_starts]
-            optimistic_host = first_host < 0
-            resplit = self.varlen and bool(optimistic_host.any()) and self.backend.supports_device_resplit
-            inputs += [(optimistic_host, torch.bool), (first_host, torch.int64)]
-            sq, sk, tables, slots, optimistic, first, *caps = self._dev_many(
-                inputs + ([(reqs.draft_caps, torch.int64)] if resplit else []))
-            sq, sk = self.kernels.zos_fixup(
-                sq, sk, optimistic, slots, self.slots.correction,
-                self.slots.draft_probs if resplit else None,
-                caps[0] if resplit else None,
-            )
-            if resplit:  # a row may now verify up to k drafts (within its reservation); host q lengths unknown
-                # The previous step may have been re-split to more drafts than planned: +k there, +k here.
-                max_q, max_k, host = self.k + 1, max_k + 2 * self.k, None
-            elif optimistic_host.any():  # exact query lengths; context lengths only as upper bounds, short by
-                # at most the in-flight step's drafts (correction = planned drafts - accepted <= k)
-                host = HostLengths(host.seqlens_q, host.seqlens_k, False, max_q, max_k, max_kv_shortfall=self.k)
-            # one op (a kernel on CUDA): positions, cache slots, the tokens' rows and input ids from the slot state
-            d = self.kernels.decode_inputs(sq, sk, tables, slots, first, self.slots.last_token,
-                                           self.slots.drafts, self.runner.block_size, plan.num_tokens)
-            attn = AttentionMetadata(seqlens_q=sq.to(torch.int32), seqlens_k=sk.to(torch.int32),
-                                     cu_seqlens_q=d.cu_seqlens_q, block_tables=tables, slot_mapping=d.slot_mapping,
-                                     positions=d.positions, max_seqlen_q=max_q, max_seqlen_k=max_k, is_prefill=False,
-                                     host=host)
-            row, j, ids, draft_next = d.row_of_token, d.j_of_token, d.input_ids, d.draft_next
-        capture = self.drafter.capture_layer_ids if self.drafter is not None else None
-        t_model = time.perf_counter()
-        # Varlen's online estimators need the device time of the forward and of the sampling phase; on a device
-        # the host clock only sees launches. Timing events around both, read after the step's end event.
-        fwd_events = None
-        if self.varlen and self.backend.device_type != "cpu":
-            fwd_events = (self.backend.create_event(enable_timing=True), self.backend.create_event(enable_timing=True))
-            fwd_events[0].record()
-        size = None
-        if self.graphs is not None and not plan.is_prefill:
-            size = self.graphs.size_for(plan.num_tokens, plan.block_tables.shape[1])
-        hook_in_graph = size is not None and self.graphs.drafter_hook is not None
-        slots_per_token = slots.index_select(0, row) if self.drafter is not None else None
-        replayed = None
-        if size is not None:
-            replayed = (self.graphs.run(size, ids, attn, slots_per_token=slots_per_token) if hook_in_graph
-                        else self.graphs.run(size, ids, attn))
-        if replayed is not None:  # the captured decode forward (logits of every row included)
-            hidden, captured, logits = replayed
-            self.graph_steps += 1
-        else:
-            size, hook_in_graph = None, False  # eager (no graph for this step, or its capture failed)
-            hidden, captured = self.runner.forward(ids, attn, capture)
-        if self.drafter is not None and not hook_in_graph:  # else the graph did the drafter's capture
-            self.drafter.on_main_forward(attn, captured, slots_per_token)
-        if plan.is_prefill:
-            ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
-            logits = self.runner.logits(hidden, self._dev(ends[plan.is_last_chunk]))
-        elif size is None:
-            logits = self.runner.logits(hidden, None)
-        model_ms = (time.perf_counter() - t_model) * 1e3  # host-timed: exact on CPU, launch time on devices
-        if fwd_events is not None:
-            fwd_events[1].record()
-        step = DeviceStepState(model_ms=model_ms, plan=plan, attn=attn, row_of_token=row, j_of_token=j, input_ids=ids,
-                               hidden=hidden, captured=captured, logits=logits, draft_next=draft_next,
-                               slots=slots, seqlens_q=attn.seqlens_q)
-        step.start_event = start_event
-        step.fwd_events = fwd_events
-        return step
-
-    # ---------------------------------------------------------------- phase 3
-    def _row_tensors(self, reqs: StepRequests, rows: np.ndarray) -> SamplingTensors:
-        params = [reqs.params[i] for i in rows]
-        seeds = [reqs.seeds[i] for i in rows]
-        return SamplingTensors.from_params(params, seeds, [0] * len(params),
-                                           vocab_size=self.runner.model_config.vocab_size, device=self.device)
-
-    def _ban_mask(self, reqs: StepRequests, rows_of_token: torch.Tensor, offsets: torch.Tensor,
-                  rows: np.ndarray) -> torch.Tensor | None:
-        """``[N, V]`` mask of EOS/stop ids banned while fewer than ``min_tokens`` tokens were generated."""
-        sel = [i for i in rows if reqs.min_tokens[i] > 0 and reqs.ban_ids[i]]
-        if not sel:
-            return None
-        width = max(len(reqs.ban_ids[i]) for i in rows)
-        ids = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
-        for r, i in enumerate(rows):
-            ids[r, : len(reqs.ban_ids[i])] = reqs.ban_ids[i]
-        vocab = self.runner.model_config.vocab_size
-        ids[(ids < 0) | (ids >= vocab)] = -1  # ids outside the vocabulary cannot be sampled anyway
-        ban = self._dev(ids).index_select(0, rows_of_token)
-        active = offsets < self._dev(reqs.min_tokens[rows]).index_select(0, rows_of_token)
-        valid = (ban >= 0) & active[:, None]
-        mask = torch.zeros(ban.shape[0], vocab, dtype=torch.bool, device=self.device)
-        return mask.scatter_(1, ban.clamp(min=0), valid)
-
-    def _decode_sampling_inputs(self, step: DeviceStepState,
-                                reqs: StepRequests) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
-        """A decode step's per-token sampling tensors (offsets still to set), each token's prompt length and the
-        plan's q lengths (int64), on the device. Reused from the previous decode step when the batch is the same
-        (rows, their params and seeds, prompt lengths, q lengths) and the tokens' rows follow the plan (no device
-        re-split): steady decode then skips ~35 small host ops (pinned copies and gathers) a step, which at
-        batch 1 are a large part of the host's time per step. The cache keeps the params objects alive, so their
-        ids in the key cannot be reused by other objects."""
-        plan = step.plan
-        key = None
-        if step.attn.host is not None:  # host-known q lengths: the token -> row map is a function of the key
-            key = (plan.seq_ids.tobytes(), plan.seqlens_q.tobytes(), tuple(map(id, reqs.params)),
-                   tuple(reqs.seeds), reqs.prompt_lens.tobytes())  # max_num_logprobs follows from the params
-        cached = self._decode_sampling_cache
-        if key is not None and cached is not None and cached[0] == key:
-            _key, _params, t, prompt_len_of_token, planned = cached
-        else:
-            row = step.row_of_token
-            t = self._row_tensors(reqs, np.arange(plan.num_seqs)).select_rows(row)
-            t.max_num_logprobs = reqs.max_num_logprobs
-            prompt_len_of_token = self._dev(reqs.prompt_lens).index_select(0, row)
-            planned = self._dev(plan.seqlens_q.astype(np.int64))
-            self._decode_sampling_cache = (None if key is None else
-                                           (key, list(reqs.params), t, prompt_len_of_token, planned))
-        return replace(t), prompt_len_of_token, planned  # a shallow copy: the caller sets its offsets
-
-    def _launch_sample(self, step: DeviceStepState, reqs: StepRequests) -> None:
-        plan, attn = step.plan, step.attn
-        step.uses_grammar = reqs.grammars is not None
-        n = plan.num_seqs
-        positions = attn.positions
-        if plan.is_prefill:
-            prompt_lens = self._dev(reqs.prompt_lens)
-            rows = np.nonzero(plan.is_last_chunk)[0]
-            ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
-            anchor = self._dev(ends[rows])
-            row_idx = self._dev(rows)
-            if reqs.uses_penalties and self.slots.has_penalties:  # prompt tokens and recomputed outputs
-                slot_of_token = step.slots.index_select(0, step.row_of_token)
-                is_prompt = positions < prompt_lens.index_select(0, step.row_of_token)
-                penalty_state.record_prefill(self.slots, slot_of_token, is_prompt, step.input_ids)
-            src, seeds, fork_rows = _prefill_samples(reqs, rows)
-            m = len(src)
-            sample_rows = rows[np.asarray(src, dtype=np.int64)] if m else rows
-            t = SamplingTensors.from_params([reqs.params[i] for i in sample_rows], seeds, [0] * m,
-                                            vocab_size=self.runner.model_config.vocab_size, device=self.device)
-            offsets = positions.index_select(0, anchor) + 1 - prompt_lens.index_select(0, row_idx)
-            logits, src_idx = step.logits, torch.arange(len(rows), device=self.device)
-            if m > len(rows):
-                src_idx = self._dev(np.asarray(src, dtype=np.int64))
-                logits, offsets = logits.index_select(0, src_idx), offsets.index_select(0, src_idx)
-            t.offsets = offsets
-            t.max_num_logprobs = reqs.max_num_logprobs
-            if t.need_penalties:
-                t.output_counts, t.prompt_mask = penalty_state.row_counts(
-                    self.slots, step.slots.index_select(0, self._dev(sample_rows)))
-            ban = self._ban_mask(reqs, src_idx, t.offsets, rows)
-            if reqs.grammars is not None:
-                ban = grammar_mask.merge(ban, grammar_mask.prefill_banned(
-                    reqs.grammars, sample_rows, self.runner.model_config.vocab_size, self._dev))
-            vo = self.kernels.spec_verify(logits, torch.full((m,), -1, dtype=torch.int64, device=self.device),
-                                          torch.arange(m, device=self.device),
-                                          torch.zeros(m, dtype=torch.int64, device=self.device), m, 1, t, ban)
-            sampled = vo.emitted[: len(rows), 0]
-            if fork_rows:
-                step.fork_rows, step.fork_tokens = fork_rows, vo.emitted[len(rows):, 0]
-            emitted = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
-            emitted[row_idx, 0] = sampled
-            step.emitted, step.num_emitted = emitted, self._dev(plan.is_last_chunk.astype(np.int64))
-            lp_rows = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
-            lp_rows[row_idx, 0] = torch.arange(len(rows), device=self.device)
-            step.logprob_rows, step.logprobs = lp_rows, vo.logprobs
-            # The token after each input token: the next prompt token, or the sample at the prompt's end.
-            ids = step.input_ids
-            target = torch.cat([ids[1:], ids.new_zeros(1)])
-            chunk_ends = self._dev(ends)
-            target[chunk_ends] = self._dev(reqs.next_tokens)
-            target[anchor] = sampled
-            self._launch_prompt_logprobs(step, reqs, target)
-            bonus, bonus_slots = sampled, step.slots.index_select(0, row_idx)
-            self.slots.correction.index_fill_(0, bonus_slots, 0)
-            step.proposing_rows = rows
-        else:
-            row, j = step.row_of_token, step.j_of_token
-            t, prompt_len_of_token, planned = self._decode_sampling_inputs(step, reqs)
-            t.offsets = positions + 1 - prompt_len_of_token
-            ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
-            max_q = max(self.k + 1, 1)
-            if reqs.grammars is not None:
-                ban = grammar_mask.merge(ban, grammar_mask.decode_banned(
-                    reqs.grammars, n, max_q, row, j, step.draft_next, self.runner.model_config.vocab_size,
-                    self._dev))
-            if t.need_penalties:
-                if reqs.penalty_rebuild:
-                    self._rebuild_penalty_rows(plan, reqs)
-                slot_of_token = step.slots.index_select(0, row)
-                t.output_counts, t.prompt_mask = penalty_state.decode_counts(
-                    self.slots, slot_of_token, row, j, step.input_ids, n, max_q)
-            vo = self.kernels.spec_verify(step.logits, step.draft_next, row, j, n, max_q, t, ban)
-            if t.need_penalties:
-                penalty_state.record_decode(self.slots, slot_of_token, j, vo.accepted.index_select(0, row),
-                                            step.input_ids)
-            cu = attn.cu_seqlens_q.to(torch.int64)
-            anchor = cu[:-1] + vo.accepted
-            bonus = vo.emitted.gather(1, vo.accepted[:, None]).squeeze(1)
-            target = vo.target_tokens
-            bonus_slots = step.slots
-            # The scheduler's optimistic lengths assume its own plan's drafts were all accepted (not a device
-            # re-split's), so the correction is taken against the plan (``planned``: its q lengths).
-            self.slots.correction.index_copy_(0, bonus_slots, planned - 1 - vo.accepted)
-            step.emitted, step.num_emitted, step.accepted = vo.emitted, vo.num_emitted, vo.accepted
-            if vo.logprobs is not None:  # the rows of each request's logprobs (read only with logprobs)
-                qmax = vo.emitted.shape[1]
-                step.logprob_rows = cu[:-1, None] + torch.arange(qmax, device=self.device)[None, :]
-            step.logprobs = vo.logprobs
-            step.proposing_rows = np.arange(n)
-        self.slots.last_token.index_copy_(0, bonus_slots, bonus)
-        if self.drafter is not None:
-            ctx = DraftContext(attn=attn, hidden=step.hidden, target_tokens=target, anchor_rows=anchor,
-                               bonus_tokens=bonus, bonus_positions=positions.index_select(0, anchor) + 1,
-                               slots=bonus_slots, captured=step.captured, host_rows=step.proposing_rows)
-            drafts, probs = self.drafter.propose(ctx)
-            if reqs.grammars is not None:  # the host fills the next step's masks along these drafts
-                step.proposals = drafts
-            if drafts.shape[0]:
-                self.slots.drafts.index_copy_(0, bonus_slots, drafts)
-                self.slots.draft_probs.index_copy_(0, bonus_slots, probs.float())
-            step.draft_probs = probs
-        self._copy_results_to_host(step)
-        event = self.backend.create_event(enable_timing=step.start_event is not None or step.fwd_events is not None)
-        event.record()
-        step.sample_end_event = event
-        if step.start_event is not None and self.step_events is not None:
-            self.step_events.append((plan.is_prefill, step.start_event, event))
-        # Free what post-processing does not need (activations can be large).
-        step.hidden = step.captured = step.logits = None
-
-    def _rebuild_penalty_rows(self, plan: StepPlan, reqs: StepRequests) -> None:
-        """Forked rows' penalty counts from the host's token lists (the parent's slot may have moved on)."""
-        slots = plan.state_slots.astype(np.int64)
-        rows = [r for r, _, _ in reqs.penalty_rebuild]
-        p_slots = np.concatenate([np.full(len(p), slots[r], np.int64) for r, p, _ in reqs.penalty_rebuild])
-        p_ids = np.concatenate([np.asarray(p, np.int64) for _, p, _ in reqs.penalty_rebuild])
-        o_slots = np.concatenate([np.full(len(o), slots[r], np.int64) for r, _, o in reqs.penalty_rebuild])
-        o_ids = np.concatenate([np.asarray(o, np.int64) for _, _, o in reqs.penalty_rebuild])
-        penalty_state.rebuild(self.slots, *self._dev_many([(slots[rows], torch.int64), (p_slots, torch.int64),
-                                                           (p_ids, torch.int64), (o_slots, torch.int64),
-                                                           (o_ids, torch.int64)]))
-
-    def _launch_prompt_logprobs(self, step: DeviceStepState, reqs: StepRequests, target: torch.Tensor) -> None:
-        """Prefill rows with ``prompt_logprobs``: the logprobs of each prompt token this chunk predicts (every
-        chunk token's next token, except the sample after the prompt's last token)."""
-        if reqs.prompt_logprobs is None:
-            return
-        plan = step.plan
-        wanted = np.nonzero(reqs.prompt_logprobs >= 0)[0]
-        if not wanted.size:
-            return
-        starts = plan.row_starts
-        counts = plan.seqlens_q.astype(np.int64)[wanted] - plan.is_last_chunk[wanted].astype(np.int64)
-        index = np.concatenate([np.arange(starts[i], starts[i] + c) for i, c in zip(wanted, counts)])
-        step.prompt_lp_rows = [(int(i), int(c)) for i, c in zip(wanted, counts)]
-        rows = self._dev(index)
-        step.prompt_lp = prompt_logprobs(lambda r: self.runner.logits(step.hidden, r), rows,
-                                         target.index_select(0, rows), int(reqs.prompt_logprobs.max()))
-
-    # ---------------------------------------------------------------- phase 2 / 4
-    def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the
-        stream behind the step's work, so post-processing waits for this step's end event only, never for work
-        launched after it (a plain ``.cpu()`` would wait for the next step's forward too, undoing ZOS)."""
-        if t is None:
-            return t
-        if t.device.type == "cpu":  # a copy: the tensor may be a graph's static output, rewritten by the next step
-            return t.clone()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-
-    def _copy_results_to_host(self, step: DeviceStepState) -> None:
-        """Queue the copies of everything post-processing reads (before the step's end event is recorded)."""
-        h = self._to_host
-        step.host = {"emitted": h(step.emitted), "num_emitted": h(step.num_emitted)}
-        if not step.plan.is_prefill:
-            step.host.update(seqlens_q=h(step.seqlens_q), accepted=h(step.accepted))
-        if step.logprobs is not None:
-            lp = step.logprobs
-            step.host.update(logprob_rows=h(step.logprob_rows), sampled_logprob=h(lp.sampled_logprob),
-                             sampled_rank=h(lp.sampled_rank), top_ids=h(lp.top_ids), top_logprobs=h(lp.top_logprobs))
-        if step.draft_probs is not None:
-            step.host["draft_probs"] = h(step.draft_probs)
-        if step.proposals is not None:
-            step.host["proposals"] = h(step.proposals)
-        if step.fork_tokens is not None:
-            step.host["fork_tokens"] = h(step.fork_tokens)
-        if step.prompt_lp is not None:
-            lp = step.prompt_lp
-            step.host.update(plp_logprob=h(lp.sampled_logprob), plp_rank=h(lp.sampled_rank),
-                             plp_top_ids=h(lp.top_ids), plp_top_logprobs=h(lp.top_logprobs))
-
-    def _post_process(self, step: DeviceStepState) -> StepResult:
-        t_wait = time.perf_counter()
-        step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
-        host_wait_ms = (time.perf_counter() - t_wait) * 1e3
-        plan, host = step.plan, step.host
-        if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting
-            step.model_ms = step.fwd_events[0].elapsed_time(step.fwd_events[1])
-            step.t_sample_ms = step.fwd_events[1].elapsed_time(step.sample_end_event)
-        emitted = host["emitted"].numpy()
-        counts = host["num_emitted"].numpy()
-        token_ids = [emitted[i, : counts[i]].tolist() for i in range(plan.num_seqs)]
-        logprobs: list = [None] * plan.num_seqs
-        if step.logprobs is not None:
-            rows = host["logprob_rows"].numpy()
-            sampled, rank = host["sampled_logprob"].tolist(), host["sampled_rank"].tolist()
-            top_ids, top_lps = host["top_ids"].tolist(), host["top_logprobs"].tolist()
-            logprobs = [
-                [(sampled[r], rank[r], top_ids[r], top_lps[r]) for r in rows[i, : counts[i]]]
-                for i in range(plan.num_seqs)
-            ]
-        result = StepResult(step_id=plan.step_id, is_prefill=plan.is_prefill, seq_ids=plan.seq_ids,
-                            token_ids=token_ids, logprobs=logprobs, num_tokens=plan.num_tokens,
-                            forward_ms=step.t_forward_ms, sample_ms=step.t_sample_ms, model_ms=step.model_ms,
-                            host_wait_ms=host_wait_ms)
-        if not plan.is_prefill:
-            result.num_drafts = host["seqlens_q"].numpy().astype(np.int64) - 1
-            result.planned_drafts = plan.seqlens_q.astype(np.int64) - 1
-            result.num_accepted = host["accepted"].numpy()
-        if step.fork_rows:  # the first tokens of completions 1..n-1 (sampled after the main rows)
-            tokens = host["fork_tokens"].tolist()
-            lp_row = int((plan.is_last_chunk).sum())
-            pos = 0
-            for row, count in step.fork_rows:
-                entries = []
-                for tok in tokens[pos:pos + count]:
-                    entry = None
-                    if step.logprobs is not None:
-                        entry = (sampled[lp_row], rank[lp_row], top_ids[lp_row], top_lps[lp_row])
-                    entries.append((tok, entry))
-                    pos += 1
-                    lp_row += 1
-                result.fork_tokens[row] = entries
-        if step.prompt_lp is not None:
-            lps, ranks = host["plp_logprob"].tolist(), host["plp_rank"].tolist()
-            p_ids, p_lps = host["plp_top_ids"].tolist(), host["plp_top_logprobs"].tolist()
-            pos = 0
-            for row, count in step.prompt_lp_rows:
-                result.prompt_logprobs[row] = [(lps[r], ranks[r], p_ids[r], p_lps[r])
-                                               for r in range(pos, pos + count)]
-                pos += count
-        if step.draft_probs is not None:
-            result.draft_probs = host["draft_probs"].float().numpy()
-            result.proposing_rows = step.proposing_rows
-        if "proposals" in host:
-            result.proposals = host["proposals"].numpy()
-            result.proposing_rows = step.proposing_rows
-        step.host = None
-        if step.uses_grammar and self.result_listener is not None:
-            self.result_listener(result)
-        return result
-
-
-def _prefill_samples(reqs: StepRequests, rows: np.ndarray) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """A prefill's sampled rows: one per prompt that ends in the step (``rows``), then the first tokens of the
-    completions 1..n-1 of ``n > 1`` requests. -> (index into ``rows`` per sample, seed per sample,
-    ``(plan row, number of extra samples)`` per forking row)."""
-    src, seeds, fork_rows = list(range(len(rows))), [reqs.seeds[i] for i in rows], []
-    for r, i in enumerate(rows):
-        extra = reqs.fork_seeds[i] if reqs.fork_seeds is not None else ()
-        if extra:
-            fork_rows.append((int(i), len(extra)))
-            src += [r] * len(extra)
-            seeds += list(extra)
-    return src, seeds, fork_rows
 
 
 def dummy_plan(is_prefill: bool) -> StepPlan:
