@@ -89,16 +89,18 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
         pg = worker.drafter.propose_graphs
         assert pg is not None and pg.disabled is None and pg.replays > 0
         assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
+    # Acceptance is compared as a rate: varlen verification sizes each step's drafts from measured times, so the
+    # number of drafts verified (and accepted) differs between two runs of the same prompts.
     if method == "mtp":  # chain graphs on padded rows and wider tables draft as well as the eager chain
-        got, want = llm.get_stats()["spec_accepted_tokens"], eager_llm.get_stats()["spec_accepted_tokens"]
-        assert got >= 0.9 * want, (got, want)
+        got, want = llm.get_stats()["draft_acceptance_rate"], eager_llm.get_stats()["draft_acceptance_rate"]
+        assert got >= want - 0.1, (got, want)
     if method == "dflash":
         # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
         assert worker.graphs.drafter_hook is not None
         assert padding_audit["hook_replays"] == worker.graph_steps
         # drafts from the in-graph ring write are as good as from the eager one (a wrong write loses acceptance)
-        got, want = llm.get_stats()["spec_accepted_tokens"], eager_llm.get_stats()["spec_accepted_tokens"]
-        assert got >= 0.9 * want, (got, want)
+        got, want = llm.get_stats()["draft_acceptance_rate"], eager_llm.get_stats()["draft_acceptance_rate"]
+        assert got >= want - 0.1, (got, want)
 
 
 @pytest.mark.parametrize("method", METHODS)
