@@ -174,6 +174,8 @@ class DeepseekMoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
+        # this layer's placement, route table and per-slot token counts under expert parallelism
+        self.ep_layer = self.ep.register(self) if self.ep is not None else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
