@@ -10,6 +10,8 @@ Hierarchical policy (expert groups divide over the nodes; keeps a token's group-
 2. inside each node, give its ``S / nodes`` slots to its experts: one each, then each extra slot to the expert
    with the largest load per replica (a replica serves an equal share of its expert's tokens);
 3. pack each node's replicas onto its devices, each device the same number of slots, evening their loads.
+Packing is greedy (heaviest first into the lightest pack with room) followed by pairwise swaps that lower the
+heaviest pack, a refinement over the published greedy step.
 When the groups do not divide over the nodes the global policy runs instead: one group, one node (replicate over
 all slots, pack onto all devices).
 
@@ -33,7 +35,8 @@ def num_redundant_experts(num_logical: int, ep_size: int, floor: int) -> int:
 def balanced_packing(weight: torch.Tensor, num_packs: int) -> torch.Tensor:
     """``weight`` [L, N] -> ``pack`` [L, N] int64: each item's pack, ``N / num_packs`` items a pack.
 
-    Heaviest item first into the lightest pack that still has room (ties: the lower pack index), per layer."""
+    Heaviest item first into the lightest pack that still has room (ties: the lower pack index), per layer; then
+    pairwise swaps out of the heaviest pack while one lowers it (``_refine``: never raises the heaviest pack)."""
     num_layers, num_items = weight.shape
     if num_items % num_packs:
         raise ValueError(f"{num_items} items do not divide into {num_packs} equal packs")
@@ -41,15 +44,45 @@ def balanced_packing(weight: torch.Tensor, num_packs: int) -> torch.Tensor:
     pack = torch.empty(num_layers, num_items, dtype=torch.int64)
     w = weight.double()
     for layer in range(num_layers):
+        row = w[layer].tolist()
         loads = [0.0] * num_packs
-        sizes = [0] * num_packs
+        members: list[list[int]] = [[] for _ in range(num_packs)]
         # stable order: equal weights keep their index order, so the result is deterministic
         for item in torch.argsort(-w[layer], stable=True).tolist():
-            best = min((p for p in range(num_packs) if sizes[p] < per_pack), key=lambda p: (loads[p], p))
-            pack[layer, item] = best
-            loads[best] += float(w[layer, item])
-            sizes[best] += 1
+            best = min((p for p in range(num_packs) if len(members[p]) < per_pack), key=lambda p: (loads[p], p))
+            members[best].append(item)
+            loads[best] += row[item]
+        _refine(row, members, loads)
+        for p, items in enumerate(members):
+            pack[layer, items] = p
     return pack
+
+
+def _refine(weight: list[float], members: list[list[int]], loads: list[float], max_rounds: int = 64) -> None:
+    """Swap an item of the heaviest pack with a lighter item of another pack while the swap leaves both packs
+    below the heaviest one's load (the best such swap each round)."""
+    for _ in range(max_rounds):
+        heavy = max(range(len(loads)), key=lambda p: (loads[p], -p))
+        best = None  # (resulting max of the two packs, heavy item index, other pack, other item index)
+        for other in range(len(loads)):
+            if other == heavy:
+                continue
+            for i, a in enumerate(members[heavy]):
+                for j, b in enumerate(members[other]):
+                    delta = weight[a] - weight[b]
+                    if delta <= 0:
+                        continue
+                    worst = max(loads[heavy] - delta, loads[other] + delta)
+                    if worst < loads[heavy] - 1e-12 * max(1.0, loads[heavy]) and (best is None or worst < best[0]):
+                        best = (worst, i, other, j)
+        if best is None:
+            return
+        _, i, other, j = best
+        a, b = members[heavy][i], members[other][j]
+        members[heavy][i], members[other][j] = b, a
+        delta = weight[a] - weight[b]
+        loads[heavy] -= delta
+        loads[other] += delta
 
 
 def replicate(weight: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
