@@ -60,8 +60,22 @@ class EPGroup:
     group: dist.ProcessGroup | None = None
     routing_skew: float = 0.0  # EngineConfig.moe_routing_skew (tests, benchmarks)
     layers: list[EPLayer] = field(default_factory=list, repr=False)
-    steps: int = 0  # forwards of the first registered layer: model steps, the same count on every rank
+    forwards: int = 0  # MoE layer forwards run here (every layer, main model and drafter)
+    # model steps: step-loop iterations that ran a MoE forward (``step_boundary``); the same on every rank, since
+    # every rank runs the same forwards (their collectives pair up)
+    steps: int = 0
     balancer: Any = None  # deepinfer_npu.eplb.ExpertBalancer when EPLB is on
+    _forwards_seen: int = field(default=0, repr=False)
+
+    def start_counting(self) -> None:
+        """Forwards so far (start-up and warm-up runs) are no model steps."""
+        self._forwards_seen = self.forwards
+
+    def step_boundary(self) -> None:
+        """Called by the step loop between two steps: one more model step if a MoE forward ran since the last."""
+        if self.forwards != self._forwards_seen:
+            self.steps += 1
+            self._forwards_seen = self.forwards
 
     @property
     def local_experts(self) -> list[int]:
@@ -100,8 +114,7 @@ def ep_moe_forward(moe, hidden: torch.Tensor, ep: EPGroup) -> torch.Tensor:
     sorted_rows, counts, state = k.moe_dispatch(rows, local_expert.view(-1, 1).to(torch.int32), num_local)
     if layer is not None:
         layer.load.add_(counts)  # the routing op's per-slot counts, accumulated on the device
-        if layer.index == 0:
-            ep.steps += 1
+        ep.forwards += 1
     out = k.grouped_mlp(sorted_rows, counts, moe.experts.w13, moe.experts.w2)
     # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
     out = k.moe_combine(out, state, torch.ones(rows.shape[0], 1, device=rows.device))

@@ -216,11 +216,15 @@ def _serve_lockstep(spec: RankSpec, engine, inbox, outbox, groups) -> None:
     from .parallel_state import get_expert_parallel
 
     ep = get_expert_parallel()
+    if ep is not None:
+        ep.start_counting()
     last_beat, stop, idle_wait = time.monotonic(), False, 0.0
     while True:
         stop = _drain(engine, inbox, outbox, spec.rank, idle_wait, spec.parent_pid) or stop
         # with the model step count (MAX of it and of its negation): a load balancer re-plans at a step count,
         # and every rank must be at the same one
+        if ep is not None:
+            ep.step_boundary()
         steps = ep.steps if ep is not None else 0
         flag = torch.tensor([int(stop), steps, -steps])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.cpu_group)

@@ -69,6 +69,7 @@ class ExpertBalancer:
         return False
 
     def rebalance(self) -> None:
+        """Re-place every layer from the window's load (collective over the device group)."""
         start = time.perf_counter()
         layers = self.ep.layers
         num_logical = layers[0].placement.num_logical
@@ -78,6 +79,10 @@ class ExpertBalancer:
         gathered = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(gathered, local, group=self.ep.group)
         slot_load = torch.cat(gathered, dim=1).cpu().double()  # [L, S]: physical slot order
+        if not bool(slot_load.any()):  # no token in the window (the same answer on every rank): nothing to learn
+            self.plan_step = self.ep.steps
+            self.window_open = False
+            return
         old = torch.tensor([layer.placement.slot_to_logical for layer in layers], dtype=torch.int64)
         load = torch.zeros(len(layers), num_logical, dtype=torch.float64).scatter_add_(1, old, slot_load)
         plan = rebalance_experts(load, old.shape[1], self.num_groups, self.num_nodes, self.world)

@@ -101,6 +101,8 @@ def _check_counts_and_replan(rank: int, group, kernels_factory, tokens: list[int
     dist.all_reduce(total, group=group)
     mine = total.view(WORLD, -1)[rank]
     assert torch.equal(layer.load[WINDOW], mine) and torch.equal(layer.load[SINCE_PLAN], mine)
+    assert ep.forwards == 1 and ep.steps == 0
+    ep.step_boundary()
     assert ep.steps == 1
     # a re-plan from skewed counts: new placement, weights moved, same output
     balancer = ExpertBalancer(ep, EPLBConfig(1, 1, 1), num_groups=2, num_nodes=1)
