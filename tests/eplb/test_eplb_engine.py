@@ -70,3 +70,17 @@ def test_presets_are_the_published_settings():
     assert EPLBConfig() == EPLBConfig.decode() == EPLBConfig(1, 1000, 10000)
     assert EPLBConfig.prefill() == EPLBConfig(4, 100, 1000)
     assert EngineConfig(data_parallel_size=2, enable_eplb=True).eplb == EPLBConfig.decode()
+
+
+def test_cli_flags_build_the_config():
+    from deepinfer_npu.run import build_parser, engine_kwargs
+
+    def kwargs(*argv):
+        return engine_kwargs(build_parser().parse_args(list(argv)))
+
+    assert kwargs()["eplb_config"] is None and kwargs()["enable_eplb"] is False
+    assert kwargs("--enable-eplb")["eplb_config"] == EPLBConfig.decode()
+    got = kwargs("--enable-eplb", "--eplb-preset", "prefill", "--eplb-window-size", "50")
+    assert got["eplb_config"] == EPLBConfig(4, 50, 1000)
+    with pytest.raises(ValueError, match="enable_eplb is False"):  # a tuning flag without --enable-eplb
+        EngineConfig(**kwargs("--eplb-window-size", "5", "--data-parallel-size", "2"))
