@@ -102,12 +102,6 @@ def replicate(weight: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch
     return slot_item, count
 
 
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv.scatter_(1, perm, torch.arange(perm.shape[1]).expand_as(perm).contiguous())
-    return inv
-
-
 def _hierarchical(weight: torch.Tensor, num_slots: int, num_groups: int, num_nodes: int,
                   num_devices: int) -> torch.Tensor:
     num_layers, num_logical = weight.shape
