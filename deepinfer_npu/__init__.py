@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "deepinfer_npu.engine.outputs",
     "CompletionOutput": "deepinfer_npu.engine.outputs",
     "EngineConfig": "deepinfer_npu.config",
+    "EPLBConfig": "deepinfer_npu.config",
 }
 
 __all__ = list(_EXPORTS)

@@ -19,6 +19,40 @@ MAX_SPECULATIVE_TOKENS = 15
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+@dataclass(frozen=True)
+class EPLBConfig:
+    """The expert-parallel load balancer (``deepinfer_npu/eplb``, docs/eplb.md).
+
+    ``redundant_experts_per_rank``: extra expert slots per rank for replicas of hot experts; the deployment holds
+    the smallest number of redundant experts not below ``redundant_experts_per_rank * ranks`` that makes the
+    physical expert count divisible by the ranks. The placement is recomputed every ``rebalance_interval`` model
+    steps from the tokens each expert received over the last ``window_size`` steps (``window_size <=
+    rebalance_interval``). Defaults: DeepSeek's online decode setting; ``EPLBConfig.prefill()`` gives its prefill
+    one (4 redundant per rank, window 100, every 1000 steps).
+    """
+
+    redundant_experts_per_rank: int = 1
+    window_size: int = 1000
+    rebalance_interval: int = 10000
+
+    @classmethod
+    def decode(cls) -> EPLBConfig:
+        return cls(redundant_experts_per_rank=1, window_size=1000, rebalance_interval=10000)
+
+    @classmethod
+    def prefill(cls) -> EPLBConfig:
+        return cls(redundant_experts_per_rank=4, window_size=100, rebalance_interval=1000)
+
+    def __post_init__(self) -> None:
+        for name, low in (("redundant_experts_per_rank", 0), ("window_size", 1), ("rebalance_interval", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"EPLBConfig.{name} must be an integer >= {low}, got {value!r}")
+        if self.window_size > self.rebalance_interval:
+            raise ValueError(f"EPLBConfig.window_size={self.window_size} exceeds rebalance_interval="
+                             f"{self.rebalance_interval}: the load window is counted inside one placement period")
+
+
 @dataclass
 class EngineConfig:
     """Arguments of the offline engine (vLLM-style names where vLLM has one).
@@ -87,6 +121,13 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    # Expert-parallel load balancing (needs expert parallelism): replicas of hot experts and periodic re-placement;
+    # eplb_config None with enable_eplb: EPLBConfig() (the decode setting).
+    enable_eplb: bool = False
+    eplb_config: EPLBConfig | None = None
+    # Test and benchmark hook, expert parallelism only: router logit of expert e lowered by
+    # moe_routing_skew * ln(1 + e) (Zipf-like load on the low-numbered experts). Changes the model's outputs.
+    moe_routing_skew: float = 0.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -147,6 +188,7 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         self._check_nodes()
+        self._check_eplb()
         if not isinstance(self.backend, str) or not self.backend:
             raise ValueError(f"backend must be a non-empty string, got {self.backend!r}")
 
@@ -170,6 +212,30 @@ class EngineConfig:
         port = self.master_port
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
             raise ValueError(f"master_port must be a TCP port in [1, 65535], got {port!r}")
+
+    def _check_eplb(self) -> None:
+        if not isinstance(self.enable_eplb, bool):
+            raise ValueError(f"enable_eplb must be True or False, got {self.enable_eplb!r}")
+        if self.eplb_config is not None and not isinstance(self.eplb_config, EPLBConfig):
+            raise ValueError(f"eplb_config must be a deepinfer_npu.config.EPLBConfig, got {self.eplb_config!r}")
+        if self.eplb_config is not None and not self.enable_eplb:
+            raise ValueError("eplb_config is set but enable_eplb is False; pass enable_eplb=True")
+        expert_parallel = self.data_parallel_size > 1 and self.enable_expert_parallel
+        if self.enable_eplb and not expert_parallel:
+            raise ValueError("enable_eplb needs expert parallelism: data_parallel_size > 1 (got "
+                             f"{self.data_parallel_size}) with enable_expert_parallel=True (got "
+                             f"{self.enable_expert_parallel})")
+        skew = self.moe_routing_skew
+        if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not 0 <= skew < 1e3:
+            raise ValueError(f"moe_routing_skew must be a number in [0, 1000), got {skew!r}")
+        if skew and not expert_parallel:
+            raise ValueError(f"moe_routing_skew={skew} acts on the expert-parallel MoE path only: it needs "
+                             "data_parallel_size > 1 with enable_expert_parallel=True")
+
+    @property
+    def eplb(self) -> EPLBConfig | None:
+        """The load balancer's settings, None when it is off."""
+        return (self.eplb_config or EPLBConfig()) if self.enable_eplb else None
 
     @property
     def ranks_per_node(self) -> int:

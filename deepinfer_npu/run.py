@@ -106,6 +106,18 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
                     "and one device each")
     dp.add_argument("--expert-parallel", dest="enable_expert_parallel", action=argparse.BooleanOptionalAction,
                     default=True, help="shard the routed experts over the data-parallel ranks")
+    dp.add_argument("--enable-eplb", action=argparse.BooleanOptionalAction, default=False,
+                    help="expert-parallel load balancing: replicas of hot experts, re-placed while serving "
+                    "(docs/eplb.md)")
+    dp.add_argument("--eplb-preset", choices=["decode", "prefill"], default="decode",
+                    help="EPLB settings: decode = 1 redundant expert per rank, window 1000, re-plan every 10000 "
+                    "steps; prefill = 4, 100, 1000")
+    dp.add_argument("--eplb-redundant-experts-per-rank", type=int, default=None, help="override the preset's")
+    dp.add_argument("--eplb-window-size", type=int, default=None, help="override the preset's (model steps)")
+    dp.add_argument("--eplb-rebalance-interval", type=int, default=None, help="override the preset's (model steps)")
+    dp.add_argument("--moe-routing-skew", type=float, default=0.0,
+                    help="test hook, expert parallelism only: lower expert e's router logit by skew * ln(1 + e) "
+                    "(Zipf-like load; changes the outputs)")
     dp.add_argument("--distributed-timeout", dest="distributed_timeout_s", type=float, default=300.0,
                     help="seconds any wait across rank processes may take before the run stops naming the rank")
     dp.add_argument("--nnodes", type=int, default=1, help="nodes of the deployment (torchrun's --nnodes)")
@@ -130,8 +142,24 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields among parsed flags (all but ``model``)."""
     from deepinfer_npu.config import EngineConfig
 
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if f.name != "model" and hasattr(args, f.name)}
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+              if f.name != "model" and hasattr(args, f.name)}
+    kwargs["eplb_config"] = _eplb_config(args)
+    return kwargs
+
+
+def _eplb_config(args: argparse.Namespace):
+    """The EPLB flags as an ``EPLBConfig`` (None: no EPLB flag given); EngineConfig refuses one without
+    --enable-eplb."""
+    from deepinfer_npu.config import EPLBConfig
+
+    overrides = {name: getattr(args, "eplb_" + name, None)
+                 for name in ("redundant_experts_per_rank", "window_size", "rebalance_interval")}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not getattr(args, "enable_eplb", False) and not overrides:
+        return None
+    preset = EPLBConfig.prefill() if getattr(args, "eplb_preset", "decode") == "prefill" else EPLBConfig.decode()
+    return dataclasses.replace(preset, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,6 +371,15 @@ def _print_completions(args, shown, outputs, llm, load_s: float, gen_s: float) -
                                         for x in stats["per_position_acceptance"]],
             "varlen": stats["varlen_verification"],
         })
+    if "moe_lb" in stats:  # expert parallelism: how evenly the routed tokens fell on the ranks
+        summary["moe_lb"] = None if stats["moe_lb"] is None else round(stats["moe_lb"], 4)
+        summary["moe_lb_per_layer"] = [None if x is None else round(x, 4) for x in stats["moe_lb_per_layer"]]
+    if "eplb" in stats:
+        e = stats["eplb"]
+        summary["eplb"] = {"replans": e["replans"], "steps": e["steps"], "moved_experts": e["moved_experts"],
+                           "physical_experts": e["physical_experts"],
+                           **{k: None if e[k] is None else round(e[k], 3)
+                              for k in ("pause_ms_mean", "pause_ms_max", "pause_ms_last")}}
     for i, out in shown:
         c = out.outputs[0]
         if args.json:
@@ -367,6 +404,15 @@ def _print_completions(args, shown, outputs, llm, load_s: float, gen_s: float) -
     kv_report = getattr(getattr(llm.llm_engine, "runner", None), "kv_cache_report", lambda: None)()
     if kv_report:
         print(f"--- {kv_report}", flush=True)
+    if "moe_lb" in summary:
+        line = f"--- expert parallel: moe_lb {summary['moe_lb']} (slowest rank's routed tokens / mean; per layer " \
+               f"{summary['moe_lb_per_layer']})"
+        if "eplb" in summary:
+            e = summary["eplb"]
+            line += (f"; EPLB {e['physical_experts']} expert slots, {e['replans']} re-plans in {e['steps']} steps, "
+                     f"pause mean {e['pause_ms_mean']} ms / max {e['pause_ms_max']} ms, {e['moved_experts']} "
+                     "experts moved")
+        print(line, flush=True)
     if args.speculative_method:
         print(
             f"--- speculative {args.speculative_method}: {summary['mean_accepted_length']} tokens per verify step "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deepinfer_npu.engine.engine_stats import new_counters
+from deepinfer_npu.eplb.metrics import merge_ep_stats
 
 
 def merge_rank_stats(per_rank: list[dict]) -> dict:
@@ -16,6 +17,8 @@ def merge_rank_stats(per_rank: list[dict]) -> dict:
     merged["backend"] = per_rank[0].get("backend")
     merged["data_parallel_size"] = len(per_rank)
     merged["per_rank"] = per_rank
+    if "expert_parallel" in per_rank[0]:  # moe_lb per MoE layer, the load balancer's re-plans and pauses
+        merged.update(merge_ep_stats(per_rank))
     if "speculative_method" in per_rank[0]:
         rows = max(merged["spec_verify_rows"], 1)
         merged["speculative_method"] = per_rank[0]["speculative_method"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 def ep_dispatch_report(backend) -> dict[str, str]:
-    """``{"ep_dispatch": ..., "ep_combine": ...}``: the path this backend's ranks take, and why not a faster one."""
+    """``{"ep_dispatch": ..., "ep_combine": ..., "eplb": ...}``: the path this backend's ranks take, and why not a
+    faster one; where the load balancer's counts come from."""
     path = (f"torch.distributed all_to_all_single over {backend.dist_backend} (distributed/ep_comm.py; the host "
             "reads the split sizes: one sync per MoE layer and step)")
     if backend.name == "cuda":
@@ -16,4 +17,12 @@ def ep_dispatch_report(backend) -> dict[str, str]:
         path += f"; {why}"
     elif backend.name == "ascend":
         path += "; MC2 (npu_moe_distribute_dispatch / combine) not wired yet"
-    return {"ep_dispatch": path, "ep_combine": path}
+    counts = {"cpu": "torch.bincount in the reference moe_dispatch",
+              "cuda": "the kernels_cuda.moe_routing permute kernel's counts (composed torch scatter_add_ past its "
+                      "limits)",
+              "ascend": "npu_moe_init_routing_v2's expert_token_count (expert_tokens_num_type=1)"}.get(
+        backend.name, "the backend's moe_dispatch counts")
+    eplb = (f"per-slot token counts from the local dispatch op ({counts}), added on the device with one torch add "
+            "per layer and step, read at re-plan time; weights move over the device group with all_to_all_single "
+            f"on {backend.dist_backend} (deepinfer_npu/eplb)")
+    return {"ep_dispatch": path, "ep_combine": path, "eplb": eplb}

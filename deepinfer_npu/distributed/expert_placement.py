@@ -4,7 +4,9 @@ The routed experts of a MoE layer (logical experts, as the router numbers them) 
 rank ``r`` of an EP group of ``ep_size`` owns slots ``[r * slots_per_rank, (r + 1) * slots_per_rank)``. By default
 the placement is contiguous, one slot per expert; a load balancer may rewrite it and add replicas of hot experts
 (more slots than experts). A token routed to a logical expert with several replicas goes to one of them, chosen
-deterministically by the token's index, so the same batch always takes the same path.
+deterministically by the token's index plus an offset (the rank and the step: see ``RouteTable``), so the same
+batch always takes the same path. ``RouteTable`` keeps a placement's replica table on the device, built once per
+placement, so routing is two gathers with no host work or transfer per step.
 """
 
 from __future__ import annotations
@@ -67,11 +69,25 @@ class ExpertPlacement:
             table[expert, :len(slots)] = torch.tensor(slots, dtype=torch.int64)
         return table, torch.tensor([len(r) for r in replicas], dtype=torch.int64)
 
-    def route(self, ids: torch.Tensor) -> torch.Tensor:
-        """Logical expert ids [T, k] -> physical slots [T, k]; replica = token index mod the replica count."""
-        table, counts = self.replica_table()
-        table, counts = table.to(ids.device), counts.to(ids.device)
+    def route(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots [T, k]; replica = (token index + offset) mod the replica
+        count. Builds the table on each call: layers that route every step keep a ``RouteTable``."""
+        return RouteTable(self, ids.device).route(ids, offset)
+
+
+class RouteTable:
+    """A placement's replica table on the device: ``slots`` [E, R] (padded with -1) and ``counts`` [E]."""
+
+    def __init__(self, placement: ExpertPlacement, device: torch.device | str) -> None:
+        table, counts = placement.replica_table()
+        self.placement = placement
+        self.slots = table.to(device)
+        self.counts = counts.to(device)
+
+    def route(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots [T, k]; replica = (token index + ``offset``) mod the
+        expert's replica count. Device ops only (``offset`` is a host integer)."""
         logical = ids.long()
-        token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(logical)
-        replica = token % counts[logical]
-        return table[logical, replica]
+        token = torch.arange(offset, offset + ids.shape[0], device=ids.device).unsqueeze(1)
+        replica = token % self.counts[logical]
+        return self.slots[logical, replica]

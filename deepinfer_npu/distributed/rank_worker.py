@@ -141,7 +141,15 @@ def _handle(engine, msg) -> object:
             return e
         return None
     if what == "stats":
-        return engine.get_stats()
+        from .parallel_state import get_expert_parallel
+
+        stats = engine.get_stats()
+        ep = get_expert_parallel()
+        if ep is not None:
+            from deepinfer_npu.eplb.balancer import ep_stats
+
+            stats["expert_parallel"] = ep_stats(ep)
+        return stats
     if what == "abort":
         engine.abort_request(payload[0])
         return None
@@ -149,19 +157,33 @@ def _handle(engine, msg) -> object:
 
 
 def _setup_expert_parallel(spec: RankSpec, groups) -> bool:
-    """Shard the routed experts over the ranks (contiguous placement) when the model has them and the
-    configuration asks for it; True when the ranks must then step in lockstep."""
+    """Shard the routed experts over the ranks when the model has them and the configuration asks for it
+    (contiguous placement; with EPLB the policy's placement with redundant slots and a balancer); True when the
+    ranks must then step in lockstep."""
     from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
 
     from .ep_moe import EPGroup
     from .expert_placement import ExpertPlacement
     from .parallel_state import set_expert_parallel
 
-    cfg = DeepseekModelConfig.from_pretrained(spec.config.model_dir)
-    if not spec.config.enable_expert_parallel or spec.world_size == 1 or not cfg.n_routed_experts:
+    config = spec.config
+    cfg = DeepseekModelConfig.from_pretrained(config.model_dir)
+    if not config.enable_expert_parallel or spec.world_size == 1 or not cfg.n_routed_experts:
+        if config.enable_eplb:
+            raise ValueError(f"enable_eplb: the model at {config.model_dir} has no routed experts to balance")
         return False
-    placement = ExpertPlacement.contiguous(cfg.n_routed_experts, spec.world_size)
-    set_expert_parallel(EPGroup(placement, spec.rank, groups.device_group))
+    eplb = config.eplb
+    if eplb is None:
+        placement = ExpertPlacement.contiguous(cfg.n_routed_experts, spec.world_size)
+        set_expert_parallel(EPGroup(placement, spec.rank, groups.device_group, config.moe_routing_skew))
+        return True
+    from deepinfer_npu.eplb.balancer import ExpertBalancer, initial_placement
+
+    where = dict(num_groups=cfg.n_group or 1, num_nodes=config.nnodes)
+    placement = initial_placement(cfg.n_routed_experts, spec.world_size, eplb, **where)
+    ep = EPGroup(placement, spec.rank, groups.device_group, config.moe_routing_skew)
+    ep.balancer = ExpertBalancer(ep, eplb, **where)
+    set_expert_parallel(ep)
     return True
 
 
@@ -191,13 +213,29 @@ def _serve_lockstep(spec: RankSpec, engine, inbox, outbox, groups) -> None:
     import torch
     import torch.distributed as dist
 
+    from .parallel_state import get_expert_parallel
+
+    ep = get_expert_parallel()
+    if ep is not None:
+        ep.start_counting()
     last_beat, stop, idle_wait = time.monotonic(), False, 0.0
     while True:
         stop = _drain(engine, inbox, outbox, spec.rank, idle_wait, spec.parent_pid) or stop
-        flag = torch.tensor([int(stop)])
+        # with the model step count (MAX of it and of its negation): a load balancer re-plans at a step count,
+        # and every rank must be at the same one
+        if ep is not None:
+            ep.step_boundary()
+        steps = ep.steps if ep is not None else 0
+        flag = torch.tensor([int(stop), steps, -steps])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups.cpu_group)
-        if flag.item():
+        agreed = flag.tolist()
+        if agreed[0]:
             return
+        if agreed[1] != -agreed[2]:
+            raise RuntimeError(f"DP rank {spec.rank}: the ranks' model step counts differ ({-agreed[2]} to "
+                               f"{agreed[1]}); the expert-parallel steps are out of lockstep")
+        if ep is not None and ep.balancer is not None:
+            ep.balancer.at_step_boundary()
         outputs = engine.step()
         if outputs:
             outbox.put(("outputs", spec.rank, outputs))

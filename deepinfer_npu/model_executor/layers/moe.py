@@ -54,10 +54,16 @@ class StackedExperts(nn.Module):
             # placement holds the single-device weights
             for name, param in self.named_parameters():
                 param.dummy_rows = (num_logical, self.expert_ids)
+        self.num_logical = num_logical
+        self.relabel(self.expert_ids)
+
+    def relabel(self, expert_ids: list[int]) -> None:
+        """Row ``i`` now holds logical expert ``expert_ids[i]`` (after the load balancer moved the weights)."""
+        self.expert_ids = list(expert_ids)
         self._rows: dict[int, list[int]] = {}
         for row, expert in enumerate(self.expert_ids):
             self._rows.setdefault(expert, []).append(row)
-        self._foreign = [e for e in range(num_logical) if e not in self._rows]
+        self._foreign = [e for e in range(self.num_logical) if e not in self._rows]
 
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
         i, d = self.intermediate_size, self.hidden_size
@@ -174,6 +180,8 @@ class DeepseekMoE(nn.Module):
             if cfg.n_shared_experts
             else None
         )
+        # this layer's placement, route table and per-slot token counts under expert parallelism
+        self.ep_layer = self.ep.register(self) if self.ep is not None else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
