@@ -5,4 +5,6 @@ from __future__ import annotations
 
 import torch
 
+from tests.xdist_groups import pytest_collection_modifyitems  # noqa: F401 (a hook)
+
 torch.set_num_threads(1)

@@ -28,6 +28,9 @@ GOLDENS = sorted((Path(__file__).resolve().parent / "golden").glob("*.json"))
 
 _CPU_RECORDINGS: dict[tuple, dict] = {}
 
+#: one pytest-xdist worker runs the module, so each recording above is made once
+pytestmark = pytest.mark.xdist_group("cpu_recordings")
+
 
 def record_cpu(dtype: str, model_dir: Path, max_tokens: int, load_format: str = "auto") -> dict:
     """``recorder.record("cpu", ...)``, recorded once per argument set in this process; a deep copy each time

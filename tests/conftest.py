@@ -12,6 +12,7 @@ import torch
 
 from deepinfer_npu.hal.graph_runner import EagerReplayRunner
 from deepinfer_npu.hal.registry import get_backend
+from tests.xdist_groups import pytest_collection_modifyitems  # noqa: F401 (a hook)
 
 torch.set_num_threads(1)
 

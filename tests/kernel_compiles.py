@@ -5,6 +5,8 @@ time leaves a core idle through each module's last nvcc. Two workers each compil
 ``ci_compile`` builds its kernels on the calling thread, then compiles them in parallel threads), the slowest
 modules first, and the compile tests wait for their module's result. Processes, not threads: building a kernel
 parses Python source, which must stay on one thread per process (CPython < 3.13, kernels_cuda/_ast_guard.py).
+Under pytest-xdist (scripts/test.sh) the compile module is one ``xdist_group``, so one worker hosts the pool and
+the compiles overlap the other worker's tests; xdist hands out groups before single tests, the largest first.
 """
 
 from __future__ import annotations
@@ -101,18 +103,22 @@ def compile_module(name: str, arch: str) -> Compiled:
         return Compiled([], [], time.time() - t, traceback.format_exc())
 
 
-def _worker_init(cache_dir: str) -> None:
+def _worker_init(cache_dir: str, background: bool) -> None:
     os.environ["TILELANG_DISABLE_CACHE"] = "1"  # really compile: a cached artifact must not hide a break
     os.environ["TILELANG_CACHE_DIR"] = cache_dir
-    os.nice(19)  # nvcc inherits it: other work on a shared machine keeps its CPU
+    if background:
+        os.nice(19)  # nvcc inherits it: other work on a shared machine keeps its CPU
 
 
 class CompileJobs:
     """``(module, arch)`` compiles in two worker processes, the slow modules first."""
 
     def __init__(self, jobs: list[tuple[str, str]], cache_dir: Path) -> None:
+        # Under pytest-xdist the worker waiting for these compiles is one of the suite's own processes: they take
+        # its share of the CPU at its priority, or on a loaded machine they would starve and finish last.
+        background = "PYTEST_XDIST_WORKER" not in os.environ
         self.pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"),
-                                           initializer=_worker_init, initargs=(str(cache_dir),))
+                                           initializer=_worker_init, initargs=(str(cache_dir), background))
         rank = {name: i for i, name in enumerate(SLOW_FIRST)}
         order = sorted(dict.fromkeys(jobs), key=lambda job: rank.get(job[0], len(rank)))  # stable otherwise
         self.futures = {job: self.pool.submit(compile_module, *job) for job in order}

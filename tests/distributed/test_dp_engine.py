@@ -16,6 +16,9 @@ from deepinfer_npu.distributed.dp_engine import DPEngine
 from deepinfer_npu.distributed.rank_worker import visible_device_for
 from deepinfer_npu.engine.sampling_params import SamplingParams
 
+#: one pytest-xdist worker runs the module: the rank processes of dp_llm are started once
+pytestmark = pytest.mark.xdist_group("dp_engine")
+
 PROMPTS = ["def fibonacci(n):\n", "import os\n", "class Stack:\n", "for i in range(", "# sort a list\n",
            "with open("]
 

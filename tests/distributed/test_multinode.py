@@ -29,6 +29,9 @@ PROMPTS = [[(7 * i + j) % 96 for j in range(3 + i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 TIMEOUT_S = 120  # generous: the machine running the tests may be shared
 
+#: one pytest-xdist worker runs the module: the checkpoint and the single-process tokens are made once
+pytestmark = pytest.mark.xdist_group("multinode")
+
 
 def _free_port() -> int:
     with socket.socket() as s:

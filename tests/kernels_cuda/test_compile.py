@@ -27,6 +27,9 @@ from deepinfer_npu import kernels_cuda
 from tests import kernel_compiles
 from tests.kernel_compiles import Compiled, sm100_configs, sm100_skip_reason
 
+#: one pytest-xdist worker runs the whole module: its compile pool serves every compile test of the session
+pytestmark = pytest.mark.xdist_group("kernel_compiles")
+
 MODULES = sorted(m.name for m in pkgutil.iter_modules(kernels_cuda.__path__)
                  if not m.name.startswith("_") and m.name != "bench")
 

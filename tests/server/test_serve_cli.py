@@ -36,6 +36,19 @@ def _start(*args: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError("the server did not start:\n" + "".join(lines))
 
 
+def _wait_running(base: str, client: threading.Thread, timeout_s: float = 120.0) -> None:
+    """Until the server's /metrics shows a running request (one that produced tokens)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        body = http("GET", base + "/metrics")[2].decode()
+        m = re.search(r"^deepinfer:num_requests_running\{[^}]*\} (\S+)$", body, re.MULTILINE)
+        if m and float(m.group(1)) >= 1:
+            return
+        assert client.is_alive(), "the request finished before the server reported it running"
+        time.sleep(0.01)
+    raise AssertionError(f"no running request within {timeout_s} s")
+
+
 def test_sigterm_drains_running_requests_and_exits_0():
     proc, base = _start("--max-num-seqs", "8", "--num-kv-blocks", "128", "--block-size", "16",
                         "--served-model-name", "ref", "--shutdown-timeout", "60")
@@ -49,7 +62,7 @@ def test_sigterm_drains_running_requests_and_exits_0():
 
         t = threading.Thread(target=request)
         t.start()
-        time.sleep(1.0)
+        _wait_running(base, t)  # SIGTERM while the request runs, however loaded the machine
         proc.send_signal(signal.SIGTERM)
         t.join(timeout=120)
         assert proc.wait(timeout=120) == 0, "".join(proc.log)
