@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import time
 from collections import defaultdict, deque
@@ -305,8 +306,11 @@ class VarlenController:
                     "graph replays" if self.graphs is not None else "eager forwards")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"sizes": self.sizes, "ms": curve, "backend": runner.backend.name,
-                                        "graphs": self.graphs is not None}))
+            # written whole, then renamed: engines in other processes may read the cache at the same time
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"sizes": self.sizes, "ms": curve, "backend": runner.backend.name,
+                                       "graphs": self.graphs is not None}))
+            os.replace(tmp, path)
         except OSError as e:  # a read-only home must not stop the engine
             logger.warning("could not cache the varlen curve at %s: %s", path, e)
         return curve

@@ -31,15 +31,18 @@ def _tokens(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     {"max_num_batched_tokens": 8, "num_kv_blocks": 8, "block_size": 4, "stop_preempted_request": False},
 ], ids=["no-zos", "mtp", "dflash", "chunked-preempt"])
 def test_reference_model_two_ranks_equal_one(options):
-    one = _tokens(LLM(max_num_seqs=8, **options), PROMPTS)
+    single = LLM(max_num_seqs=8, **options)
+    one = _tokens(single, PROMPTS)
+    if "num_kv_blocks" in options:
+        # the KV pool is too small for the batch: requests are preempted and recomputed. (On two ranks whether a
+        # rank preempts depends on how the requests' steps interleave, i.e. on timing: only the tokens are checked.)
+        assert single.get_stats()["preemptions"] > 0
     two = LLM(max_num_seqs=8, data_parallel_size=2, distributed_timeout_s=120, **options)
     info = two.llm_engine.rank_info
     assert info[0]["expert_weight_bytes"] > 0
     assert info[0]["expert_weight_bytes"] == info[1]["expert_weight_bytes"]
     try:
         assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == one
-        if "num_kv_blocks" in options:
-            assert any(r["preemptions"] > 0 for r in two.get_stats()["per_rank"])  # a rank preempted
     finally:
         two.llm_engine.shutdown()
 

@@ -35,7 +35,11 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(kernels_cuda.__path__)
 
 #: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
 PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "moe_routing", "moe_gemm", "silu_mul",
-               "moe_gemm_swap", "mla_absorb", "mla_decode_ws"}
+               "moe_gemm_swap", "mla_absorb", "mla_decode_ws", "fp8_quant", "fp8_gemm", "fp8_grouped_gemm"}
+
+
+#: the FP8 GEMM modules: on sm_90a their GEMM kernels issue fp8 wgmma
+FP8_WGMMA_MODULES = {"fp8_gemm", "fp8_grouped_gemm"}
 
 
 def test_kernel_modules_found():
@@ -70,6 +74,8 @@ def _check(name: str, arch: str, got: Compiled) -> None:
         assert arch.removesuffix("a") in target, target
         if arch == "sm_90a" and name in PDL_MODULES:
             assert "cudaGridDependencySynchronize" in src, f"{name}: a kernel without the PDL wait"
+    if arch == "sm_90a" and name in FP8_WGMMA_MODULES:  # the GEMMs multiply e4m3 operands, not upcast copies
+        assert any("kFloat8_e4m3" in src for src in got.sources), f"{name}: no kernel issues an fp8 wgmma"
     print(f"{name}: {len(got.sources)} configurations compiled for {arch} in {got.seconds:.1f}s")
 
 
