@@ -63,21 +63,9 @@ class RequestGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int, drafts: list[int] | np.ndarray = ()) -> None:
         """Fill rows ``row .. row + len(drafts)`` of ``bitmask``: the next position, then the position after each
-        draft. Past a draft the grammar rejects, rows are all-false (the verifier rejects that draft anyway)."""
-        accepted = 0
-        for k in range(len(drafts) + 1):
-            if self.matcher.is_terminated():
-                self._only_stop(bitmask, row + k)  # the grammar ended: only a stop token may follow
-            else:
-                self.matcher.fill_next_token_bitmask(bitmask, row + k)
-            if k == len(drafts):
-                break
-            if self.matcher.is_terminated() or not self.matcher.accept_token(int(drafts[k])):
-                bitmask[row + k + 1: row + len(drafts) + 1].zero_()
-                break
-            accepted += 1
-        if accepted:
-            self.matcher.rollback(accepted)
+        draft. Past a draft the grammar rejects, rows are all-false (the verifier rejects that draft anyway).
+        One request's :func:`fill_rows`."""
+        fill_rows([self], bitmask, [row], [list(drafts)])
 
     def _only_stop(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].zero_()

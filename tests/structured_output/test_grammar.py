@@ -174,9 +174,32 @@ def _valid_tokens(grammar: RequestGrammar, n: int, gen: torch.Generator) -> list
     return out
 
 
+def _fill_one_by_one(grammar: RequestGrammar, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+    """The mask rows of one request, written out with xgrammar's single-matcher calls (the oracle of fill_rows):
+    the next position, then after each draft the grammar accepts; all-false past a rejected draft; only the stop
+    tokens once the grammar has ended; the matcher rolled back to where it was."""
+    accepted = 0
+    for k in range(len(drafts) + 1):
+        if grammar.matcher.is_terminated():
+            bitmask[row + k].zero_()
+            for t in grammar.matcher.stop_token_ids:
+                bit = 1 << (t % 32)
+                bitmask[row + k, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+        else:
+            grammar.matcher.fill_next_token_bitmask(bitmask, row + k)
+        if k == len(drafts):
+            break
+        if grammar.matcher.is_terminated() or not grammar.matcher.accept_token(int(drafts[k])):
+            bitmask[row + k + 1: row + len(drafts) + 1].zero_()
+            break
+        accepted += 1
+    if accepted:
+        grammar.matcher.rollback(accepted)
+
+
 def test_batched_fill_equals_the_per_request_fill(tok, pool):
-    """fill_rows over many requests (threaded xgrammar calls, one per draft depth) writes exactly the rows the
-    per-request fill writes, for drafts accepted in full, rejected part-way, past a grammar's end and absent, and
+    """fill_rows over many requests (threaded xgrammar calls, one per draft depth) writes exactly the rows that
+    single-matcher calls write request by request, for drafts accepted in full, rejected part-way, past a grammar's end and absent, and
     leaves every matcher where it was."""
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     constraints = [StructuredOutputsParams(json=random_schema(random.Random(s))) for s in range(6)]
@@ -197,7 +220,7 @@ def test_batched_fill_equals_the_per_request_fill(tok, pool):
     expected = new_bitmask(len(pairs) * width, VOCAB).fill_(0x5A5A5A5A)  # rows no request writes keep this
     got = expected.clone()
     for i, (a, _) in enumerate(pairs):
-        a.fill(expected, i * width, drafts[i])
+        _fill_one_by_one(a, expected, i * width, drafts[i])
     fill_rows([b for _, b in pairs], got, [i * width for i in range(len(pairs))], drafts)
     assert torch.equal(got, expected)
     again_a, again_b = new_bitmask(len(pairs), VOCAB), new_bitmask(len(pairs), VOCAB)
