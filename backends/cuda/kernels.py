@@ -101,15 +101,23 @@ class CudaKernelSet(CpuKernelSet):
             self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         return self.num_sms
 
-    def quantization_capture_refusal(self, quantization: str | None) -> str | None:
+    def quantization_capture_refusal(self, quantization: str | None, hidden_size: int = 0,
+                                     moe_intermediate_size: int = 0) -> str | None:
         """Why decode graphs cannot capture this engine's quantised ops (their reference fallbacks read host
-        values), or None: FP8 with the FP8 GEMM kernels selected (sync-free, capturable); never INT8 W8A8."""
+        values), or None: FP8 with the FP8 kernels selected and the experts' shapes on the grouped kernel
+        (sync-free, capturable; a projection the GEMM does not take dequantises on the device, no sync); never
+        INT8 W8A8."""
         if quantization is None:
             return None
         if quantization != "fp8":
             return f"quantization={quantization!r} runs the reference ops on CUDA"
-        off = self.impl("quant").off  # fp8_quant, fp8_gemm, fp8_grouped_gemm: each one's absence is a fallback
-        return "; ".join(f"kernels_cuda.{name} off: {why}" for name, why in off.items()) or None
+        quant = self.impl("quant")
+        off = quant.off  # fp8_quant, fp8_gemm, fp8_grouped_gemm: each one's absence is a fallback
+        if off:
+            return "; ".join(f"kernels_cuda.{name} off: {why}" for name, why in off.items())
+        if moe_intermediate_size:
+            return quant.grouped_shape_reason(hidden_size, moe_intermediate_size)
+        return None
 
     # ---- bookkeeping ---------------------------------------------------------------------------------------
     def has_run(self) -> bool:

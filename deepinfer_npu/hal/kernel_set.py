@@ -240,6 +240,15 @@ class KernelSet(abc.ABC):
         """Decide model-dependent op choices ahead of the first forward (``--list-ops`` shows them). Backends
         whose native kernels depend on the model's shapes override this; the default decides at first call."""
 
+    def quantization_capture_refusal(self, quantization: str | None, hidden_size: int = 0,
+                                     moe_intermediate_size: int = 0) -> str | None:
+        """Why decode graphs cannot capture this engine's quantised ops, or None. Default: quantised models run
+        eagerly (the reference grouped expert op reads its token counts on the host). ``hidden_size`` and
+        ``moe_intermediate_size`` (0: no MoE layer) are the model's, for kernels that serve some shapes only."""
+        if quantization is None:
+            return None
+        return f"quantization={quantization!r} runs reference ops that read device values on the host"
+
     def warmup(self, plan: KernelWarmupPlan) -> str:
         """Build every kernel variant the engine can reach for ``plan`` now, so that no step stalls on a first-use
         compile (a second or more per TileLang configuration on CUDA). The worker calls it once at start-up, after

@@ -86,10 +86,14 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
             explicit = True
         if not requested:
             return None
-        if getattr(cfg, "quantization", None) is not None:  # the quantized ops' reference fallbacks read host counts
-            (logger.warning if explicit else logger.info)(
-                "decode graphs are off with quantization=%r until its device kernels exist", cfg.quantization)
-            return None
+        if getattr(cfg, "quantization", None) is not None:  # a quantised op's reference path may read host values
+            mc = self.runner.model_config
+            why = self.kernels.quantization_capture_refusal(
+                cfg.quantization, hidden_size=mc.hidden_size,
+                moe_intermediate_size=mc.moe_intermediate_size if mc.n_routed_experts else 0)
+            if why is not None:
+                (logger.warning if explicit else logger.info)("decode graphs are off: %s", why)
+                return None
         if self.drafter is not None:  # the drafter's propose gets graphs of its own (asked first: its own pool)
             draft_runner = self.backend.graph_runner()
             if isinstance(draft_runner, GraphRunner) and self.drafter.enable_graphs(draft_runner, cfg.max_num_seqs):

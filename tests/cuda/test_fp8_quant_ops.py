@@ -58,6 +58,9 @@ def test_decode_graphs_may_capture_fp8_only_with_its_kernels():
     assert "reference" in ks.quantization_capture_refusal("w8a8")
     if ks.modules.get("fp8_gemm") is not None and ks.modules.get("fp8_grouped_gemm") is not None:
         assert ks.quantization_capture_refusal("fp8") is None
+        assert ks.quantization_capture_refusal("fp8", hidden_size=2048, moe_intermediate_size=1408) is None
+        # experts the grouped kernel does not take run the syncing reference op: no graphs
+        assert "N=2080" in ks.quantization_capture_refusal("fp8", hidden_size=2048, moe_intermediate_size=1040)
     ks.select(OpConfig(dtype=BF16, sm90=False))
     assert "kernels_cuda.fp8_gemm off: FP8 wgmma kernels are built for Hopper" in ks.quantization_capture_refusal("fp8")
 
@@ -98,7 +101,9 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
         got, want = ks.fp8_linear(x.view(1, rows, 2048), w, s, b), ref.fp8_linear(x.view(1, rows, 2048), w, s, b)
         assert got.shape == want.shape == (1, rows, 3072) and got.dtype == BF16
         err = (got.float() - want.float()).abs()
-        assert (err <= 2.0**-7 * want.float().abs() + 1e-3 * want.float().abs().max()).all(), err.max()
+        # two bf16 roundings of sums that differ in order: a bf16 ulp of the larger of the two apart at most
+        bound = 2.0**-7 * torch.maximum(got.float().abs(), want.float().abs()) + 1e-3 * want.float().abs().max()
+        assert (err <= bound).all(), err.max()
     assert ks.op_report()["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
     assert ks.syncing_ops() == {}
 
@@ -144,7 +149,9 @@ def _mla_fp8_weights(device, q_lora: bool, dtype=BF16, heads: int = 16, hidden: 
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
     """Same quantised projections, the same activation quantisation: close to the reference op on the device
-    (bf16 roundings of intermediate results differ): relative Frobenius error < 1e-2."""
+    (bf16 roundings of intermediate results differ): relative Frobenius error < 1e-2; with a q-LoRA, q goes through
+    two quantised GEMMs with a requantisation between them, where a bf16 ulp moves some e4m3 values by a step:
+    < 2.5e-2 (measured on an H200: 0.012-0.014)."""
     from types import SimpleNamespace
 
     w, scales = _mla_fp8_weights("cuda", q_lora)
@@ -162,7 +169,8 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
     def rel(a, b):
         return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-    assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2 and rel(cache, cache_ref) < 1e-2
+    assert rel(got[0], want[0]) < (2.5e-2 if q_lora else 1e-2)
+    assert rel(got[1], want[1]) < 1e-2 and rel(cache, cache_ref) < 1e-2
     out_latent = torch.randn(tokens, 16, 512, device="cuda").to(BF16)
     assert rel(ks.mla_epilogue_quant(out_latent, w, scales), ref.mla_epilogue_quant(out_latent, w, scales)) < 1e-2
     report = ks.op_report()

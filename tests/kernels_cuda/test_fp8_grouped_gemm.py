@@ -1,10 +1,12 @@
 """kernels_cuda.fp8_grouped_gemm (the MoE experts' FP8 GEMM over rows sorted by expert) and the FP8 grouped MLP it
 serves (quant -> w13 -> gated quant -> w2), against the fp32 reference of the dequantised operands.
 
-Tolerances: the grouped GEMM as ``fp8_gemm`` (``2**-8 * |ref| + 1e-4 * max|ref|`` per element, cosine >= 0.9999).
-The whole MLP (CudaKernelSet.fp8_grouped_mlp) against the CPU reference op on the same device: both round the w13
-output to bf16 and quantise the SwiGLU per group, but a 1-ulp difference of the w13 output may move an e4m3 value
-of the second quantisation by one step, so ``2**-6 * |ref| + 1e-2 * max|ref|`` per element and cosine >= 0.999.
+Tolerances: the grouped GEMM as ``fp8_gemm`` (test_fp8_gemm.py: one bf16 rounding plus the fp8 wgmma accumulation
+bound, cosine >= 0.99999). The whole MLP (CudaKernelSet.fp8_grouped_mlp) against the CPU reference op on the same
+device: both round the w13 output to bf16 and quantise the SwiGLU per group, but a 1-ulp difference of the w13
+output moves some e4m3 values of the second quantisation by one step (2**-3 of the value), and w2 sums those
+steps: ``2**-6 * |ref| + 2**-4 * max|ref|`` per element (measured on an H200: up to 0.03 * max|ref|) and cosine
+>= 0.999 (measured 0.9999); a wrong expert, row or scale moves elements by their own size.
 Routing: random top-k (ragged counts), a skewed one (one expert with most rows, many empty), and every row on one
 expert; V2-Lite experts (64 x [2816, 2048] / [2048, 1408], top-6) and V3's expert dims (7168, I = 2048, top-8) over
 32 experts (the weights of all 256 do not change what a CTA computes), at 1, 16, 64, 512 and 4096 tokens.
@@ -49,12 +51,13 @@ def routing(tokens: int, experts: int, top_k: int, kind: str, device="cuda", see
     return torch.bincount(ids.flatten(), minlength=experts)
 
 
-def grouped_fp32(aq, a_scale, wq, w_scale, counts) -> torch.Tensor:
+def grouped_fp32(aq, a_scale, wq, w_scale, counts, magnitude: bool = False) -> torch.Tensor:
     out = torch.zeros(aq.shape[0], wq.shape[1], device=aq.device)
     start = 0
     for e, c in enumerate(counts.tolist()):
         if c:
-            out[start : start + c] = gemm_fp32(aq[start : start + c], a_scale[start : start + c], wq[e], w_scale[e])
+            out[start : start + c] = gemm_fp32(aq[start : start + c], a_scale[start : start + c], wq[e], w_scale[e],
+                                               magnitude)
         start += c
     return out
 
@@ -107,7 +110,8 @@ def test_grouped_gemm_matches_fp32_reference_gpu(compiled, model, tokens, kind):
         aq, sa = quantize_per_token_group(activations(tokens * top_k, k, seed=tokens))
         wq, sw = fp8_weight(experts, n=n, k=k, seed=seed)
         out = fp8_grouped_gemm.fp8_grouped_gemm(aq, sa, wq, sw, starts)
-        check_close(out, grouped_fp32(aq, sa, wq, sw, counts))
+        check_close(out, grouped_fp32(aq, sa, wq, sw, counts),
+                    magnitude=grouped_fp32(aq, sa, wq, sw, counts, magnitude=True))
 
 
 @pytest.mark.gpu
@@ -126,4 +130,4 @@ def test_fp8_grouped_mlp_op_matches_the_reference_op_gpu(compiled, model, tokens
     ks = CudaKernelSet()
     out = ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
     assert ks.op_report()["fp8_grouped_mlp"].startswith("native (kernels_cuda.fp8_quant"), ks.op_report()
-    check_close(out, ref.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2), rel=2.0**-6, floor=1e-2, cos=0.999)
+    check_close(out, ref.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2), rel=2.0**-6, floor=2.0**-4, cos=0.999)

@@ -100,6 +100,11 @@ class QuantOps(OpImpl):
         (_e, n13, d), (_e2, d2, inter) = w13.shape, w2.shape
         return gg.reason(n13, d) or gg.reason(d2, inter) or quant_reason(quant, d, inter)
 
+    def grouped_shape_reason(self, d: int, inter: int) -> str | None:
+        """Why experts of hidden size ``d`` and width ``inter`` take the reference grouped op, or None."""
+        gg, quant = kernel_module("fp8_grouped_gemm"), kernel_module("fp8_quant")
+        return gg.reason(2 * inter, d) or gg.reason(d, inter) or quant_reason(quant, d, inter)
+
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
         """For an FP8 model (``plan.quantization == "fp8"``), at every row count a step can have: ``fp8_gemm``
