@@ -10,7 +10,7 @@ Roofline: bytes that must move per decode step / the device-to-device copy bandw
 (bytes read + written). Bytes per step = attention weights of every layer + the dense MLP + router and shared
 experts + the routed experts expected to be hit at that batch (E * (1 - (1 - k/E)^B), uniform routing) + lm_head
 + the latent KV cache read (B * context * 576 values per layer at the mean context of the timed window), in the
-weights' dtype. Output, one JSON line per batch::
+weights' dtype (``--quantization fp8``: projections and experts at one byte a weight). Output, one JSON line per batch::
 
     {"bench": "decode_e2e", "batch": B, "engine_tok_s": x, "hf_tok_s": y, "roofline_tok_s": z,
      "frac_of_roofline": f, ..., "date": ..., "commit": ..., "hardware": ..., "command": ...}
@@ -108,8 +108,10 @@ def copy_bandwidth(device_type: str) -> float:
     return 2 * a.numel() * 4 / sorted(times)[3]
 
 
-def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2) -> dict:
-    """Bytes a decode step must move (see the module docstring), by part."""
+def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8: bool = False) -> dict:
+    """Bytes a decode step must move (see the module docstring), by part. ``fp8``: the projections and experts are
+    e4m3 (1 byte a weight, plus a 4-byte scale per 128 x 128 block); the absorbed kv_b, router, lm_head and the
+    KV cache stay in ``itemsize``."""
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
@@ -118,14 +120,18 @@ def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2) -> 
         q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
     else:
         q = h * (nope + rope) * d
-    attn = q + (lrank + rope) * d + h * (nope + v) * lrank + d * h * v
+    attn_q = q + (lrank + rope) * d + d * h * v  # the quantisable projections
+    attn_kvb = h * (nope + v) * lrank  # absorbed into w_uk / w_uv, model dtype
     dense = 3 * d * cfg["intermediate_size"]
     hit = e * (1.0 - (1.0 - k / e) ** batch)
-    moe = e * d + 3 * d * mi * cfg["n_shared_experts"] + hit * 3 * d * mi
-    weights = layers * attn + dense_layers * dense + (layers - dense_layers) * moe + cfg["vocab_size"] * d
-    kv = layers * batch * context * (lrank + rope)
-    return {"weights": weights * itemsize, "kv": kv * itemsize, "experts_hit": hit,
-            "total": (weights + kv) * itemsize}
+    experts = 3 * d * mi * cfg["n_shared_experts"] + hit * 3 * d * mi
+    moe_layers = layers - dense_layers
+    quantisable = layers * attn_q + dense_layers * dense + moe_layers * experts
+    plain = layers * attn_kvb + moe_layers * e * d + cfg["vocab_size"] * d
+    qbytes = (1 + 4 / 128**2) if fp8 else itemsize
+    weights = quantisable * qbytes + plain * itemsize
+    kv = layers * batch * context * (lrank + rope) * itemsize
+    return {"weights": weights, "kv": kv, "experts_hit": hit, "total": weights + kv}
 
 
 def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
@@ -136,7 +142,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     llm = LLM(model_dir, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=blocks,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len),  # one prefill step per batch
-              enable_graphs=args.graphs)  # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
+              enable_graphs=args.graphs, quantization=args.quantization)  # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
     engine = llm.llm_engine
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
@@ -276,6 +282,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-engine", action="store_true", help="skip the engine")
     p.add_argument("--graphs", action="store_true", help="engine with enable_graphs=True (captured decode graphs)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="weights quantised at load (the roofline counts 1-byte projections and experts)")
     p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args(argv)
 
@@ -310,7 +318,7 @@ def main(argv=None) -> int:
     context = args.prompt_len + args.gen / 2.0
     lines = []
     for batch in args.batch:
-        by = bytes_per_step(cfg, batch, context, itemsize)
+        by = bytes_per_step(cfg, batch, context, itemsize, fp8=args.quantization == "fp8")
         roof = batch / (by["total"] / bw)
         e_tok = eng.get(batch, {}).get("engine_tok_s")
         row = {
@@ -331,7 +339,8 @@ def main(argv=None) -> int:
             "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
             "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
             "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
-            "dtype": args.dtype, "prompt_len": args.prompt_len, "decode_tokens": args.gen,
+            "dtype": args.dtype, "quantization": args.quantization, "prompt_len": args.prompt_len,
+            "decode_tokens": args.gen,
             "backend": args.backend, "torch": torch.__version__,
             "timing": "wall clock over decode steps, device synchronised at both ends; "
             + ("decode from captured CUDA graphs (--graphs)" if args.graphs else "eager (no CUDA graphs)"),
