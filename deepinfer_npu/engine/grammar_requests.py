@@ -11,6 +11,7 @@ records the drafts proposed for the next step (the masks of the draft positions 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import logging
 
 from deepinfer_npu.engine.request import Request
@@ -43,6 +44,9 @@ class GrammarRequests:
         if self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: structured_outputs needs the model's tokenizer "
                              "(tokenizer.json), which this model directory lacks")
+        if importlib.util.find_spec("xgrammar") is None:
+            raise ValueError(f"request {request_id!r}: structured_outputs needs the xgrammar package, which is not "
+                             "installed here (pip install xgrammar)")
         try:
             self.pool.check(params.structured_outputs)
         except ValueError as e:

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import xgrammar as xgr
+
+try:
+    import xgrammar as xgr
+except ImportError:  # only structured output needs it: the engine imports and serves the other requests
+    xgr = None
 
 __all__ = ["RequestGrammar", "allowed_mask", "fill_rows", "new_bitmask"]
 
@@ -25,7 +29,8 @@ def _batch_matcher() -> xgr.BatchGrammarMatcher:
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    return xgr.allocate_token_bitmask(rows, vocab_size)
+    """An int32 bitmask ``[rows, ceil(vocab / 32)]`` (xgrammar's layout), every token allowed."""
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
