@@ -17,6 +17,12 @@ from tests.xdist_groups import pytest_collection_modifyitems  # noqa: F401 (a ho
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-kernel-configs", action="store_true", default=False,
+                     help="tests/kernels_cuda/test_compile.py: compile every CI_CONFIGS entry for sm_90a, not only "
+                     "the first of each kernel kind")
+
+
 @pytest.fixture(autouse=True)
 def _single_thread():
     previous = torch.get_num_threads()

@@ -84,15 +84,15 @@ class Compiled:
     error: str | None = None
 
 
-def compile_module(name: str, arch: str) -> Compiled:
-    """``ci_compile`` of kernels_cuda/``name`` for ``arch``: every ``CI_CONFIGS`` entry for sm_90a, the first of
-    each kernel kind for sm_100a."""
+def compile_module(name: str, arch: str, every_config: bool = False) -> Compiled:
+    """``ci_compile`` of kernels_cuda/``name`` for ``arch``: the first configuration of each kernel kind
+    (``every_config``: every ``CI_CONFIGS`` entry for sm_90a)."""
     t = time.time()
     try:
         mod = importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}")
         assert hasattr(mod, "ci_compile"), f"kernels_cuda/{name}.py must define ci_compile()"
         if arch == "sm_90a":
-            kernels = mod.ci_compile()
+            kernels = mod.ci_compile() if every_config else mod.ci_compile(configs=sm100_configs(mod.CI_CONFIGS))
         else:
             params = inspect.signature(mod.ci_compile).parameters
             assert {"configs", "target"} <= set(params) and isinstance(getattr(mod, "CI_CONFIGS", None), list), (
@@ -114,7 +114,7 @@ def _worker_init(cache_dir: str, background: bool) -> None:
 class CompileJobs:
     """``(module, arch)`` compiles in two worker processes, the slow modules first."""
 
-    def __init__(self, jobs: list[tuple[str, str]], cache_dir: Path) -> None:
+    def __init__(self, jobs: list[tuple[str, str]], cache_dir: Path, every_config: bool = False) -> None:
         # Under pytest-xdist the worker waiting for these compiles is one of the suite's own processes: they take
         # its share of the CPU at its priority, or on a loaded machine they would starve and finish last.
         background = "PYTEST_XDIST_WORKER" not in os.environ
@@ -122,12 +122,13 @@ class CompileJobs:
                                            initializer=_worker_init, initargs=(str(cache_dir), background))
         rank = {name: i for i, name in enumerate(SLOW_FIRST)}
         order = sorted(dict.fromkeys(jobs), key=lambda job: rank.get(job[0], len(rank)))  # stable otherwise
-        self.futures = {job: self.pool.submit(compile_module, *job) for job in order}
+        self.every_config = every_config
+        self.futures = {job: self.pool.submit(compile_module, *job, every_config) for job in order}
 
     def result(self, name: str, arch: str) -> Compiled:
         fut = self.futures.get((name, arch))
         if fut is None:  # not foreseen at the start (a test selected some other way): compile it now
-            fut = self.futures[(name, arch)] = self.pool.submit(compile_module, name, arch)
+            fut = self.futures[(name, arch)] = self.pool.submit(compile_module, name, arch, self.every_config)
         return fut.result(timeout=COMPILE_TIMEOUT_S)
 
     def close(self) -> None:
@@ -151,13 +152,13 @@ def selected_jobs(items) -> list[tuple[str, str]]:
 _SESSION: list[CompileJobs] = []
 
 
-def start(items, cache_dir: Path) -> CompileJobs | None:
+def start(items, cache_dir: Path, every_config: bool = False) -> CompileJobs | None:
     """Start the selected compile tests' compiles (once, until :func:`stop`); None when none is selected."""
     if not _SESSION:
         jobs = selected_jobs(items)
         if not jobs:
             return None
-        _SESSION.append(CompileJobs(jobs, cache_dir))
+        _SESSION.append(CompileJobs(jobs, cache_dir, every_config))
     return _SESSION[0]
 
 

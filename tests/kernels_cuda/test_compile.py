@@ -6,9 +6,11 @@ Every public module in kernels_cuda/ (not starting with '_', not ``bench``) must
 without it fails here, so no kernel escapes the compile check. The engine's decode-chain kernels are built with
 programmatic dependent launch: their sources must wait for the previous kernel.
 
-sm_90a compiles every configuration of ``CI_CONFIGS``. sm_100a (TileLang 0.1.15, nvcc 13.0): every module but
-mla_decode_ws (Hopper-only by design, ``SM100_SKIP``) lowers and compiles; the tuned configurations are Hopper's, so
-sm_100a compiles the first configuration of each kernel kind (``sm100_configs``). mla_decode's ``T.gemm`` lowers to
+Both architectures compile the first configuration of each kernel kind of ``CI_CONFIGS`` (``sm100_configs``); with
+``--all-kernel-configs`` sm_90a compiles every configuration (the other configurations change tile sizes, not code;
+lowering them doubles the compile time of the suite, and a GPU job builds every configuration it launches).
+sm_100a (TileLang 0.1.15, nvcc 13.0): every module but mla_decode_ws (Hopper-only by design, ``SM100_SKIP``) lowers
+and compiles; the tuned configurations are Hopper's. mla_decode's ``T.gemm`` lowers to
 ``mma.sync`` (ldmatrix operands, TMA loads kept) instead of Hopper's wgmma, so it compiles but is not the tuned
 path there (TileLang would need tcgen05 / TMEM code for Blackwell's tensor cores); it is not run there.
 
@@ -60,7 +62,8 @@ def test_sm100_configs_keep_one_per_kernel_kind():
 def compiles(request, tmp_path_factory):
     """The selected compile tests' compile jobs, all started at once; their worker processes end with this
     module."""
-    jobs = kernel_compiles.start(request.session.items, tmp_path_factory.mktemp("tilelang_cache"))
+    jobs = kernel_compiles.start(request.session.items, tmp_path_factory.mktemp("tilelang_cache"),
+                                 every_config=request.config.getoption("--all-kernel-configs"))
     assert jobs is not None, "a compile test runs but none was selected"
     yield jobs
     kernel_compiles.stop()
