@@ -160,9 +160,6 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' (the model dtype) or 'fp8' (packed e4m3 latent rows "
                              f"with per-128 scales), got {self.kv_cache_dtype!r}")
-        if self.quantization is not None and self.data_parallel_size > 1 and self.enable_expert_parallel:
-            raise ValueError(f"quantization={self.quantization!r} with expert parallelism is not supported yet; "
-                             "use --no-expert-parallel (each rank holds every expert) or no quantization")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.state_slot_ratio >= 1.0:

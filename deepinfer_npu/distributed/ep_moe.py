@@ -93,8 +93,9 @@ def shard_experts(moe, ep: EPGroup) -> None:
         raise ValueError(f"the placement is for {ep.placement.num_logical} experts, the layer has "
                          f"{moe.num_experts}")
     index = torch.tensor(ep.local_experts, device=moe.experts.w13.device)
-    moe.experts.w13 = torch.nn.Parameter(moe.experts.w13.data.index_select(0, index), requires_grad=False)
-    moe.experts.w2 = torch.nn.Parameter(moe.experts.w2.data.index_select(0, index), requires_grad=False)
+    for name in getattr(moe.experts, "remapped_params", ("w13", "w2")):  # quantised: the scales too
+        stacked = getattr(moe.experts, name).data
+        setattr(moe.experts, name, torch.nn.Parameter(stacked.index_select(0, index), requires_grad=False))
 
 
 def ep_moe_forward(moe, hidden: torch.Tensor, ep: EPGroup) -> torch.Tensor:
@@ -115,7 +116,7 @@ def ep_moe_forward(moe, hidden: torch.Tensor, ep: EPGroup) -> torch.Tensor:
     if layer is not None:
         layer.load.add_(counts)  # the routing op's per-slot counts, accumulated on the device
         ep.forwards += 1
-    out = k.grouped_mlp(sorted_rows, counts, moe.experts.w13, moe.experts.w2)
+    out = moe.experts_mlp(sorted_rows, counts)
     # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
     out = k.moe_combine(out, state, torch.ones(rows.shape[0], 1, device=rows.device))
     routed = ep_combine(out, handle, weights, ep.group)

@@ -62,6 +62,8 @@ def apply_moves(tensors: list[torch.Tensor], moves: list[Move], rank: int, world
     send_splits = [sum(1 for m in sends if m.dst_rank == r) for r in range(world)]
     recv_splits = [sum(1 for m in recvs if m.src_rank == r) for r in range(world)]
     for weights in tensors:
+        if weights.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            weights = weights.view(torch.uint8)  # gloo has no fp8 type; the bytes travel as they are
         device = weights.device
         rows = {}
         local = [m for m in mine if m.src_rank == rank]

@@ -47,6 +47,22 @@ def test_reference_model_two_ranks_equal_one(options):
         two.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "w8a8"])
+def test_quantized_experts_two_ranks_equal_one(quantization):
+    """Each rank holds its experts quantised (weights and scales); the routed rows meet the quantised grouped MLP
+    on the rank that owns them: the same tokens as one process, half the expert bytes a rank."""
+    single = LLM(max_num_seqs=8, quantization=quantization)
+    experts = sum(p.numel() * p.element_size() for n, p in single.llm_engine.runner.model.named_parameters()
+                  if ".experts." in n)
+    one = _tokens(single, PROMPTS)
+    two = LLM(max_num_seqs=8, data_parallel_size=2, distributed_timeout_s=120, quantization=quantization)
+    try:
+        assert [r["expert_weight_bytes"] for r in two.llm_engine.rank_info] == [experts // 2] * 2
+        assert [o.outputs[0].token_ids for o in two.generate(PROMPTS, GREEDY, use_tqdm=False)] == one
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_experts_are_split_and_an_abort_leaves_the_others():
     full = LLM(max_num_seqs=8)
     per_rank = full.llm_engine.runner.model

@@ -43,6 +43,16 @@ def test_replans_mid_generation_keep_tokens_and_even_the_load():
         assert rank["kv_usage"] == 0.0 and rank["state_slot_usage"] == 0.0
 
 
+def test_replans_move_quantised_experts_with_their_scales():
+    """FP8 experts: a re-plan moves each expert's e4m3 rows and its block scales together, so the tokens stay those
+    of the run without EPLB."""
+    want, _ = _generate(quantization="fp8")
+    got, stats = _generate(quantization="fp8", enable_eplb=True,
+                           eplb_config=EPLBConfig(redundant_experts_per_rank=1, window_size=4, rebalance_interval=6))
+    assert stats["eplb"]["replans"] >= 2
+    assert got == want
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(enable_eplb=True), "needs expert parallelism"),
     (dict(enable_eplb=True, data_parallel_size=2, enable_expert_parallel=False), "needs expert parallelism"),

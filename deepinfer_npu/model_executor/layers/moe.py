@@ -158,11 +158,6 @@ class DeepseekMoE(nn.Module):
         self.gate = Router(cfg, device)
         self.ep = get_expert_parallel()  # None: every routed expert lives in this process
         self.quant = cfg.quant
-        if self.quant is not None and self.ep is not None:
-            raise NotImplementedError(
-                f"quantization={self.quant.method!r} with expert parallelism is not supported yet (the expert-parallel "
-                "MoE path runs unquantised experts); run without expert parallelism or with quantization=None"
-            )
         expert_ids = self.ep.local_experts if self.ep is not None else list(range(cfg.n_routed_experts))
         self.experts = StackedExperts(
             expert_ids, cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, device=device,
@@ -183,6 +178,14 @@ class DeepseekMoE(nn.Module):
         # this layer's placement, route table and per-slot token counts under expert parallelism
         self.ep_layer = self.ep.register(self) if self.ep is not None else None
 
+    def experts_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """This process's routed experts over rows sorted by expert (the quantised op with a quantisation)."""
+        ex, k = self.experts, self.kernels
+        if self.quant is None:
+            return k.grouped_mlp(sorted_hidden, tokens_per_expert, ex.w13, ex.w2)
+        s13, s2 = ex.scales
+        return ex.scheme.grouped_mlp(k, sorted_hidden, tokens_per_expert, ex.w13, s13, ex.w2, s2)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` [T, D] (post-attention-normed) -> [T, D]."""
         if self.ep is not None:
@@ -195,13 +198,7 @@ class DeepseekMoE(nn.Module):
             weights, _ids, sorted_hidden, tokens_per_expert, state = k.moe_route(
                 router_logits, self.gate.e_score_correction_bias, self.gating, hidden, self.num_experts
             )
-            ex = self.experts
-            if self.quant is None:
-                expert_out = k.grouped_mlp(sorted_hidden, tokens_per_expert, ex.w13, ex.w2)
-            else:
-                s13, s2 = ex.scales
-                expert_out = ex.scheme.grouped_mlp(k, sorted_hidden, tokens_per_expert, ex.w13, s13, ex.w2, s2)
-            return expert_out, state, weights
+            return self.experts_mlp(sorted_hidden, tokens_per_expert), state, weights
 
         if self.shared_experts is None:
             return k.moe_combine(*routed_experts())
