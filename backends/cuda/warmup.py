@@ -9,14 +9,24 @@ first step through each module's own ``precompile`` (builds on the calling threa
 Modules are compiled one after another: CPython 3.11's ``ast.parse`` is not thread-safe, so two modules must never
 build (parse) their kernels at once. With TileLang's disk cache warm, a restart only re-parses (~0.1 s a config).
 
+On a host with cores to spare and TileLang's disk cache on, :func:`fill_disk_cache` first lowers and compiles the
+configurations in spawned worker processes (the lowering is Python and C++ passes under the GIL, up to a minute and
+a half for one ``mla_decode_ws`` configuration on one core, so one process builds one kernel at a time); the serial
+pass then loads them from the disk cache, and still compiles (and reports) anything a worker could not.
+
 A module whose compile fails is turned off in the kernel set: its ops fall back to the reference with the failure
 as the reason (as a failed import does), and the summary names it; start-up continues.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as cf
+import importlib
 import logging
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -55,6 +65,79 @@ def _compile(name: str, mod, cfgs: list[tuple], plan: KernelWarmupPlan, device: 
                 mod.expert_starts(torch.zeros(cfg[0], dtype=torch.int64, device=device))
     else:
         mod.precompile(cfgs)
+
+
+#: worker processes of :func:`fill_disk_cache` at most (each imports torch and TileLang: about 1 GB)
+MAX_COMPILE_WORKERS = 16
+
+
+FAILED_MARK = "warm-up worker failed: "  # a worker's failure lines (TileLang logs to stdout too)
+#: one worker's whole share of the configurations (a cold lowering of the slowest takes minutes)
+WORKER_TIMEOUT_S = 1800
+
+
+def _fill_one(name: str, cfg: tuple, softmax_scale: float) -> None:
+    """One configuration into TileLang's disk cache (in a worker process; no CUDA context needed)."""
+    mod = importlib.import_module(f"deepinfer_npu.kernels_cuda.{name}")
+    if name == "mla_decode":
+        mod.precompile([cfg], softmax_scale=softmax_scale)
+    elif name == "moe_gemm":
+        kind, c = cfg
+        if kind == "gemm":  # the expert scan compiles at its first launch, in the serial pass
+            mod.get_kernel(*c)
+    else:
+        mod.precompile([cfg])
+
+
+def fill_worker_main() -> None:
+    """A worker of :func:`fill_disk_cache`: ``repr`` of ``(softmax_scale, [(module, config), ...])`` as its
+    argument; a ``FAILED_MARK`` line per configuration that failed on stdout."""
+    softmax_scale, jobs = ast.literal_eval(sys.argv[1])
+    for name, cfg in jobs:
+        try:
+            _fill_one(name, cfg, softmax_scale)
+        except Exception as e:  # noqa: BLE001 - reported; the serial pass compiles it again
+            print(f"{FAILED_MARK}{name} {cfg}: {type(e).__name__}: {str(e).strip()[:200]}", flush=True)
+
+
+def compile_workers(num_jobs: int) -> int:
+    """Worker processes for :func:`fill_disk_cache`: one core left to the caller, 0 (no workers) when the disk
+    cache is off (the workers' kernels could not reach this process) or fewer than two would run."""
+    import tilelang
+
+    if not tilelang.env.is_cache_enabled():
+        return 0
+    workers = min(num_jobs, (os.cpu_count() or 1) - 1, MAX_COMPILE_WORKERS)
+    return workers if workers >= 2 else 0
+
+
+def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, workers: int) -> list[str]:
+    """Lower and compile every configuration of ``configs`` into TileLang's disk cache in ``workers`` Python
+    subprocesses (not multiprocessing: a user script without a ``__main__`` guard must not be re-run), the MLA
+    kernels (the slowest to lower) dealt out first -> the failures the workers reported. A configuration a worker
+    did not build is left to the serial pass, which compiles it again and reports its error."""
+    jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
+    jobs.sort(key=lambda job: job[0] != "mla_decode")  # stable: the rest in compile order
+    shares = [jobs[i::workers] for i in range(workers)]
+    code = "from deepinfer_npu.backends.cuda.warmup import fill_worker_main; fill_worker_main()"
+    procs = []
+    for share in shares:
+        procs.append(subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, share))],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True))
+    failures: list[str] = []
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            failures += [line[len(FAILED_MARK):] for line in out.splitlines() if line.startswith(FAILED_MARK)]
+            if proc.returncode:
+                failures.append(f"a worker exited with {proc.returncode}")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
+    return failures
 
 
 def _compiled_kernels(mod) -> list:
@@ -115,6 +198,16 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
             del configs[name]
     total = sum(len(c) for c in configs.values())
     logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
+    workers = compile_workers(total)
+    if workers:
+        t1 = time.perf_counter()
+        try:
+            lost = fill_disk_cache(configs, float(plan.softmax_scale), workers)
+            logger.info("kernel warm-up: built in %d processes in %.1f s%s", workers, time.perf_counter() - t1,
+                        f"; left to the serial pass: {'; '.join(lost)}" if lost else "")
+        except Exception as e:  # noqa: BLE001 - e.g. no process can be spawned: the serial pass builds them all
+            logger.warning("kernel warm-up: the parallel build failed (%s: %s); building one at a time",
+                           type(e).__name__, e)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     failed: dict[str, str] = {}
     for i, (name, cfgs) in enumerate(configs.items(), 1):

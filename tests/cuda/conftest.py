@@ -97,6 +97,8 @@ def recorded(monkeypatch):
     # the expected sets here are the pipelined kernel's on any machine (a Hopper adds mla_decode_ws' flag:
     # test_mla_decode_ws_configs_follow_the_selection_and_the_device)
     monkeypatch.setattr("deepinfer_npu.backends.cuda.kernels.current_device_is_sm90", lambda: False)
+    # no worker subprocesses (they would compile for real, whatever the recorders say): the serial pass records
+    monkeypatch.setattr("deepinfer_npu.backends.cuda.warmup.compile_workers", lambda num_jobs: 0)
     return calls
 
 

@@ -1,0 +1,51 @@
+"""The warm-up's parallel build (backends/cuda/warmup.py ``fill_disk_cache``): worker subprocesses lower and compile
+configurations into TileLang's disk cache, from which the serial pass then loads them without compiling again; a
+configuration a worker cannot build comes back named. Compiles for sm_90a with nvcc; no GPU needed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.nvcc, pytest.mark.tilelang]
+
+JOBS = {"rms_norm": [(1536, True, 1e-6)], "silu_mul": [(1536, False)]}  # sizes no other test here compiles
+
+
+def _entries(cache: Path) -> set[str]:
+    return {str(p.relative_to(cache)) for p in cache.rglob("*") if p.is_dir()}
+
+
+def test_workers_fill_the_disk_cache_and_the_serial_pass_loads_from_it(tmp_path, monkeypatch):
+    from deepinfer_npu.backends.cuda import warmup
+    from deepinfer_npu.kernels_cuda import rms_norm, silu_mul
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    assert warmup.fill_disk_cache(JOBS, 0.1, workers=2) == []
+    built = _entries(tmp_path)
+    assert len(built) >= 2, built  # both kernels, built by the workers
+    rms_norm.precompile(JOBS["rms_norm"])
+    silu_mul.precompile(JOBS["silu_mul"])
+    assert _entries(tmp_path) == built  # loaded, not compiled again
+
+
+def test_a_configuration_a_worker_cannot_build_is_named(tmp_path, monkeypatch):
+    from deepinfer_npu.backends.cuda import warmup
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    failures = warmup.fill_disk_cache({"rms_norm": [(1000, True, 1e-6)], "silu_mul": [(1536, False)]}, 0.1,
+                                      workers=2)
+    assert len(failures) == 1 and failures[0].startswith("rms_norm (1000, True, 1e-06):"), failures
+
+
+def test_no_workers_without_the_disk_cache_or_spare_cores(monkeypatch):
+    from deepinfer_npu.backends.cuda import warmup
+
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 16)
+    assert warmup.compile_workers(40) == 15 and warmup.compile_workers(3) == 3
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
+    assert warmup.compile_workers(40) == 0
+    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
+    assert warmup.compile_workers(40) == 0
