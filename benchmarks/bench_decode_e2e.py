@@ -142,7 +142,8 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
     llm = LLM(model_dir, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=blocks,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len),  # one prefill step per batch
-              enable_graphs=args.graphs, quantization=args.quantization)  # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
+              # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
+              enable_graphs=args.graphs, quantization=args.quantization)
     engine = llm.llm_engine
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "

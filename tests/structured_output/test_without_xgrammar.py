@@ -17,8 +17,8 @@ llm = LLM(backend="cpu", max_num_seqs=4, dtype="float32")
 out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
 assert len(out[0].outputs[0].token_ids) == 4
 try:
-    llm.generate(["def f(x):"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
-                 use_tqdm=False)
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]+"))
+    llm.generate(["def f(x):"], constrained, use_tqdm=False)
 except ValueError as e:
     print("REFUSED:", e)
 """
