@@ -53,7 +53,7 @@ for l in open('$OUT/h200_kernels.jsonl'):
     r = json.loads(l); print({k: v for k, v in r.items() if k not in ('date', 'commit', 'hardware', 'command')})
 " | tail -60 ;;
     e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf
-             timeout $LIM python3 benchmarks/bench_decode_e2e.py --backend cuda --batch 1 16 64 --prompt-len 512 \
+             timeout $LIM python3 -m benchmarks.bench_decode_e2e --backend cuda --batch 1 16 64 --prompt-len 512 \
              --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
     zos) timeout $LIM python3 -m benchmarks.bench_zos --backend cuda --batch 1 64 --graphs \
