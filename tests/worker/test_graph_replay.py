@@ -89,17 +89,18 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
         pg = worker.drafter.propose_graphs
         assert pg is not None and pg.disabled is None and pg.replays > 0
         assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
-    # Acceptance is compared as a rate: varlen verification sizes each step's drafts from measured times, so the
-    # number of drafts verified (and accepted) differs between two runs of the same prompts.
+    # Acceptance is compared at the first draft position: varlen verification sizes each step's drafts from
+    # measured times, so how many drafts are verified (and the overall rate, which mixes positions) differs between
+    # two runs of the same prompts on a loaded machine; whether a step's first draft is accepted does not.
+    if method is not None:
+        got, want = (x.get_stats()["per_position_acceptance"][0] for x in (llm, eager_llm))
     if method == "mtp":  # chain graphs on padded rows and wider tables draft as well as the eager chain
-        got, want = llm.get_stats()["draft_acceptance_rate"], eager_llm.get_stats()["draft_acceptance_rate"]
         assert got >= want - 0.1, (got, want)
     if method == "dflash":
         # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
         assert worker.graphs.drafter_hook is not None
         assert padding_audit["hook_replays"] == worker.graph_steps
         # drafts from the in-graph ring write are as good as from the eager one (a wrong write loses acceptance)
-        got, want = llm.get_stats()["draft_acceptance_rate"], eager_llm.get_stats()["draft_acceptance_rate"]
         assert got >= want - 0.1, (got, want)
 
 
