@@ -10,7 +10,8 @@ Both architectures compile the first configuration of each kernel kind of ``CI_C
 ``--all-kernel-configs`` sm_90a compiles every configuration (the other configurations change tile sizes, not code;
 lowering them doubles the compile time of the suite, and a GPU job builds every configuration it launches).
 sm_100a (TileLang 0.1.15, nvcc 13.0): every module but mla_decode_ws (Hopper-only by design, ``SM100_SKIP``) lowers
-and compiles; the tuned configurations are Hopper's. mla_decode's ``T.gemm`` lowers to
+and compiles; the tuned configurations are Hopper's. ``FULL_ONLY`` modules (mla_decode_ws: minutes of lowering)
+compile only with ``--all-kernel-configs``. mla_decode's ``T.gemm`` lowers to
 ``mma.sync`` (ldmatrix operands, TMA loads kept) instead of Hopper's wgmma, so it compiles but is not the tuned
 path there (TileLang would need tcgen05 / TMEM code for Blackwell's tensor cores); it is not run there.
 
@@ -27,7 +28,7 @@ import pytest
 
 from deepinfer_npu import kernels_cuda
 from tests import kernel_compiles
-from tests.kernel_compiles import Compiled, sm100_configs, sm100_skip_reason
+from tests.kernel_compiles import Compiled, full_only_reason, sm100_configs, sm100_skip_reason
 
 #: one pytest-xdist worker runs the whole module: its compile pool serves every compile test of the session
 pytestmark = pytest.mark.xdist_group("kernel_compiles")
@@ -85,14 +86,16 @@ def _check(name: str, arch: str, got: Compiled) -> None:
 @pytest.mark.nvcc
 @pytest.mark.tilelang
 @pytest.mark.parametrize("name", MODULES)
-def test_compiles_for_sm90a(name, compiles):
-    _check(name, "sm_90a", compiles.result(name, "sm_90a"))
+def test_compiles_for_sm90a(name, request):
+    if why := full_only_reason(name, request.config.getoption("--all-kernel-configs")):
+        pytest.skip(why)
+    _check(name, "sm_90a", request.getfixturevalue("compiles").result(name, "sm_90a"))
 
 
 @pytest.mark.nvcc
 @pytest.mark.tilelang
 @pytest.mark.parametrize("name", MODULES)
-def test_compiles_for_sm100a(name, compiles):
+def test_compiles_for_sm100a(name, request):
     if why := sm100_skip_reason(name):
         pytest.skip(why)
-    _check(name, "sm_100a", compiles.result(name, "sm_100a"))
+    _check(name, "sm_100a", request.getfixturevalue("compiles").result(name, "sm_100a"))
