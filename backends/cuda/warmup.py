@@ -10,9 +10,9 @@ Modules are compiled one after another: CPython 3.11's ``ast.parse`` is not thre
 build (parse) their kernels at once. With TileLang's disk cache warm, a restart only re-parses (~0.1 s a config).
 
 On a host with cores to spare and TileLang's disk cache on, :func:`fill_disk_cache` first lowers and compiles the
-configurations in spawned worker processes (the lowering is Python and C++ passes under the GIL, up to a minute and
-a half for one ``mla_decode_ws`` configuration on one core, so one process builds one kernel at a time); the serial
-pass then loads them from the disk cache, and still compiles (and reports) anything a worker could not.
+configurations in worker subprocesses (the lowering is Python and C++ passes under the GIL, about two minutes for
+one ``mla_decode_ws`` configuration on one core, so one process builds one kernel at a time); the serial pass then
+loads them from the disk cache, and still compiles (and reports) anything a worker could not.
 
 A module whose compile fails is turned off in the kernel set: its ops fall back to the reference with the failure
 as the reason (as a failed import does), and the summary names it; start-up continues.

@@ -102,13 +102,11 @@ class QuantOps(OpImpl):
             return self.modules.error("moe_gemm")
         if w13.shape[0] > mg.MAX_EXPERTS:
             return f"{w13.shape[0]} experts: the expert scan takes at most {mg.MAX_EXPERTS}"
-        (_e, n13, d), (_e2, d2, inter) = w13.shape, w2.shape
-        return gg.reason(n13, d) or gg.reason(d2, inter) or quant_reason(quant, d, inter)
+        return grouped_shape_reason(gg, quant, w2.shape[1], w2.shape[2])  # w2 [E, D, I]; w13 [E, 2I, D]
 
     def grouped_shape_reason(self, d: int, inter: int) -> str | None:
         """Why experts of hidden size ``d`` and width ``inter`` take the reference grouped op, or None."""
-        gg, quant = kernel_module("fp8_grouped_gemm"), kernel_module("fp8_quant")
-        return gg.reason(2 * inter, d) or gg.reason(d, inter) or quant_reason(quant, d, inter)
+        return grouped_shape_reason(kernel_module("fp8_grouped_gemm"), kernel_module("fp8_quant"), d, inter)
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
@@ -136,6 +134,11 @@ class QuantOps(OpImpl):
                 out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
                 out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
         return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
+
+
+def grouped_shape_reason(gg, quant, d: int, inter: int) -> str | None:
+    """Why the grouped kernel (``gg``) and the quantiser cannot take experts [2I, D] / [D, I], or None."""
+    return gg.reason(2 * inter, d) or gg.reason(d, inter) or quant_reason(quant, d, inter)
 
 
 def quant_reason(quant, d: int, inter: int) -> str | None:
