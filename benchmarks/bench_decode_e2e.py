@@ -134,7 +134,7 @@ def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8
     return {"weights": weights, "kv": kv, "experts_hit": hit, "total": weights + kv}
 
 
-def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
+def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: str | None = None) -> dict:
     from deepinfer_npu import LLM, SamplingParams
 
     max_model_len = 64 * -(-(args.prompt_len + args.gen + 8) // 64)
@@ -143,11 +143,11 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict) -> dict:
               max_num_seqs=max(args.batch), num_kv_blocks=blocks,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len),  # one prefill step per batch
               # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
-              enable_graphs=args.graphs, quantization=args.quantization)
+              enable_graphs=args.graphs, quantization=quantization)
     engine = llm.llm_engine
     dev = engine.backend.device_type
-    log(f"engine built: backend={engine.backend.name} dtype={args.dtype} max_model_len={max_model_len} "
-        f"blocks={blocks}")
+    log(f"engine built: backend={engine.backend.name} dtype={args.dtype} quantization={quantization} "
+        f"max_model_len={max_model_len} blocks={blocks}")
     log("kernels: " + warmup_summary(engine))
     for batch in args.batch:
         # warm-up: prefill + a few decode steps (compiles this batch's kernel configurations, cuBLAS plans)
@@ -283,8 +283,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-engine", action="store_true", help="skip the engine")
     p.add_argument("--graphs", action="store_true", help="engine with enable_graphs=True (captured decode graphs)")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="weights quantised at load (the roofline counts 1-byte projections and experts)")
+    p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                   help="weights quantised at load (the roofline counts 1-byte projections and experts); several: "
+                   "one engine each, in this order, side by side in this run (fp8 rows carry their ratio to none)")
     p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args(argv)
 
@@ -301,15 +302,19 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(device)
     log(f"hardware: {meta['hardware']}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
     tmp = write_model_dir(cfg, "bench_decode_e2e_")
-    eng, hf = {}, {}
+    engines: dict[str, dict] = {}  # quantization name -> {batch: measurements, "op_report": ...}
+    hf = {}
     if not args.no_engine:
-        try:
-            run_engine(args, tmp, cfg, log, eng)
-        except Exception:  # noqa: BLE001 - report what was measured, then the error
-            log("engine failed:\n" + traceback.format_exc())
-        for batch in args.batch:
-            if batch in eng:
-                print(json.dumps({"bench": "decode_e2e_engine_partial", "batch": batch, **eng[batch]}), flush=True)
+        for name in args.quantization:
+            eng = engines[name] = {}
+            try:
+                run_engine(args, tmp, cfg, log, eng, quantization=None if name == "none" else name)
+            except Exception:  # noqa: BLE001 - report what was measured, then the error
+                log(f"engine (quantization={name}) failed:\n" + traceback.format_exc())
+            for batch in args.batch:
+                if batch in eng:
+                    print(json.dumps({"bench": "decode_e2e_engine_partial", "quantization": name, "batch": batch,
+                                      **eng[batch]}), flush=True)
     if not args.no_hf:
         try:
             run_hf(args, cfg, device, log, hf)
@@ -318,45 +323,52 @@ def main(argv=None) -> int:
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     context = args.prompt_len + args.gen / 2.0
     lines = []
-    for batch in args.batch:
-        by = bytes_per_step(cfg, batch, context, itemsize, fp8=args.quantization == "fp8")
-        roof = batch / (by["total"] / bw)
-        e_tok = eng.get(batch, {}).get("engine_tok_s")
-        row = {
-            "bench": "decode_e2e", **meta, "batch": batch,
-            "engine_tok_s": round(e_tok, 2) if e_tok is not None else None,
-            "hf_tok_s": round(hf[batch]["hf_tok_s"], 2) if batch in hf else None,
-            "roofline_tok_s": round(roof, 1),
-            "frac_of_roofline": round(e_tok / roof, 4) if e_tok is not None else None,
-            "hf_frac_of_roofline": round(hf[batch]["hf_tok_s"] / roof, 4) if batch in hf else None,
-            "engine_step_ms": round(eng[batch]["engine_step_ms"], 3) if batch in eng else None,
-            "engine_steps": eng.get(batch, {}).get("engine_steps"),
-            "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
-            "host_wait_frac_windows": eng.get(batch, {}).get("host_wait_frac_windows"),
-            "host_ms_per_step": eng.get(batch, {}).get("host_ms_per_step"),
-            "host_ms_per_step_windows": eng.get(batch, {}).get("host_ms_per_step_windows"),
-            "gpu_state_windows": eng.get(batch, {}).get("gpu_state_windows"),
-            "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
-            "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
-            "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
-            "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
-            "dtype": args.dtype, "quantization": args.quantization, "prompt_len": args.prompt_len,
-            "decode_tokens": args.gen,
-            "backend": args.backend, "torch": torch.__version__,
-            "timing": "wall clock over decode steps, device synchronised at both ends; "
-            + ("decode from captured CUDA graphs (--graphs)" if args.graphs else "eager (no CUDA graphs)"),
-            "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
-        }
-        if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
-            row["pdl"] = pdl_enabled()
-        # the engine switches set in the environment (A/B runs), cache locations left out
-        row["env"] = {k: v for k, v in sorted(os.environ.items())
-                      if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}
-        lines.append(row)
-        print(json.dumps(row), flush=True)
-    if "op_report" in eng:
-        print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, **eng["op_report"]}),
-              flush=True)
+    for name in args.quantization if not args.no_engine else ["none"]:
+        eng = engines.get(name, {})
+        base = engines.get("none", {})
+        for batch in args.batch:
+            by = bytes_per_step(cfg, batch, context, itemsize, fp8=name == "fp8")
+            roof = batch / (by["total"] / bw)
+            e_tok = eng.get(batch, {}).get("engine_tok_s")
+            b_tok = base.get(batch, {}).get("engine_tok_s") if name != "none" else None
+            row = {
+                "bench": "decode_e2e", **meta, "batch": batch,
+                "engine_tok_s": round(e_tok, 2) if e_tok is not None else None,
+                "hf_tok_s": round(hf[batch]["hf_tok_s"], 2) if batch in hf else None,
+                "roofline_tok_s": round(roof, 1),
+                "frac_of_roofline": round(e_tok / roof, 4) if e_tok is not None else None,
+                "hf_frac_of_roofline": round(hf[batch]["hf_tok_s"] / roof, 4) if batch in hf else None,
+                # the unquantised engine of this run at this batch (a quantised row's speed-up)
+                "over_unquantized_engine": round(e_tok / b_tok, 4) if e_tok and b_tok else None,
+                "engine_step_ms": round(eng[batch]["engine_step_ms"], 3) if batch in eng else None,
+                "engine_steps": eng.get(batch, {}).get("engine_steps"),
+                "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
+                "host_wait_frac_windows": eng.get(batch, {}).get("host_wait_frac_windows"),
+                "host_ms_per_step": eng.get(batch, {}).get("host_ms_per_step"),
+                "host_ms_per_step_windows": eng.get(batch, {}).get("host_ms_per_step_windows"),
+                "gpu_state_windows": eng.get(batch, {}).get("gpu_state_windows"),
+                "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
+                "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
+                "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
+                "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
+                "dtype": args.dtype, "quantization": None if name == "none" else name,
+                "prompt_len": args.prompt_len, "decode_tokens": args.gen,
+                "backend": args.backend, "torch": torch.__version__,
+                "timing": "wall clock over decode steps, device synchronised at both ends; "
+                + ("decode from captured CUDA graphs (--graphs)" if args.graphs else "eager (no CUDA graphs)"),
+                "engine_graph_steps": eng.get(batch, {}).get("engine_graph_steps"),
+                "graphs_disabled": eng.get(batch, {}).get("graphs_disabled"),
+            }
+            if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
+                row["pdl"] = pdl_enabled()
+            # the engine switches set in the environment (A/B runs), cache locations left out
+            row["env"] = {k: v for k, v in sorted(os.environ.items())
+                          if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}
+            lines.append(row)
+            print(json.dumps(row), flush=True)
+        if "op_report" in eng:
+            print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, "quantization": name,
+                              **eng["op_report"]}), flush=True)
     append_jsonl(args.out, lines)
     return 0
 

@@ -91,22 +91,33 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
+@pytest.mark.parametrize("whole_tiles", [True, False], ids=["padded", "as-is"])
 @pytest.mark.parametrize("rows", [1, 48, 300])
-def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
+def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, whole_tiles, monkeypatch):
+    """``whole_tiles=False`` launches the GEMM on the rows as they are (partial 64- and 128-row tiles at 48 and
+    300 rows) instead of padding them (``fp8_gemm.whole_tile_rows``)."""
+    from deepinfer_npu.kernels_cuda import fp8_gemm
+
+    if not whole_tiles:
+        monkeypatch.setattr(fp8_gemm, "whole_tile_rows", lambda m: m)
     ks = CudaKernelSet()
     x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
     w, s = quantize_fp8_block(torch.randn(3072, 2048, device="cuda") * 0.02)
     bias = torch.randn(3072, device="cuda").to(BF16)
-    # The kernel path rounds the product to bf16, adds the bias in fp32 and rounds again; the reference rounds
-    # once. Bound per element: each run's final rounding (2**-8 of its value), the kernel's rounding of the product
-    # before the bias (2**-8 of it), and the fp8 wgmma accumulation (2**-12 of the products' magnitudes, as
-    # tests/kernels_cuda/test_fp8_gemm.py); a wrong scale or row moves an element by its own size.
-    product = ref.fp8_linear(x.view(1, rows, 2048), w, s).float()
-    magnitude = ref.quantize_activations(x).abs() @ dequantize_fp8_block(w, s).abs().t()
+    # The reference runs on the CPU: torch on CUDA divides by a scalar through its reciprocal, one ulp off the IEEE
+    # quotient the kernel (and the CPU) computes, which moves some e4m3 codes by a step. The kernel path rounds the
+    # product to bf16, adds the bias in fp32 and rounds again; the reference rounds once. Bound per element: each
+    # run's final rounding (2**-8 of its value), the kernel's rounding of the product before the bias (2**-8 of
+    # it), and the fp8 wgmma accumulation (2**-12 of the products' magnitudes, as tests/kernels_cuda/
+    # test_fp8_gemm.py); a wrong scale or row moves an element by its own size.
+    xc, wc, sc = x.cpu().view(1, rows, 2048), w.cpu(), s.cpu()
+    product = ref.fp8_linear(xc, wc, sc).float()
+    magnitude = ref.quantize_activations(x.cpu()).abs() @ dequantize_fp8_block(wc, sc).abs().t()
     for b in (None, bias):
-        got, want = ks.fp8_linear(x.view(1, rows, 2048), w, s, b), ref.fp8_linear(x.view(1, rows, 2048), w, s, b)
+        got = ks.fp8_linear(x.view(1, rows, 2048), w, s, b)
+        want = ref.fp8_linear(xc, wc, sc, None if b is None else b.cpu())
         assert got.shape == want.shape == (1, rows, 3072) and got.dtype == BF16
-        got, want = got.float(), want.float()
+        got, want = got.float().cpu(), want.float()
         bound = 2.0**-8 * (got.abs() + want.abs() + product.abs()) + 2.0**-12 * magnitude.view_as(want)
         excess = ((got - want).abs() - bound).flatten()
         i = int(excess.argmax())
