@@ -10,7 +10,9 @@ Roofline: bytes that must move per decode step / the device-to-device copy bandw
 (bytes read + written). Bytes per step = attention weights of every layer + the dense MLP + router and shared
 experts + the routed experts expected to be hit at that batch (E * (1 - (1 - k/E)^B), uniform routing) + lm_head
 + the latent KV cache read (B * context * 576 values per layer at the mean context of the timed window), in the
-weights' dtype (``--quantization fp8``: projections and experts at one byte a weight). Output, one JSON line per batch::
+weights' dtype (``--quantization fp8``: projections and experts at one byte a weight; ``--kv-cache-dtype fp8``:
+the cache's packed 656-byte rows). Several ``--quantization`` / ``--kv-cache-dtype`` values run one engine each, side
+by side; each row carries its ratio to the first (``over_baseline_engine``). Output, one JSON line per batch::
 
     {"bench": "decode_e2e", "batch": B, "engine_tok_s": x, "hf_tok_s": y, "roofline_tok_s": z,
      "frac_of_roofline": f, ..., "date": ..., "commit": ..., "hardware": ..., "command": ...}
@@ -108,10 +110,12 @@ def copy_bandwidth(device_type: str) -> float:
     return 2 * a.numel() * 4 / sorted(times)[3]
 
 
-def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8: bool = False) -> dict:
+def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8: bool = False,
+                   kv_fp8: bool = False) -> dict:
     """Bytes a decode step must move (see the module docstring), by part. ``fp8``: the projections and experts are
-    e4m3 (1 byte a weight, plus a 4-byte scale per 128 x 128 block); the absorbed kv_b, router, lm_head and the
-    KV cache stay in ``itemsize``."""
+    e4m3 (1 byte a weight, plus a 4-byte scale per 128 x 128 block); the absorbed kv_b, router and lm_head stay in
+    ``itemsize``. ``kv_fp8``: the cache rows are packed FP8 (L e4m3 bytes, 4 per 128 of them, 2 per RoPE value),
+    else L + R values of ``itemsize``."""
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
@@ -130,11 +134,13 @@ def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8
     plain = layers * attn_kvb + moe_layers * e * d + cfg["vocab_size"] * d
     qbytes = (1 + 4 / 128**2) if fp8 else itemsize
     weights = quantisable * qbytes + plain * itemsize
-    kv = layers * batch * context * (lrank + rope) * itemsize
+    kv_row = (lrank + 4 * -(-lrank // 128) + 2 * rope) if kv_fp8 else (lrank + rope) * itemsize
+    kv = layers * batch * context * kv_row
     return {"weights": weights, "kv": kv, "experts_hit": hit, "total": weights + kv}
 
 
-def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: str | None = None) -> dict:
+def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> dict:
     from deepinfer_npu import LLM, SamplingParams
 
     max_model_len = 64 * -(-(args.prompt_len + args.gen + 8) // 64)
@@ -143,11 +149,11 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: st
               max_num_seqs=max(args.batch), num_kv_blocks=blocks,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len),  # one prefill step per batch
               # --graphs: decode replayed from CUDA graphs (captured in the warm-up)
-              enable_graphs=args.graphs, quantization=quantization)
+              enable_graphs=args.graphs, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     engine = llm.llm_engine
     dev = engine.backend.device_type
     log(f"engine built: backend={engine.backend.name} dtype={args.dtype} quantization={quantization} "
-        f"max_model_len={max_model_len} blocks={blocks}")
+        f"kv_cache_dtype={kv_cache_dtype} max_model_len={max_model_len} blocks={blocks}")
     log("kernels: " + warmup_summary(engine))
     for batch in args.batch:
         # warm-up: prefill + a few decode steps (compiles this batch's kernel configurations, cuBLAS plans)
@@ -286,6 +292,8 @@ def main(argv=None) -> int:
     p.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
                    help="weights quantised at load (the roofline counts 1-byte projections and experts); several: "
                    "one engine each, in this order, side by side in this run (fp8 rows carry their ratio to none)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8"],
+                   help="latent cache dtype(s): each with each --quantization, side by side in this run")
     p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args(argv)
 
@@ -302,19 +310,21 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(device)
     log(f"hardware: {meta['hardware']}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
     tmp = write_model_dir(cfg, "bench_decode_e2e_")
-    engines: dict[str, dict] = {}  # quantization name -> {batch: measurements, "op_report": ...}
+    # (quantization, kv_cache_dtype) engines in this order; rows carry their ratio to the first one
+    variants = [(q, kv) for q in args.quantization for kv in args.kv_cache_dtype]
+    engines: dict[tuple[str, str], dict] = {}  # variant -> {batch: measurements, "op_report": ...}
     hf = {}
     if not args.no_engine:
-        for name in args.quantization:
-            eng = engines[name] = {}
+        for q, kv in variants:
+            eng = engines[q, kv] = {}
             try:
-                run_engine(args, tmp, cfg, log, eng, quantization=None if name == "none" else name)
+                run_engine(args, tmp, cfg, log, eng, quantization=None if q == "none" else q, kv_cache_dtype=kv)
             except Exception:  # noqa: BLE001 - report what was measured, then the error
-                log(f"engine (quantization={name}) failed:\n" + traceback.format_exc())
+                log(f"engine (quantization={q}, kv_cache_dtype={kv}) failed:\n" + traceback.format_exc())
             for batch in args.batch:
                 if batch in eng:
-                    print(json.dumps({"bench": "decode_e2e_engine_partial", "quantization": name, "batch": batch,
-                                      **eng[batch]}), flush=True)
+                    print(json.dumps({"bench": "decode_e2e_engine_partial", "quantization": q, "kv_cache_dtype": kv,
+                                      "batch": batch, **eng[batch]}), flush=True)
     if not args.no_hf:
         try:
             run_hf(args, cfg, device, log, hf)
@@ -323,14 +333,14 @@ def main(argv=None) -> int:
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     context = args.prompt_len + args.gen / 2.0
     lines = []
-    for name in args.quantization if not args.no_engine else ["none"]:
-        eng = engines.get(name, {})
-        base = engines.get("none", {})
+    for q, kv in variants if not args.no_engine else variants[:1]:
+        eng = engines.get((q, kv), {})
+        base = engines.get(variants[0], {})
         for batch in args.batch:
-            by = bytes_per_step(cfg, batch, context, itemsize, fp8=name == "fp8")
+            by = bytes_per_step(cfg, batch, context, itemsize, fp8=q == "fp8", kv_fp8=kv == "fp8")
             roof = batch / (by["total"] / bw)
             e_tok = eng.get(batch, {}).get("engine_tok_s")
-            b_tok = base.get(batch, {}).get("engine_tok_s") if name != "none" else None
+            b_tok = base.get(batch, {}).get("engine_tok_s") if (q, kv) != variants[0] else None
             row = {
                 "bench": "decode_e2e", **meta, "batch": batch,
                 "engine_tok_s": round(e_tok, 2) if e_tok is not None else None,
@@ -338,8 +348,9 @@ def main(argv=None) -> int:
                 "roofline_tok_s": round(roof, 1),
                 "frac_of_roofline": round(e_tok / roof, 4) if e_tok is not None else None,
                 "hf_frac_of_roofline": round(hf[batch]["hf_tok_s"] / roof, 4) if batch in hf else None,
-                # the unquantised engine of this run at this batch (a quantised row's speed-up)
-                "over_unquantized_engine": round(e_tok / b_tok, 4) if e_tok and b_tok else None,
+                # the first variant's engine in this run at this batch (a quantised or FP8-cache row's speed-up)
+                "over_baseline_engine": round(e_tok / b_tok, 4) if e_tok and b_tok else None,
+                "baseline": f"quantization={variants[0][0]} kv_cache_dtype={variants[0][1]}",
                 "engine_step_ms": round(eng[batch]["engine_step_ms"], 3) if batch in eng else None,
                 "engine_steps": eng.get(batch, {}).get("engine_steps"),
                 "engine_tok_s_windows": eng.get(batch, {}).get("engine_tok_s_windows"),
@@ -351,7 +362,7 @@ def main(argv=None) -> int:
                 "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
                 "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
                 "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
-                "dtype": args.dtype, "quantization": None if name == "none" else name,
+                "dtype": args.dtype, "quantization": None if q == "none" else q, "kv_cache_dtype": kv,
                 "prompt_len": args.prompt_len, "decode_tokens": args.gen,
                 "backend": args.backend, "torch": torch.__version__,
                 "timing": "wall clock over decode steps, device synchronised at both ends; "
@@ -367,8 +378,8 @@ def main(argv=None) -> int:
             lines.append(row)
             print(json.dumps(row), flush=True)
         if "op_report" in eng:
-            print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, "quantization": name,
-                              **eng["op_report"]}), flush=True)
+            print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, "quantization": q,
+                              "kv_cache_dtype": kv, **eng["op_report"]}), flush=True)
     append_jsonl(args.out, lines)
     return 0
 

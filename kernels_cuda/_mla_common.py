@@ -19,6 +19,12 @@ BLOCK_M = 64  # folded (q token x head) rows per CTA
 SMALL_BLOCK_M = 16
 SMALL_THREADS = 128
 BLOCK_N = 64  # keys per pipeline stage (= one page)
+# Packed FP8 rows (kv_cache_dtype="fp8", model_executor/quantization/kv_fp8.py): 512 e4m3 latent values, one fp32
+# scale per 128 of them, 64 bf16 RoPE values = 656 bytes a token; offsets in the units of the view that reads them
+FP8_GROUP = 128
+FP8_ROW_BYTES = KV_LORA + 4 * (KV_LORA // FP8_GROUP) + 2 * ROPE  # 656
+FP8_SCALE_OFFSET = KV_LORA // 4  # the scales in the row's fp32 view
+FP8_PE_OFFSET = (KV_LORA + 4 * (KV_LORA // FP8_GROUP)) // 2  # the RoPE values in the row's bf16 view
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 

@@ -209,18 +209,6 @@ def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
     return [("tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64))]
 
 
-def whole_tile_rows(m: int) -> int:
-    """The row count ``fp8_linear`` launches :func:`fp8_gemm` with for ``m`` rows (zero rows appended): ``m`` up
-    to 16 (the 16-row swapped tile), else whole row tiles (64 for the swapped form, 128 for the tiled one). On an
-    H200 the op's test found sums off by a few percent at 48 and 300 rows (a partial 64- or 128-row tile) while
-    whole tiles, partial 16-row tiles and a partial tile 64 columns wide matched; until the partial case is
-    understood, the engine launches whole tiles (tests/kernels_cuda/test_fp8_gemm.py checks both)."""
-    if m <= 16:
-        return m
-    tile = 64 if m <= SWAP_MAX_ROWS else 128
-    return -(-m // tile) * tile
-
-
 def precompile(configs) -> None:
     """Compile ``(kind, cfg)`` pairs of :func:`configs_for`, nvcc in parallel threads."""
     _CACHE.precompile((kind, tuple(cfg)) for kind, cfg in configs)

@@ -40,6 +40,10 @@ from ._ast_guard import compile_pool
 from ._mla_common import (  # noqa: F401 - PAGE, HEAD_DIM, LOG2E ... are this module's public layout too
     BLOCK_M,
     BLOCK_N,
+    FP8_GROUP,
+    FP8_PE_OFFSET,
+    FP8_ROW_BYTES,
+    FP8_SCALE_OFFSET,
     HEAD_DIM,
     KV_LORA,
     LN2,
@@ -68,7 +72,7 @@ def _ws_module():
 # ----------------------------------------------------------------------------------------------------
 def build_mla_decode(
     heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
-    causal_tile_bound: bool = False, block_m: int = BLOCK_M, skip_empty_splits: bool = False,
+    causal_tile_bound: bool = False, block_m: int = BLOCK_M, skip_empty_splits: bool = False, kv_fp8: bool = False,
 ):
     """Return the TileLang PrimFunc (not compiled).
 
@@ -79,12 +83,19 @@ def build_mla_decode(
     skip_empty_splits (tuning sweeps; off in the engine): a split with no key tile writes only its -inf LSE, not
     its zero partial output, and the combine does not read such partials (a batch-1 graph on a wide table runs
     32 splits for a 9-page context).
+    kv_fp8: the cache holds packed FP8 rows (``kv_cache_dtype="fp8"``, FP8_ROW_BYTES a token: 512 e4m3 latent
+    values, their 4 fp32 scales, 64 bf16 RoPE values), passed as three views of the same bytes (:func:`fp8_views`);
+    each half page's latents are dequantised into the bf16 tile the two GEMMs read (FlashMLA's FP8 decode does the
+    same); half-page key tiles keep both tiles double-buffered within the shared memory.
     Dynamic (run-time) sizes: total tokens T, requests B, cache blocks, block-table width.
     """
     assert tilelang is not None, "tilelang is not installed"
     H = heads
     DV, DPE = KV_LORA, ROPE
     BM, BN = block_m, BLOCK_N  # block_m < 64 (tuning sweeps only): mma.sync instead of wgmma on sm_90a
+    if kv_fp8:  # half-page key tiles: the fp8 staging tile and the bf16 tile, each double-buffered, fit in 227 KB
+        BN = BLOCK_N // 2
+    TPP = PAGE // BN  # key tiles a page
     S = num_splits
     scale = float(softmax_scale * LOG2E)
     dtype = T.bfloat16
@@ -97,20 +108,11 @@ def build_mla_decode(
     NBT = T.dynamic("max_blocks_per_seq")
     combine = combine_splits(H, S, skip_empty_splits)
 
-    @T.prim_func
-    def mla_decode_split(
-        Q: T.Tensor([Tq, H, DV], dtype),
-        Q_pe: T.Tensor([Tq, H, DPE], dtype),
-        KV: T.Tensor([NB, PAGE, HEAD_DIM], dtype),
-        block_table: T.Tensor([B, NBT], T.int32),
-        q_start: T.Tensor([B], T.int32),
-        seqlens_q: T.Tensor([B], T.int32),
-        seqlens_k: T.Tensor([B], T.int32),
-        Out: T.Tensor([Tq, H, DV], dtype),
-        Lse: T.Tensor([Tq, H], acc),
-        O_part: T.Tensor([S, Tq, H, DV], acc),
-        Lse_part: T.Tensor([S, Tq, H], acc),
-    ):
+    @T.macro
+    def split_kernel(Q, Q_pe, KV_lat, KV_sc, KV_pe, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,
+                     Lse_part):
+        """The split kernel; KV_lat / KV_sc / KV_pe: the cache (bf16: the same tensor three times; FP8: its e4m3,
+        fp32 and bf16 views)."""
         with T.Kernel(m_tiles, B, S, threads=threads) as (mt, b, z):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
@@ -118,6 +120,8 @@ def build_mla_decode(
             Q_pe_shared = T.alloc_shared([BM, DPE], dtype)
             KV_shared = T.alloc_shared([BN, DV], dtype)
             K_pe_shared = T.alloc_shared([BN, DPE], dtype)
+            if kv_fp8:
+                KV8_shared = T.alloc_shared([BN, DV], T.float8_e4m3fn)
             S_shared = T.alloc_shared([BM, BN], dtype)
             acc_s = T.alloc_fragment([BM, BN], acc)
             acc_o = T.alloc_fragment([BM, DV], acc)
@@ -164,9 +168,18 @@ def build_mla_decode(
             first_masked = sk - sq  # keys at positions > this are invisible to the first query row
 
             for k in T.Pipelined(my_tiles, num_stages=num_stages):
-                page = block_table[b, t0 + k]
-                T.copy(KV[page, :, 0:DV], KV_shared)
-                T.copy(KV[page, :, DV:HEAD_DIM], K_pe_shared)
+                if kv_fp8:
+                    page = block_table[b, (t0 + k) // TPP]
+                    r0 = ((t0 + k) % TPP) * BN  # the tile's first row in its page
+                    T.copy(KV_lat[page, r0 : r0 + BN, 0:DV], KV8_shared)
+                    T.copy(KV_pe[page, r0 : r0 + BN, FP8_PE_OFFSET : FP8_PE_OFFSET + DPE], K_pe_shared)
+                    for i, d in T.Parallel(BN, DV):  # value * its group's scale (fp32), rounded to bf16
+                        KV_shared[i, d] = T.cast(T.cast(KV8_shared[i, d], acc)
+                                                 * KV_sc[page, r0 + i, FP8_SCALE_OFFSET + d // FP8_GROUP], dtype)
+                else:
+                    page = block_table[b, t0 + k]
+                    T.copy(KV_lat[page, :, 0:DV], KV_shared)
+                    T.copy(KV_pe[page, :, DV:HEAD_DIM], K_pe_shared)
                 T.clear(acc_s)
                 T.gemm(Q_shared, KV_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(Q_pe_shared, K_pe_shared, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -217,6 +230,47 @@ def build_mla_decode(
                     if row0 + i < n_valid_rows:
                         Lse_part[z, qs + (row0 + i) // H, (row0 + i) % H] = m_prev[i]
 
+    if kv_fp8:
+        RB = FP8_ROW_BYTES
+
+        @T.prim_func
+        def mla_decode_split_fp8(
+            Q: T.Tensor([Tq, H, DV], dtype),
+            Q_pe: T.Tensor([Tq, H, DPE], dtype),
+            KV8: T.Tensor([NB, PAGE, RB], T.float8_e4m3fn),
+            KVs: T.Tensor([NB, PAGE, RB // 4], acc),
+            KVr: T.Tensor([NB, PAGE, RB // 2], dtype),
+            block_table: T.Tensor([B, NBT], T.int32),
+            q_start: T.Tensor([B], T.int32),
+            seqlens_q: T.Tensor([B], T.int32),
+            seqlens_k: T.Tensor([B], T.int32),
+            Out: T.Tensor([Tq, H, DV], dtype),
+            Lse: T.Tensor([Tq, H], acc),
+            O_part: T.Tensor([S, Tq, H, DV], acc),
+            Lse_part: T.Tensor([S, Tq, H], acc),
+        ):
+            split_kernel(Q, Q_pe, KV8, KVs, KVr, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,
+                         Lse_part)
+            if S > 1:
+                combine(Out, Lse, O_part, Lse_part, Tq)
+
+        return mla_decode_split_fp8
+
+    @T.prim_func
+    def mla_decode_split(
+        Q: T.Tensor([Tq, H, DV], dtype),
+        Q_pe: T.Tensor([Tq, H, DPE], dtype),
+        KV: T.Tensor([NB, PAGE, HEAD_DIM], dtype),
+        block_table: T.Tensor([B, NBT], T.int32),
+        q_start: T.Tensor([B], T.int32),
+        seqlens_q: T.Tensor([B], T.int32),
+        seqlens_k: T.Tensor([B], T.int32),
+        Out: T.Tensor([Tq, H, DV], dtype),
+        Lse: T.Tensor([Tq, H], acc),
+        O_part: T.Tensor([S, Tq, H, DV], acc),
+        Lse_part: T.Tensor([S, Tq, H], acc),
+    ):
+        split_kernel(Q, Q_pe, KV, KV, KV, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part, Lse_part)
         if S > 1:
             combine(Out, Lse, O_part, Lse_part, Tq)
 
@@ -226,19 +280,22 @@ def build_mla_decode(
 @functools.cache
 def get_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2,
                causal_tile_bound: bool = False, threads: int = 256, block_m: int = BLOCK_M,
-               skip_empty_splits: bool = False):
+               skip_empty_splits: bool = False, kv_fp8: bool = False):
     """Compile for sm_90a (cached per configuration, in memory and in TileLang's disk cache)."""
     assert tilelang is not None, "tilelang is not installed"
     func = build_mla_decode(heads, m_tiles, num_splits, softmax_scale, num_stages, threads=threads,
                             causal_tile_bound=causal_tile_bound, block_m=block_m,
-                            skip_empty_splits=skip_empty_splits)
+                            skip_empty_splits=skip_empty_splits, kv_fp8=kv_fp8)
     return compile_sm90(func)
 
 
 def _engine_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: float, causal: bool = False,
-                   block_m: int = BLOCK_M):
+                   block_m: int = BLOCK_M, kv_fp8: bool = False):
     """The engine's kernels, always through this one call form: ``get_kernel``'s functools cache keys on how a call
     is spelled, so precompile and the launches must spell it the same way."""
+    if kv_fp8:
+        threads = SMALL_THREADS if block_m != BLOCK_M else 256
+        return get_kernel(heads, m_tiles, num_splits, softmax_scale, 2, causal, threads, block_m, False, True)
     if causal:
         return get_kernel(heads, m_tiles, num_splits, softmax_scale, causal_tile_bound=True)
     if block_m == BLOCK_M:
@@ -247,10 +304,20 @@ def _engine_kernel(heads: int, m_tiles: int, num_splits: int, softmax_scale: flo
 
 
 def _normalize(config) -> tuple:
-    """(heads, m_tiles, num_splits[, causal[, block_m[, warp_specialized]]]) -> the 6-tuple."""
+    """(heads, m_tiles, num_splits[, causal[, block_m[, warp_specialized[, kv_fp8]]]]) -> the 7-tuple."""
     c = tuple(config)
     return (c[0], c[1], c[2], bool(c[3]) if len(c) > 3 else False, int(c[4]) if len(c) > 4 else BLOCK_M,
-            bool(c[5]) if len(c) > 5 else False)
+            bool(c[5]) if len(c) > 5 else False, bool(c[6]) if len(c) > 6 else False)
+
+
+def fp8_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed FP8 cache (uint8 [blocks, 64, FP8_ROW_BYTES]) as the kernel's three views of the same bytes:
+    e4m3 [.., 656] (the latents), fp32 [.., 164] (the scales) and bf16 [.., 328] (the RoPE values)."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 3 or kv_cache.shape[-1] != FP8_ROW_BYTES \
+            or not kv_cache.is_contiguous():
+        raise ValueError(f"mla_decode: a packed FP8 cache is contiguous uint8 [blocks, {PAGE}, {FP8_ROW_BYTES}], got "
+                         f"{kv_cache.dtype} {list(kv_cache.shape)} (contiguous={kv_cache.is_contiguous()})")
+    return kv_cache.view(torch.float8_e4m3fn), kv_cache.view(torch.float32), kv_cache.view(torch.bfloat16)
 
 
 def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None):
@@ -260,31 +327,34 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
 
     configs = list(dict.fromkeys(_normalize(c) for c in configs))
     ws_configs = [c[:3] for c in configs if c[5]]
-    configs = [c[:5] for c in configs if not c[5]]
+    configs = [c[:5] + c[6:] for c in configs if not c[5]]
     if ws_configs:
         try:
             _ws.precompile(ws_configs, softmax_scale, num_workers)
         except Exception as e:  # noqa: BLE001 - the pipelined kernel still serves these steps (mla_decode)
             _ws.disable(f"compile failed: {type(e).__name__}: {e}")
-            configs += [c[:3] + (False, BLOCK_M) for c in ws_configs]
+            configs += [c[:3] + (False, BLOCK_M, False) for c in ws_configs]
     if not configs:
         return
     # Parse on this thread (CPython 3.11's ast.parse is not thread-safe), run nvcc in parallel: TileLang's disk
     # cache then serves get_kernel, which re-parses serially but does not recompile.
     funcs = [build_mla_decode(h, mt, s, float(softmax_scale), causal_tile_bound=ctb, block_m=bm,
-                              threads=SMALL_THREADS if bm != BLOCK_M else 256) for h, mt, s, ctb, bm in configs]
+                              threads=SMALL_THREADS if bm != BLOCK_M else 256, kv_fp8=fp8)
+             for h, mt, s, ctb, bm, fp8 in configs]
 
     with compile_pool(num_workers or min(len(funcs), 16)) as ex:
         list(ex.map(compile_sm90, funcs))
-    for h, mt, s, ctb, bm in configs:  # the launchers' own calls, so that their functools cache keys match
-        _engine_kernel(h, mt, s, float(softmax_scale), ctb, bm)
+    for h, mt, s, ctb, bm, fp8 in configs:  # the launchers' own calls, so that their functools cache keys match
+        _engine_kernel(h, mt, s, float(softmax_scale), ctb, bm, fp8)
 
 
 CI_CONFIGS = [
     (128, 2, 1),
     (16, 4, 3),
     (16, 1, 32, False, SMALL_BLOCK_M),
-]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine; V2-Lite batch-1 decode
+    (16, 1, 32, False, SMALL_BLOCK_M, False, True),
+]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine; V2-Lite batch-1 decode, bf16 and
+# packed FP8 cache
 
 
 def ci_compile(configs=None, target=None):
@@ -296,8 +366,8 @@ def ci_compile(configs=None, target=None):
     # Build the prim funcs (Python AST parsing) on this thread: CPython 3.11's ast.parse is not thread-safe
     # ("AST constructor recursion depth mismatch" seen here); only nvcc runs in parallel.
     funcs = [build_mla_decode(h, mt, s, HEAD_DIM**-0.5, causal_tile_bound=ctb, block_m=bm,
-                              threads=SMALL_THREADS if bm != BLOCK_M else 256)
-             for h, mt, s, ctb, bm, _w in map(_normalize, cfgs)]
+                              threads=SMALL_THREADS if bm != BLOCK_M else 256, kv_fp8=fp8)
+             for h, mt, s, ctb, bm, _w, fp8 in map(_normalize, cfgs)]
     assert not any(_normalize(c)[5] for c in cfgs), "warp-specialized configurations: mla_decode_ws.ci_compile"
     if configs is None:
         funcs.append(build_mla_decode(16, m_tiles_for(16, 512), 1, HEAD_DIM**-0.5, causal_tile_bound=True))
@@ -313,12 +383,16 @@ def takes_warp_specialized(heads: int, q_bucket: int, warp_specialized: bool) ->
         _ws.disabled_reason is None
 
 
-def decode_config(heads: int, q_bucket: int, num_splits: int, warp_specialized: bool = False) -> tuple:
+def decode_config(heads: int, q_bucket: int, num_splits: int, warp_specialized: bool = False,
+                  kv_fp8: bool = False) -> tuple:
     """The precompile configuration the engine's decode launch uses for ``q_bucket`` (``bucket_q``) query tokens:
     ``(heads, m_tiles, num_splits)``, ``(heads, 1, num_splits, False, SMALL_BLOCK_M)`` for the small tile, or with
     ``warp_specialized`` (``mla_decode``'s argument) and a 64-row tile ``(heads, m_tiles, num_splits, False, 64,
-    True)``."""
+    True)``. ``kv_fp8`` (a packed FP8 cache; never the warp-specialized kernel): ``(heads, m_tiles, num_splits,
+    False, block_m, False, True)``."""
     bm = decode_block_m(heads, q_bucket)
+    if kv_fp8:
+        return (heads, -(-q_bucket * heads // bm), num_splits, False, bm, False, True)
     if bm == BLOCK_M:
         mt = m_tiles_for(heads, q_bucket)
         return (heads, mt, num_splits, False, BLOCK_M, True) if warp_specialized else (heads, mt, num_splits)
@@ -404,8 +478,12 @@ def mla_decode(
     if num_splits is None:
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
     engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
-    use_ws = takes_warp_specialized(H, bucket_q(max_seqlen_q), warp_specialized)
-    if use_ws:
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    use_ws = takes_warp_specialized(H, bucket_q(max_seqlen_q), warp_specialized) and not kv_fp8
+    if kv_fp8:  # the engine's tile only
+        mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
+        kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm, kv_fp8=True)
+    elif use_ws:
         mt = m_tiles_for(H, bucket_q(max_seqlen_q))
         kern = _ws.get_kernel(H, mt, num_splits, float(softmax_scale))
     elif num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
@@ -430,7 +508,8 @@ def mla_decode(
     q_start = cu_seqlens_q[:B]
     if use_ws:  # its Q inputs are the [T * H, D] row views
         q_latent, q_rope = q_latent.reshape(Tq * H, KV_LORA), q_rope.reshape(Tq * H, ROPE)
-    kern(q_latent, q_rope, kv_cache, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
+    kv = fp8_views(kv_cache) if kv_fp8 else (kv_cache,)
+    kern(q_latent, q_rope, *kv, block_tables, q_start, seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse
 
 
@@ -443,11 +522,13 @@ def mla_prefill(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, 
     Tq, H, _ = q_latent.shape
     B = block_tables.shape[0]
     mt = m_tiles_for(H, bucket_prefill_q(int(max_seqlen_q)))
-    kern = _engine_kernel(H, mt, 1, float(softmax_scale), causal=True)
+    kv_fp8 = kv_cache.dtype == torch.uint8
+    kern = _engine_kernel(H, mt, 1, float(softmax_scale), causal=True, kv_fp8=kv_fp8)
     if out is None:
         out = torch.empty_like(q_latent)
     if lse is None:
         lse = torch.empty(Tq, H, dtype=torch.float32, device=q_latent.device)
     o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
-    kern(q_latent, q_rope, kv_cache, block_tables, cu_seqlens_q[:B], seqlens_q, seqlens_k, out, lse, o_part, l_part)
+    kv = fp8_views(kv_cache) if kv_fp8 else (kv_cache,)
+    kern(q_latent, q_rope, *kv, block_tables, cu_seqlens_q[:B], seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse

@@ -46,8 +46,9 @@ class CudaBackend(Backend):
     dist_backend = "nccl"
     kernel_set_cls = CudaKernelSet
     graphs_by_default = True  # graph-vs-eager decode checked on an H200 (tests/cuda/test_cuda_graphs.py)
-    fp8_kv_cache_unsupported = ("the TileLang MLA kernels read a bf16 latent cache; the FP8-reading decode and "
-                                "prefill kernels are not built yet")
+    # packed FP8 rows: written by the composed prolog tail, read by kernels_cuda.mla_decode's FP8 variant on the
+    # DeepSeek dims, by the dense composition or the reference elsewhere (backends/cuda/ops/mla_attention.py)
+    fp8_kv_cache_unsupported = None
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__(device_index)

@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, unpack_fp8_latents
+
 #: above this many gathered bytes an eager step takes the reference instead (captured steps always come here)
 MAX_GATHER_BYTES = 2 << 30
 
 
 def gather_bytes(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
-    return q_latent.shape[0] * block_tables.shape[1] * kv_cache.shape[1] * kv_cache.shape[2] * 4
+    """fp32 bytes of the gathered rows (L + R values a key; a packed FP8 row also unpacks to L + R)."""
+    lrank, width = q_latent.shape[-1], kv_cache.shape[2]
+    if kv_cache.dtype == FP8_KV_DTYPE:  # L e4m3 bytes, 4 per 128 of them (scales), 2 per RoPE value
+        width = lrank + (width - lrank - 4 * -(-lrank // 128)) // 2
+    return q_latent.shape[0] * block_tables.shape[1] * kv_cache.shape[1] * width * 4
 
 
 def mla_attention_dense(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q,
@@ -30,7 +36,10 @@ def mla_attention_dense(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seq
     cu = cu_seqlens_q.to(torch.int64)
     row = torch.searchsorted(cu[1:].contiguous(), tok, right=True).clamp(max=max(b - 1, 0))
     q_pos = seqlens_k.to(torch.int64)[row] - seqlens_q.to(torch.int64)[row] + (tok - cu[row])
-    kv = kv_cache[block_tables.to(torch.int64)].reshape(b, w * kv_cache.shape[1], -1)[row].float()  # [T, K, L+R]
+    kv = kv_cache[block_tables.to(torch.int64)].reshape(b, w * kv_cache.shape[1], -1)[row]  # [T, K, L+R]
+    if kv_cache.dtype == FP8_KV_DTYPE:  # packed FP8 rows (kv_cache_dtype="fp8"): dequantised as the reference does
+        kv = unpack_fp8_latents(kv, lrank, q_rope.shape[-1])
+    kv = kv.float()
     c_kv, k_pe = kv[..., :lrank], kv[..., lrank:]
     scores = (torch.einsum("thl,tkl->thk", q_latent.float(), c_kv)
               + torch.einsum("thr,tkr->thk", q_rope.float(), k_pe)) * softmax_scale

@@ -170,7 +170,7 @@ def _counts(configs: dict[str, list[tuple]]) -> str:
         return "no TileLang kernel applies"
     parts = []
     for name, cfgs in configs.items():
-        n_prefill = sum(1 for c in cfgs if name == "mla_decode" and len(c) == 4)
+        n_prefill = sum(1 for c in cfgs if name == "mla_decode" and len(c) > 3 and c[3])
         parts.append(f"{name}: {len(cfgs)}" + (f" ({n_prefill} prefill)" if n_prefill else ""))
     return ", ".join(parts)
 

@@ -58,6 +58,7 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
         decode_graph_sizes=tuple(graphs.sizes) if graphs is not None else (),
         decode_graph_width=graphs.width if graphs is not None else 0,
         quantization=cfg.quantization,
+        kv_cache_fp8=cfg.kv_cache_dtype == "fp8",
         fp8_linear_shapes=tuple(sorted({tuple(map(int, p.shape)) for p in runner.model.parameters()
                                         if p.dim() == 2 and p.dtype == torch.float8_e4m3fn})),
     )

@@ -91,15 +91,8 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("whole_tiles", [True, False], ids=["padded", "as-is"])
-@pytest.mark.parametrize("rows", [1, 48, 300])
-def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, whole_tiles, monkeypatch):
-    """``whole_tiles=False`` launches the GEMM on the rows as they are (partial 64- and 128-row tiles at 48 and
-    300 rows) instead of padding them (``fp8_gemm.whole_tile_rows``)."""
-    from deepinfer_npu.kernels_cuda import fp8_gemm
-
-    if not whole_tiles:
-        monkeypatch.setattr(fp8_gemm, "whole_tile_rows", lambda m: m)
+@pytest.mark.parametrize("rows", [1, 48, 300])  # 48 and 300: partial 64- and 128-row tiles
+def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
     ks = CudaKernelSet()
     x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
     w, s = quantize_fp8_block(torch.randn(3072, 2048, device="cuda") * 0.02)

@@ -10,6 +10,7 @@ correction kernel, a few seconds) when nvcc is present.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -241,3 +242,18 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
     recorded.clear()
     kernel_set(skip={"skinny_gemm"}).warmup(v2_lite_plan(k=0, linear_weights=weights))
     assert "skinny_gemm" not in recorded
+
+
+def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kernel_set):
+    """``kv_cache_dtype="fp8"``: the decode and prefill configurations of the bf16 plan, each as the FP8 variant
+    (never the warp-specialized kernel), and the composed prolog tail (rms_norm of the latent) instead of
+    mla_rope_cache, which writes bf16 rows."""
+    plan = v2_lite_plan(k=0)
+    kernel_set().warmup(dataclasses.replace(plan, kv_cache_fp8=True))
+    cfgs = recorded["mla_decode"][0][0]
+    decode = {md._normalize(c)[:5] for c in cfgs if not md._normalize(c)[3]}
+    assert decode == {md._normalize(c)[:5] for c in expected_mla_decode(plan)}
+    assert all(md._normalize(c)[5:] == (False, True) for c in cfgs)
+    assert [md._normalize(c)[:4] for c in cfgs if md._normalize(c)[3]] == PREFILL_4096
+    assert "mla_rope_cache" not in recorded
+    assert (512, False, 1e-6) in recorded["rms_norm"][0][0]

@@ -6,7 +6,8 @@ request has a query token, as the worker's rows always do):
 
 - decode and draft verification (max q 1..16), bf16 on the DeepSeek dims (kv_lora 512 + rope 64, page 64):
   ``kernels_cuda.mla_decode`` (FlashMLA layout; its 64-row tiles on ``mla_decode_ws``, warp-specialized, on a
-  Hopper); other shapes: a dense sync-free composition (``backends/cuda/mla_dense.py``);
+  Hopper; a packed FP8 cache on the pipelined kernel's FP8 variant, which dequantises each page to bf16 in shared
+  memory); other shapes: a dense sync-free composition (``backends/cuda/mla_dense.py``);
 - prefill chunks (max q > 16), same dtype and dims: ``kernels_cuda.mla_decode.mla_prefill`` (causal tile bound);
   else the reference arithmetic looping on the host's exact lengths (sync-free); else the reference (a sync).
 """
@@ -21,6 +22,7 @@ from .. import mla_dense
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref
 
 KV_LORA, ROPE, PAGE = 512, 64, 64  # what kernels_cuda.mla_decode is built for (FlashMLA layout)
+FP8_ROW_BYTES = 656  # its packed FP8 rows (kv_cache_dtype="fp8"): 512 e4m3 + 4 fp32 scales + 64 bf16
 MAX_Q = 16  # query tokens per request the decode kernel handles (speculative verification)
 
 
@@ -65,10 +67,12 @@ class MLAAttention(OpImpl):
         lrank, rdim = q_latent.shape[-1], q_rope.shape[-1]
         if not q_latent.is_cuda:
             return NOT_ON_DEVICE
-        if q_latent.dtype != BF16 or kv_cache.dtype != BF16 or q_rope.dtype != BF16:
-            return f"{q_latent.dtype}: kernels_cuda.mla_decode is bf16-only"
+        if q_latent.dtype != BF16 or kv_cache.dtype not in (BF16, torch.uint8) or q_rope.dtype != BF16:
+            return f"{q_latent.dtype} (cache {kv_cache.dtype}): kernels_cuda.mla_decode is bf16-only"
         if lrank != KV_LORA or rdim != ROPE:
             return f"kv_lora {lrank} + rope {rdim}: kernel built for the DeepSeek dims {KV_LORA} + {ROPE}"
+        if kv_cache.dtype == torch.uint8 and (kv_cache.shape[-1] != FP8_ROW_BYTES or not kv_cache.is_contiguous()):
+            return f"packed FP8 cache rows of {kv_cache.shape[-1]} bytes: kernel reads contiguous {FP8_ROW_BYTES}"
         if kv_cache.shape[1] != PAGE:
             return f"block_size {kv_cache.shape[1]}: kernel reads pages of {PAGE}"
         if block_tables.shape[0] == 0:
@@ -90,8 +94,8 @@ class MLAAttention(OpImpl):
             pre_why = self._reason(q_latent, q_rope, kv_cache, block_tables, 1)
             mod = self.use("mla_decode")[0] if pre_why is None else None
             if mod is not None and max_q <= mod.MAX_PREFILL_Q:
-                self.note("mla_attention", f"kernels_cuda.mla_decode.mla_prefill (bf16, H={q_latent.shape[1]}, "
-                          f"q<= {mod.bucket_prefill_q(max_q)})", True)
+                self.note("mla_attention", f"kernels_cuda.mla_decode.mla_prefill ({_cache_words(kv_cache)}, "
+                          f"H={q_latent.shape[1]}, q<= {mod.bucket_prefill_q(max_q)})", True)
                 out, _lse = mod.mla_prefill(q_latent.contiguous(), q_rope.contiguous(), kv_cache,
                                             block_tables.to(i32).contiguous(), seqlens_q.to(i32),
                                             seqlens_k.to(i32), cu_seqlens_q.to(i32), float(softmax_scale),
@@ -117,13 +121,13 @@ class MLAAttention(OpImpl):
                     q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale
                 )
         mod = self.use("mla_decode")[0]
-        ws = self.use("mla_decode_ws")[0] is not None
+        ws = self.use("mla_decode_ws")[0] is not None and kv_cache.dtype != torch.uint8
         ws_note = ""
         if ws and mod.decode_block_m(q_latent.shape[1], mod.bucket_q(max_q)) == mod.BLOCK_M:
             off = ws_disabled_reason(mod)
             ws_note = ("; warp-specialized (mla_decode_ws)" if off is None
                        else f"; pipelined 64-row tile (mla_decode_ws off: {off})")
-        self.note("mla_attention", f"kernels_cuda.mla_decode (bf16, H={q_latent.shape[1]}, q<= "
+        self.note("mla_attention", f"kernels_cuda.mla_decode ({_cache_words(kv_cache)}, H={q_latent.shape[1]}, q<= "
                   f"{mod.bucket_q(max_q)}{ws_note})", True)
         out, _lse = mod.mla_decode(
             q_latent.contiguous(),
@@ -148,6 +152,10 @@ class MLAAttention(OpImpl):
                                                  warp_specialized=self.wants("mla_decode_ws"))}
 
 
+def _cache_words(kv_cache: torch.Tensor) -> str:
+    return "bf16, packed FP8 cache" if kv_cache.dtype == torch.uint8 else "bf16"
+
+
 def _bucket_reachable(bucket: int, max_q: int) -> bool:
     """Whether some host max query length in 1..max_q rounds up to ``bucket`` (``bucket_q``: 1, 2, 4, 8, 16)."""
     return (bucket // 2 + 1 if bucket > 1 else 1) <= max_q
@@ -168,6 +176,8 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         return []
     md = kernel_module("mla_decode")
     h, k, bs, mnbt = plan.num_heads, plan.num_speculative_tokens, plan.block_size, plan.max_num_batched_tokens
+    fp8 = plan.kv_cache_fp8  # the FP8 variant of the pipelined kernel, never the warp-specialized one
+    warp_specialized = warp_specialized and not fp8
     decode: set[tuple] = set()
 
     def add(batch: int, max_q_bound: int, width: int) -> None:
@@ -175,12 +185,12 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         for bucket in (1, 2, 4, 8, 16):
             if _bucket_reachable(bucket, min(max_q_bound, MAX_Q)):
                 decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms),
-                                            warp_specialized))
+                                            warp_specialized, fp8))
 
     for size in plan.decode_graph_sizes:  # S rows, host max_seqlen_q = k + 1 exactly, the graphs' own tables
         bucket = md.bucket_q(k + 1)
         decode.add(md.decode_config(h, bucket, md.default_num_splits(size, h, bucket, plan.decode_graph_width,
-                                                                     num_sms), warp_specialized))
+                                                                     num_sms), warp_specialized, fp8))
     for b in range(1, min(plan.max_num_prompts, mnbt) + 1):  # prefill chunks of <= 16 query tokens
         add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
     if not plan.decode_graph_sizes or plan.speculative_method == "mtp":  # eager decode steps, MTP's catch-up
@@ -205,6 +215,6 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
     if prefill and longest > MAX_Q:
         bucket = md.bucket_prefill_q(MAX_Q + 1)
         while bucket <= md.bucket_prefill_q(longest):
-            cfgs.append((h, md.m_tiles_for(h, bucket), 1, True))
+            cfgs.append((h, md.m_tiles_for(h, bucket), 1, True) + ((md.BLOCK_M, False, True) if fp8 else ()))
             bucket *= 2
     return cfgs

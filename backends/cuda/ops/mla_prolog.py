@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan, MLAWeights, RopeLike
+from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, pack_fp8_latents
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref
 from .mla_attention import KV_LORA, PAGE, ROPE, mla_dims_refusal
@@ -57,6 +58,8 @@ class MLAProlog(OpImpl):
         mod = None
         if not kv.is_cuda:
             why = NOT_ON_DEVICE
+        elif kv_cache.dtype == FP8_KV_DTYPE:
+            why = "packed FP8 cache: kernels_cuda.mla_rope_cache writes bf16 rows"
         elif any(t.dtype != BF16 for t in (q, kv, kv_cache, w.kv_a_layernorm)):
             why = f"{kv.dtype} (cache {kv_cache.dtype}): kernels_cuda.mla_rope_cache is bf16-only"
         elif lrank != KV_LORA or rdim != ROPE:
@@ -87,7 +90,7 @@ class MLAProlog(OpImpl):
         c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
         k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
         if num_tokens:
-            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
         return q_latent, q_rope
 
     def absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
@@ -124,8 +127,9 @@ class MLAProlog(OpImpl):
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def rope_cache_applies(self, plan: KernelWarmupPlan) -> bool:
-        """The kernel's condition on the plan (the runner's caches are contiguous pages)."""
-        return (self.wants("mla_rope_cache") and plan.dtype == BF16 and plan.kv_lora_rank == KV_LORA
+        """The kernel's condition on the plan (the runner's caches are contiguous pages of bf16 rows)."""
+        return (self.wants("mla_rope_cache") and plan.dtype == BF16 and not plan.kv_cache_fp8
+                and plan.kv_lora_rank == KV_LORA
                 and plan.qk_rope_head_dim == ROPE and plan.block_size == PAGE
                 and kernel_module("mla_rope_cache").supported_heads(plan.num_heads))
 
@@ -164,11 +168,19 @@ def absorb_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thn,hnl->thl", x, w)
 
 
-def write_kv_cache_sync_free(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache_sync_free(kv_cache: torch.Tensor, latents: torch.Tensor, slot_mapping: torch.Tensor,
+                             kv_lora_rank: int | None = None) -> None:
     """``flat[slot] = latents`` for ``slot >= 0`` without a data-dependent shape: padding rows (negative
-    slots) are sent to slot 0 carrying slot 0's current value (block 0 is reserved: never a sequence's)."""
+    slots) are sent to slot 0 carrying slot 0's current value (block 0 is reserved: never a sequence's). A uint8
+    cache holds packed FP8 rows (``kv_cache_dtype="fp8"``): the latents are packed first (``kv_lora_rank`` = L)."""
     flat = kv_cache.view(-1, kv_cache.shape[-1])
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        if kv_lora_rank is None:
+            raise ValueError("writing a packed FP8 latent cache needs kv_lora_rank")
+        rows = pack_fp8_latents(latents, kv_lora_rank)
+    else:
+        rows = latents.to(kv_cache.dtype)
     valid = slot_mapping >= 0
     idx = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
-    vals = torch.where(valid.unsqueeze(-1), latents.to(kv_cache.dtype), flat[0].unsqueeze(0))
+    vals = torch.where(valid.unsqueeze(-1), rows, flat[0].unsqueeze(0))
     flat.index_copy_(0, idx, vals)

@@ -53,7 +53,7 @@ class MLAQuant(OpImpl):
         c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
         k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
         if num_tokens:
-            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping)
+            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
         self.note("mla_prolog_quant", "fp8_linear projections, composed torch tail, sync-free cache write", True)
         return q_latent, q_rope
 

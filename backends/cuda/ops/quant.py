@@ -63,12 +63,7 @@ class QuantOps(OpImpl):
             return ref("quant").fp8_linear(x, weight, weight_scale_inv, bias)
         x2d = x.reshape(-1, k)
         self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
-        q, q_scale = quant.quantize(x2d)
-        m, rows = x2d.shape[0], gemm.whole_tile_rows(x2d.shape[0])
-        if rows != m:  # whole row tiles (fp8_gemm.whole_tile_rows says why): zero rows, sliced off after
-            q = torch.cat((q.view(torch.uint8), q.new_zeros(rows - m, k, dtype=torch.uint8))).view(FP8)
-            q_scale = torch.cat((q_scale, q_scale.new_zeros(rows - m, q_scale.shape[1])))
-        out = gemm.fp8_gemm(q, q_scale, weight, weight_scale_inv)[:m]
+        out = gemm.fp8_gemm(*quant.quantize(x2d), weight, weight_scale_inv)
         if bias is not None:
             out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
         return out.view(*x.shape[:-1], n)
