@@ -200,9 +200,9 @@ class AscendKernelSet(CpuKernelSet):
 
     def mla_attention(
         self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q, softmax_scale, host=None,
-        max_seqlen_q=None,
+        max_seqlen_q=None, is_prefill=None,
     ) -> torch.Tensor:
-        # max_seqlen_q (the HAL's query-length bound) is not needed: FIA takes per-request host lengths.
+        # max_seqlen_q / is_prefill (the HAL's hints) are not needed: FIA takes per-request host lengths.
         d = self._attn_decision(
             q_latent.shape[-1], q_rope.shape[-1], q_latent.shape[1], kv_cache.shape[1], kv_cache.dtype
         )

@@ -89,9 +89,11 @@ def mla_attention(
     softmax_scale: float,
     host=None,
     max_seqlen_q: int | None = None,
+    is_prefill: bool | None = None,
 ) -> torch.Tensor:
     """Causal absorbed attention per request over its paged cache -> ``out_latent`` [T, H, L] (q's dtype).
-    ``max_seqlen_q`` (the HAL's host query-length bound) is not needed here: the loop reads each request's length.
+    ``max_seqlen_q`` (the HAL's host query-length bound) and ``is_prefill`` are not needed here: the loop reads
+    each request's length.
 
     Query j of request b has position ``seqlens_k[b] - seqlens_q[b] + j`` and sees cache positions <= it.
     Scores and softmax are computed in fp32. One loop iteration per request (the oracle favours clarity).

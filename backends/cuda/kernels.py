@@ -163,9 +163,11 @@ class CudaKernelSet(CpuKernelSet):
         return self.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping)
 
     def mla_attention(self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q,
-                      softmax_scale, host=None, max_seqlen_q: int | None = None) -> torch.Tensor:
+                      softmax_scale, host=None, max_seqlen_q: int | None = None,
+                      is_prefill: bool | None = None) -> torch.Tensor:
         return self.impl("mla_attention").mla_attention(q_latent, q_rope, kv_cache, block_tables, seqlens_q,
-                                                        seqlens_k, cu_seqlens_q, softmax_scale, host, max_seqlen_q)
+                                                        seqlens_k, cu_seqlens_q, softmax_scale, host, max_seqlen_q,
+                                                        is_prefill)
 
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         return self.impl("mla_epilogue").mla_epilogue(out_latent, w)

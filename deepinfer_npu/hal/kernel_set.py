@@ -133,6 +133,7 @@ class KernelSet(abc.ABC):
         softmax_scale: float,
         host=None,
         max_seqlen_q: int | None = None,
+        is_prefill: bool | None = None,
     ) -> torch.Tensor:
         """Absorbed MLA over the paged latent cache -> ``out_latent`` [T, H, L].
 
@@ -140,7 +141,9 @@ class KernelSet(abc.ABC):
         under ZOS its ``seqlens_k`` are upper bounds (``seqlens_k_exact`` False) and the tensors are the truth.
         ``max_seqlen_q``: a host bound on any request's query length (``AttentionMetadata.max_seqlen_q``; k + 1
         after a device re-split, when ``host`` is None), for kernels compiled per query-length bucket; None =
-        unknown. The reference ignores it.
+        unknown. The reference ignores it. ``is_prefill``: the step is a prefill step
+        (``AttentionMetadata.is_prefill``; None = unknown), so a backend may serve short chunks on its prefill
+        kernel rather than compile decode variants for them; the reference ignores it.
 
         ``q_latent`` [T, H, L], ``q_rope`` [T, H, R]; keys are the cache rows [L+R] (the first L are also the
         values). ``block_tables`` [B, nb] int32, ``seqlens_q``/``seqlens_k`` [B], ``cu_seqlens_q`` [B+1]

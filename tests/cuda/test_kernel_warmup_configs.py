@@ -25,12 +25,13 @@ pytestmark = pytest.mark.tilelang
 SMS = 132  # H200
 
 
-def expected_mla_decode(plan: KernelWarmupPlan) -> set[tuple]:
-    """Independently: every host max query length 1..16 of a prefill chunk of B prompts on the scheduler's tables,
-    plus each decode graph at max_q = k + 1 on the graphs' tables."""
+def expected_mla_decode(plan: KernelWarmupPlan, short_prefill_on_decode: bool = False) -> set[tuple]:
+    """Independently: each decode graph at max_q = k + 1 on the graphs' tables; with ``short_prefill_on_decode``
+    (mla_prefill left out: prefill chunks of <= 16 tokens take the decode kernel) every host max query length
+    1..16 of a prefill chunk of B prompts on the scheduler's tables too."""
     h, width = plan.num_heads, math.ceil(plan.max_model_len / plan.block_size)
     out = set()
-    for b in range(1, plan.max_num_prompts + 1):
+    for b in range(1, plan.max_num_prompts + 1 if short_prefill_on_decode else 1):
         for q in range(1, 17):
             bq = md.bucket_q(q)
             out.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
@@ -80,7 +81,8 @@ def test_v2_lite_without_speculation(recorded, v2_lite_plan, kernel_set):
     _check_common(recorded, plan)
     assert recorded["zos_fixup"] == [([("correct", ())], {})]  # every decode step corrects; no re-split at k=0
     n = sum(len(c[0][0]) for name, c in recorded.items() if name != "moe_gemm") + 3
-    assert summary.startswith(f"{n} configs in ") and "mla_decode: 69 (8 prefill)" in summary  # q = 1: the small tile
+    # q = 1: the small tile; every prefill step (short chunks included) on mla_prefill's 8 buckets
+    assert summary.startswith(f"{n} configs in ") and "mla_decode: 15 (8 prefill)" in summary
     assert "failed" not in summary and "skipped" not in summary
 
 
@@ -184,11 +186,7 @@ def test_eager_decode_after_a_resplit_stays_within_k_plus_1(recorded, v2_lite_pl
     plan = v2_lite_plan(k=k, varlen=True, method="dflash", graphs=False, max_num_prompts=2, max_model_len=256)
     kernel_set().warmup(plan)
     h, width = plan.num_heads, plan.block_table_width
-    want = set()
-    for b in range(1, plan.max_num_prompts + 1):  # prefill chunks of <= 16 tokens: every bucket
-        for q in range(1, 17):
-            bq = md.bucket_q(q)
-            want.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
+    want = set()  # prefill chunks of <= 16 tokens take mla_prefill (its 32-query bucket), not the decode kernel
     for b in range(1, plan.max_num_seqs + 1):  # eager decode, re-split or not: max q <= k + 1
         for q in range(1, k + 2):
             bq = md.bucket_q(q)

@@ -110,13 +110,15 @@ def test_seeded_temperature_tokens_equal_the_reference_path(monkeypatch):
 
 
 def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_logprobs_close):
-    """kernels_cuda.mla_decode.mla_prefill serving prefill at DeepSeek dims (random bf16 weights, 2 layers):
-    greedy tokens follow the default path (the reference loop on host lengths) by the logprobs-close rule."""
+    """kernels_cuda.mla_decode.mla_prefill serving prefill at DeepSeek dims (random bf16 weights, 2 layers), short
+    prompts (<= 16 tokens: its 32-query bucket, not decode variants) included: greedy tokens follow the default
+    path (the reference loop on host lengths) by the logprobs-close rule."""
 
     from deepinfer_npu import LLM, SamplingParams
 
     path = deepseek_dims_model()
     prompts = [{"prompt_token_ids": [(31 * i + 7 * b) % 4000 + 5 for i in range(100 + 250 * b)]} for b in range(4)]
+    prompts += [{"prompt_token_ids": [(17 * i + 3 * b) % 4000 + 5 for i in range(3 + 6 * b)]} for b in range(3)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
 
     def run(enabled: bool):
@@ -130,6 +132,7 @@ def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_l
     rep_off, off = run(False)
     rep_on, on = run(True)
     assert "mla_prefill" in rep_on and "mla_prefill (bf16" not in rep_off
+    assert "q<= 32)" in rep_on, rep_on  # the short prompts' prefill steps
     assert_logprobs_close(off, on)
 
 

@@ -21,7 +21,10 @@ def test_mla_decode_ws_configs_follow_the_selection_and_the_device(v2_lite_plan,
     assert not any(len(c) == 6 for c in base)
     ws = reachable(plan, sm90=True)["mla_decode"]
     want = {c + (False, md.BLOCK_M, True) if len(c) == 3 else c for c in base}
-    assert set(ws) == want and any(len(c) == 6 for c in ws) and any(len(c) == 5 for c in ws)
+    assert set(ws) == want and any(len(c) == 6 for c in ws) and any(len(c) == 4 for c in ws)
+    small = reachable(v2_lite_plan(k=0), sm90=True)["mla_decode"]  # one token of 16 heads: the 16-row tile
+    assert small == reachable(v2_lite_plan(k=0), sm90=True, skip={"mla_decode_ws"})["mla_decode"]
+    assert any(len(c) == 5 for c in small)
     assert reachable(plan, sm90=False)["mla_decode"] == base
 
 

@@ -8,8 +8,10 @@ request has a query token, as the worker's rows always do):
   ``kernels_cuda.mla_decode`` (FlashMLA layout; its 64-row tiles on ``mla_decode_ws``, warp-specialized, on a
   Hopper; a packed FP8 cache on the pipelined kernel's FP8 variant, which dequantises each page to bf16 in shared
   memory); other shapes: a dense sync-free composition (``backends/cuda/mla_dense.py``);
-- prefill chunks (max q > 16), same dtype and dims: ``kernels_cuda.mla_decode.mla_prefill`` (causal tile bound);
-  else the reference arithmetic looping on the host's exact lengths (sync-free); else the reference (a sync).
+- prefill steps (any chunk length; also steps of unknown kind with max q > 16), same dtype and dims:
+  ``kernels_cuda.mla_decode.mla_prefill`` (causal tile bound, one compiled variant per power-of-two chunk bucket from
+  32: a step of short chunks needs no decode variants for its batch and split counts); else the reference arithmetic
+  looping on the host's exact lengths (sync-free); else the reference (a sync).
 """
 
 from __future__ import annotations
@@ -82,14 +84,15 @@ class MLAAttention(OpImpl):
         return self.use("mla_decode")[1]
 
     def mla_attention(self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q,
-                      softmax_scale, host=None, max_seqlen_q: int | None = None) -> torch.Tensor:
+                      softmax_scale, host=None, max_seqlen_q: int | None = None,
+                      is_prefill: bool | None = None) -> torch.Tensor:
         num_tokens, num_reqs = q_latent.shape[0], block_tables.shape[0]
         if max_seqlen_q is None and host is not None:
             max_seqlen_q = host.max_seqlen_q
         max_q = int(max_seqlen_q) if max_seqlen_q is not None else num_tokens - num_reqs + 1
         i32 = torch.int32
         why = self._reason(q_latent, q_rope, kv_cache, block_tables, max_q)
-        if why is not None and max_q > MAX_Q and "mla_prefill" not in self.off:
+        if (why is not None and max_q > MAX_Q or is_prefill and max_q >= 1) and "mla_prefill" not in self.off:
             # prefill on the same TileLang kernel (causal tile bound, no split)
             pre_why = self._reason(q_latent, q_rope, kv_cache, block_tables, 1)
             mod = self.use("mla_decode")[0] if pre_why is None else None
@@ -166,9 +169,10 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
     """Decode ``md.decode_config`` tuples (heads, m_tiles, num_splits[, False, 64, True on mla_decode_ws' 64-row
     tiles]) from ``default_num_splits(B, H, bucket_q(max_q), table width, num_sms)`` as the launch computes them,
     and prefill ``(heads, m_tiles, 1, True)`` (causal tile bound), one per power-of-two query bucket from 32 up to
-    the longest chunk. Decode reaches: the decode graphs (each size, ``max_q = k + 1``, the graphs' width); eager
-    steps on the scheduler's tables (prefill chunks of <= 16 tokens: B = 1 .. max_num_prompts, every bucket; eager
-    decode or MTP's catch-up: B = 1 .. max_num_seqs, ``max_q <= k + 1``, also after a device re-split); MTP's
+    the longest chunk (every prefill step takes it; without ``prefill``, chunks of <= 16 tokens take the decode
+    kernel: B = 1 .. max_num_prompts, every bucket). Decode reaches: the decode graphs (each size,
+    ``max_q = k + 1``, the graphs' width); eager decode or MTP's catch-up on the scheduler's tables: B = 1 ..
+    max_num_seqs, ``max_q <= k + 1``, also after a device re-split; MTP's
     chained drafts (``max_q = 1``, tables padded by up to k + 1 keys; with graphs, the chain graphs' width at
     every propose graph size)."""
     if not (plan.dtype == BF16 and plan.kv_lora_rank == KV_LORA and plan.qk_rope_head_dim == ROPE
@@ -191,8 +195,9 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         bucket = md.bucket_q(k + 1)
         decode.add(md.decode_config(h, bucket, md.default_num_splits(size, h, bucket, plan.decode_graph_width,
                                                                      num_sms), warp_specialized, fp8))
-    for b in range(1, min(plan.max_num_prompts, mnbt) + 1):  # prefill chunks of <= 16 query tokens
-        add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
+    if not prefill:  # without mla_prefill, prefill chunks of <= 16 query tokens take the decode kernel
+        for b in range(1, min(plan.max_num_prompts, mnbt) + 1):
+            add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
     if not plan.decode_graph_sizes or plan.speculative_method == "mtp":  # eager decode steps, MTP's catch-up
         for b in range(1, min(plan.max_num_seqs, mnbt) + 1):
             add(b, k + 1, plan.block_table_width)
@@ -212,8 +217,8 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
             add(b, 1, width)
     cfgs = sorted(decode)
     longest = min(mnbt, plan.max_model_len, md.MAX_PREFILL_Q)
-    if prefill and longest > MAX_Q:
-        bucket = md.bucket_prefill_q(MAX_Q + 1)
+    if prefill:  # every prefill step, short chunks included (from the 32-query bucket)
+        bucket = md.bucket_prefill_q(1)
         while bucket <= md.bucket_prefill_q(longest):
             cfgs.append((h, md.m_tiles_for(h, bucket), 1, True) + ((md.BLOCK_M, False, True) if fp8 else ()))
             bucket *= 2

@@ -139,6 +139,7 @@ class MLAAttention(nn.Module):
             self.softmax_scale,
             host=attn.host,
             max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
+            is_prefill=attn.is_prefill,
         )
         return k.mla_epilogue(out_latent, w) if scales is None else k.mla_epilogue_quant(out_latent, w, scales)
 
