@@ -1,7 +1,7 @@
 """Structured output cost through ``LLM.generate``: output tokens/s of a batch where half the requests (the one
 request at concurrency 1) are constrained by a JSON schema, against the same batch unconstrained with each row
 generating as many tokens as it does constrained; plus grammar compile time (cold, and a cache hit). One JSON line
-per concurrency, and one for compilation. Each line also carries the host's time per step of both runs (the engine's
+per concurrency, one for compilation and one per batch size for the host's cost of a mask fill. Each line also carries the host's time per step of both runs (the engine's
 step, its sampling launch, which builds the masks, and its wait on the device): when steps are host-bound, the
 difference is what a constrained row costs the host.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 SCHEMA = {"type": "object", "properties": {
@@ -43,6 +44,34 @@ def _per_step(before: dict, after: dict) -> dict:
     steps = max(after["num_steps"] - before["num_steps"], 1)
     keys = {"step_ms": "step_ms", "sample_launch_ms": "sample_ms", "host_wait_ms": "host_wait_ms"}
     return {name: round((after[key] - before[key]) / steps, 4) for name, key in keys.items()}
+
+
+def _fill_cost(pool, constraint, rows: int, calls: int = 200) -> dict:
+    """Host µs (median) of filling ``rows`` rows' masks at once: xgrammar's batch call with ``max_threads="auto"``
+    (it starts a pool of half the host's hardware threads on every call) against the engine's ``fill_rows``."""
+    import statistics
+
+    import xgrammar as xgr
+
+    from deepinfer_npu.structured_output.matcher import RequestGrammar, fill_rows, new_bitmask
+
+    compiled = pool.compile(constraint).result()
+    grammars = [RequestGrammar(compiled, pool.vocab_size) for _ in range(rows)]
+    bitmask, indices = new_bitmask(rows, pool.vocab_size), list(range(rows))
+    auto = xgr.BatchGrammarMatcher(max_threads="auto")
+    ways = {"xgrammar_auto_us": lambda: auto.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                                             indices),
+            "fill_rows_us": lambda: fill_rows(grammars, bitmask, indices)}
+    out = {}
+    for name, fill in ways.items():
+        fill()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fill()
+            times.append(time.perf_counter() - t0)
+        out[name] = round(statistics.median(times) * 1e6, 2)
+    return out
 
 
 def _profile(llm, prompts, runs: dict) -> None:
@@ -109,6 +138,9 @@ def main(argv=None) -> None:
     hit_ms = (time.perf_counter() - t0) * 1e3
     emit({"bench": "structured_compile", "tokenizer_info_ms": round(info_ms, 3),
           "compile_cold_ms": round(cold_ms, 3), "compile_cached_ms": round(hit_ms, 3), **meta})
+    for rows in (1, 16):
+        emit({"bench": "structured_fill", "rows": rows, **_fill_cost(pool, constraint, rows),
+              "host_cpus": os.cpu_count(), **meta})
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_outputs=constraint)
     llm.generate(["warm up"], constrained, use_tqdm=False)

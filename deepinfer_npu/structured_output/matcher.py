@@ -103,27 +103,38 @@ def fill_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[
     rows[i] + len(drafts[i])`` (the next position, then the position after each draft). Each draft depth is one
     batched xgrammar call over every request still accepting (``fill_threads`` threads)."""
     batch = _batch_matcher(len(grammars))
-    words = bitmask.numpy().view(np.uint32)  # the same memory: rows are set without tensor indexing
-    drafts = drafts if drafts is not None else [[] for _ in grammars]
+    matchers = [g.matcher for g in grammars]
+    words = None  # the bitmask's memory as unsigned words, for the rows set here (an ended grammar, a rejection)
+    if drafts is None or not any(len(d) for d in drafts):  # the next position only: one call
+        running = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(running) < len(matchers):
+            words = bitmask.numpy().view(np.uint32)
+            for i in sorted(set(range(len(matchers))) - set(running)):
+                grammars[i]._only_stop(words, rows[i])  # the grammar ended: only a stop token may follow
+        if running:
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in running], bitmask, [rows[i] for i in running])
+        return
     accepted = [0] * len(grammars)
     live = list(range(len(grammars)))
     k = 0
     while live:
         running = []
         for i in live:
-            if grammars[i].matcher.is_terminated():
-                grammars[i]._only_stop(words, rows[i] + k)  # the grammar ended: only a stop token may follow
+            if matchers[i].is_terminated():
+                words = bitmask.numpy().view(np.uint32) if words is None else words
+                grammars[i]._only_stop(words, rows[i] + k)
             else:
                 running.append(i)
         if running:
-            batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in running], bitmask,
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in running], bitmask,
                                                 [rows[i] + k for i in running])
         deeper = [i for i in running if k < len(drafts[i])]
-        ok = batch.batch_accept_token([grammars[i].matcher for i in deeper], [int(drafts[i][k]) for i in deeper]) \
+        ok = batch.batch_accept_token([matchers[i] for i in deeper], [int(drafts[i][k]) for i in deeper]) \
             if deeper else []
         accepts = dict(zip(deeper, ok))
         for i in live:
             if k < len(drafts[i]) and not accepts.get(i, False):
+                words = bitmask.numpy().view(np.uint32) if words is None else words
                 words[rows[i] + k + 1: rows[i] + len(drafts[i]) + 1] = 0  # rejected here: all-false after it
         live = [i for i, a in zip(deeper, ok) if a]
         for i in live:
@@ -131,4 +142,4 @@ def fill_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[
         k += 1
     back = [i for i in range(len(grammars)) if accepted[i]]
     if back:
-        batch.batch_rollback([grammars[i].matcher for i in back], [accepted[i] for i in back])
+        batch.batch_rollback([matchers[i] for i in back], [accepted[i] for i in back])

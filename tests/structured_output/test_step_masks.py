@@ -178,3 +178,20 @@ def test_small_batches_fill_on_the_calling_thread(pool, monkeypatch):
     cpus = len(os.sched_getaffinity(0))
     for rows in (64, 256, 4096):
         assert 1 <= matcher.fill_threads(rows) <= max(1, min(8, cpus // 2))
+
+
+def test_an_ended_grammar_allows_only_stop_tokens(pool):
+    """A grammar that accepted its stop token (its request stops after this step) fills a row of stop tokens,
+    next to a live one; xgrammar itself refuses to fill a mask after the end."""
+    tok = load_tokenizer(str(REFERENCE_MODEL_DIR))
+    compiled = pool.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
+    ended, live = RequestGrammar(compiled, VOCAB), RequestGrammar(compiled, VOCAB)
+    ended.accept(tok.encode("yes", add_special_tokens=False) + [tok.eos_token_ids[0]])
+    assert ended.is_terminated and not ended.failed
+    bitmask = new_bitmask(2, VOCAB)
+    matcher.fill_rows([live, ended], bitmask, [0, 1])
+    allowed = allowed_mask(bitmask, VOCAB)
+    assert set(allowed[1].nonzero().flatten().tolist()) == set(ended.matcher.stop_token_ids)
+    expected = new_bitmask(1, VOCAB)
+    live.matcher.fill_next_token_bitmask(expected, 0)
+    assert torch.equal(bitmask[0], expected[0])
