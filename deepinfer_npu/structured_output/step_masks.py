@@ -36,20 +36,19 @@ def merge(ban: torch.Tensor | None, extra: torch.Tensor | None) -> torch.Tensor 
     return extra if ban is None else ban | extra
 
 
-def _bits(device: torch.device) -> torch.Tensor:
-    """int32 ``[32]``: the word with only bit ``b`` set (bit 31 is the sign), made once per device."""
+def _bits(device: torch.device, to_device: ToDevice) -> torch.Tensor:
+    """int32 ``[32]``: the word with only bit ``b`` set (bit 31 is the sign), copied once per device."""
     bits = _bit_values.get(device)
     if bits is None:
-        bits = torch.bitwise_left_shift(torch.ones(32, dtype=torch.int32, device=device),
-                                        torch.arange(32, dtype=torch.int32, device=device))
-        _bit_values[device] = bits
+        bits = _bit_values[device] = to_device((np.uint32(1) << np.arange(32, dtype=np.uint32)).view(np.int32),
+                                               torch.int32)
     return bits
 
 
-def banned_tokens(words: torch.Tensor, vocab: int) -> torch.Tensor:
+def banned_tokens(words: torch.Tensor, vocab: int, to_device: ToDevice) -> torch.Tensor:
     """Bool ``[rows, vocab]``, True where the token's bit is clear in int32 ``words [rows, ceil(vocab / 32)]``
     (xgrammar's layout; any device; two ops)."""
-    clear = (words.unsqueeze(-1) & _bits(words.device)) == 0
+    clear = (words.unsqueeze(-1) & _bits(words.device, to_device)) == 0
     return clear.reshape(words.shape[0], -1)[:, :vocab]
 
 
@@ -70,7 +69,7 @@ def prefill_banned(grammars: list, sample_rows: np.ndarray, vocab: int, to_devic
         return None
     _buf, words = _host_buffer(len(sample_rows), vocab)
     fill_rows([grammars[int(sample_rows[s])] for s in constrained], torch.from_numpy(words), constrained)
-    return banned_tokens(to_device(words, torch.int32), vocab)
+    return banned_tokens(to_device(words, torch.int32), vocab, to_device)
 
 
 def decode_banned(grammars: list, num_rows: int, max_q: int, row: torch.Tensor, j: torch.Tensor,
@@ -83,7 +82,7 @@ def decode_banned(grammars: list, num_rows: int, max_q: int, row: torch.Tensor, 
     if max_q == 1 and row.shape[0] == num_rows:  # no drafts: token i is row i's only token
         _buf, words = _host_buffer(num_rows, vocab)
         fill_rows([grammars[i] for i in constrained], torch.from_numpy(words), constrained)
-        return banned_tokens(to_device(words, torch.int32), vocab)
+        return banned_tokens(to_device(words, torch.int32), vocab, to_device)
     size = num_rows * max_q  # mask row i * max_q + p: row i's position p
     buf, words = _host_buffer(size, vocab, extra=size)
     assumed = buf[words.size:].reshape(num_rows, max_q)  # the draft at each position the masks assume
@@ -99,7 +98,7 @@ def decode_banned(grammars: list, num_rows: int, max_q: int, row: torch.Tensor, 
     fill_rows(sub, torch.from_numpy(words), (rows * max_q).tolist(), drafts)
     dev = to_device(buf, torch.int32)
     flat = row * max_q + j
-    banned = banned_tokens(dev[: words.size].view(size, -1).index_select(0, flat), vocab)
+    banned = banned_tokens(dev[: words.size].view(size, -1).index_select(0, flat), vocab, to_device)
     assumed_next = dev[words.size:].index_select(0, flat)
     mismatch = (assumed_next != _UNCONSTRAINED) & (draft_next >= 0) & (draft_next != assumed_next)
     at = draft_next.clamp(min=0)[:, None]
