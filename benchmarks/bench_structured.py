@@ -39,11 +39,12 @@ def _v2_lite_dir() -> str:
 
 
 def _per_step(before: dict, after: dict) -> dict:
-    """Host milliseconds per engine step between two snapshots of ``engine.stats``: the whole step, the sampling
-    launch (masks included) and the wait on the device."""
+    """The engine steps between two snapshots of ``engine.stats`` and the host's milliseconds per step: the whole
+    step, the sampling launch (masks included) and the wait on the device. With speculation a constrained run may
+    take more steps (the grammar rejects drafts), which the throughput shows and the time per step does not."""
     steps = max(after["num_steps"] - before["num_steps"], 1)
     keys = {"step_ms": "step_ms", "sample_launch_ms": "sample_ms", "host_wait_ms": "host_wait_ms"}
-    return {name: round((after[key] - before[key]) / steps, 4) for name, key in keys.items()}
+    return {"steps": steps, **{name: round((after[key] - before[key]) / steps, 4) for name, key in keys.items()}}
 
 
 def _fill_cost(pool, constraint, rows: int, calls: int = 200) -> dict:
