@@ -20,11 +20,12 @@ except ImportError:  # only structured output needs it: the engine imports and s
 
 __all__ = ["RequestGrammar", "allowed_mask", "fill_rows", "new_bitmask"]
 
-# xgrammar's BatchGrammarMatcher starts a new thread pool on every threaded call, and its "auto" is half of
-# std::thread::hardware_concurrency(): every core of the host, not the CPUs this process may use. Starting threads
-# costs tens of µs each (a one-row fill: ~8 µs on one thread, ~100-170 µs on two), so on a many-core host "auto"
-# cost about a millisecond a step whatever the batch. Rows are filled by one call on the calling thread (one
-# crossing into C++ for the whole batch); only batches large enough to pay for starting threads get a few.
+# xgrammar's BatchGrammarMatcher starts (and joins) a new thread pool on every threaded call, and its "auto" is half
+# of std::thread::hardware_concurrency(): every core of the host, not the CPUs this process may use. Starting a
+# thread costs tens of µs (a one-row fill: ~8 µs on one thread, ~100-170 µs on two), so "auto" costs each step
+# time that grows with the host's cores, whatever the batch, far beyond the fill itself. Rows are filled by one
+# call on the calling thread (one crossing into C++ for the whole batch); only batches large enough to pay for
+# starting threads get a few.
 PARALLEL_FILL_ROWS = 64  # fewer rows: one thread
 _ROWS_PER_THREAD = 32
 _batch: dict[int, xgr.BatchGrammarMatcher] = {}

@@ -22,7 +22,7 @@ import torch
 
 from deepinfer_npu.structured_output.matcher import fill_rows
 
-__all__ = ["decode_banned", "merge", "prefill_banned"]
+__all__ = ["banned_tokens", "decode_banned", "merge", "prefill_banned"]
 
 ToDevice = Callable[..., torch.Tensor]
 _UNCONSTRAINED = -2  # the assumed draft at an unconstrained row's positions: never a mismatch
