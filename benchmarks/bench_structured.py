@@ -1,9 +1,10 @@
 """Structured output cost through ``LLM.generate``: output tokens/s of a batch where half the requests (the one
 request at concurrency 1) are constrained by a JSON schema, against the same batch unconstrained with each row
 generating as many tokens as it does constrained; plus grammar compile time (cold, and a cache hit). One JSON line
-per concurrency, one for compilation and one per batch size for the host's cost of a mask fill. Each line also carries the host's time per step of both runs (the engine's
-step, its sampling launch, which builds the masks, and its wait on the device): when steps are host-bound, the
-difference is what a constrained row costs the host.
+per concurrency, one for compilation and one per batch size for the host's cost of a mask fill. A concurrency's
+line also carries each run's steps and the host's time per step (the engine's step, its sampling launch, which
+builds the masks, and its wait on the device): when steps are host-bound, the difference is what the constrained
+rows cost the host.
 
     python -m benchmarks.bench_structured --concurrency 1 32
     python -m benchmarks.bench_structured --speculative-method mtp --num-speculative-tokens 3
