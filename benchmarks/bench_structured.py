@@ -1,15 +1,20 @@
 """Structured output cost through ``LLM.generate``: output tokens/s of a batch where half the requests (the one
 request at concurrency 1) are constrained by a JSON schema, against the same batch unconstrained with each row
 generating as many tokens as it does constrained; plus grammar compile time (cold, and a cache hit). One JSON line
-per concurrency, and one for compilation.
+per concurrency, one for compilation and one per batch size for the host's cost of a mask fill. A concurrency's
+line also carries each run's steps and the host's time per step (the engine's step, its sampling launch, which
+builds the masks, and its wait on the device): when steps are host-bound, the difference is what the constrained
+rows cost the host.
 
     python -m benchmarks.bench_structured --concurrency 1 32
+    python -m benchmarks.bench_structured --speculative-method mtp --num-speculative-tokens 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 SCHEMA = {"type": "object", "properties": {
@@ -32,6 +37,43 @@ def _v2_lite_dir() -> str:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(REFERENCE_MODEL_DIR / name, path)
     return path
+
+
+def _per_step(before: dict, after: dict) -> dict:
+    """The engine steps between two snapshots of ``engine.stats`` and the host's milliseconds per step: the whole
+    step, the sampling launch (masks included) and the wait on the device. With speculation a constrained run may
+    take more steps (the grammar rejects drafts), which the throughput shows and the time per step does not."""
+    steps = max(after["num_steps"] - before["num_steps"], 1)
+    keys = {"step_ms": "step_ms", "sample_launch_ms": "sample_ms", "host_wait_ms": "host_wait_ms"}
+    return {"steps": steps, **{name: round((after[key] - before[key]) / steps, 4) for name, key in keys.items()}}
+
+
+def _fill_cost(pool, constraint, rows: int, calls: int = 200) -> dict:
+    """Host µs (median) of filling ``rows`` rows' masks at once: xgrammar's batch call with ``max_threads="auto"``
+    (it starts a pool of half the host's hardware threads on every call) against the engine's ``fill_rows``."""
+    import statistics
+
+    import xgrammar as xgr
+
+    from deepinfer_npu.structured_output.matcher import RequestGrammar, fill_rows, new_bitmask
+
+    compiled = pool.compile(constraint).result()
+    grammars = [RequestGrammar(compiled, pool.vocab_size) for _ in range(rows)]
+    bitmask, indices = new_bitmask(rows, pool.vocab_size), list(range(rows))
+    auto = xgr.BatchGrammarMatcher(max_threads="auto")
+    ways = {"xgrammar_auto_us": lambda: auto.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                                             indices),
+            "fill_rows_us": lambda: fill_rows(grammars, bitmask, indices)}
+    out = {}
+    for name, fill in ways.items():
+        fill()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fill()
+            times.append(time.perf_counter() - t0)
+        out[name] = round(statistics.median(times) * 1e6, 2)
+    return out
 
 
 def _profile(llm, prompts, runs: dict) -> None:
@@ -59,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per point (the best is reported)")
+    p.add_argument("--speculative-method", choices=["mtp", "dflash"], default=None)
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--out", default=None, help="append the JSON lines to this file too")
     p.add_argument("--profile", action="store_true",
                    help="after the timed runs, print the host's cProfile of one constrained and one unconstrained run")
@@ -72,6 +116,8 @@ def main(argv=None) -> None:
     extra = {}
     if args.shape == "v2-lite":
         args.model, extra = _v2_lite_dir(), {"load_format": "dummy", "dtype": "bfloat16", "max_model_len": 4096}
+    if args.speculative_method:
+        extra.update(speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens)
     llm = LLM(args.model, backend=args.backend, max_num_seqs=max(args.concurrency), **extra)
     engine = llm.llm_engine
     meta = row_meta("cuda" if engine.backend.name == "cuda" else None)
@@ -94,6 +140,9 @@ def main(argv=None) -> None:
     hit_ms = (time.perf_counter() - t0) * 1e3
     emit({"bench": "structured_compile", "tokenizer_info_ms": round(info_ms, 3),
           "compile_cold_ms": round(cold_ms, 3), "compile_cached_ms": round(hit_ms, 3), **meta})
+    for rows in (1, 16):
+        emit({"bench": "structured_fill", "rows": rows, **_fill_cost(pool, constraint, rows),
+              "host_cpus": os.cpu_count(), **meta})
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured_outputs=constraint)
     llm.generate(["warm up"], constrained, use_tqdm=False)
@@ -105,20 +154,29 @@ def main(argv=None) -> None:
         lengths = [len(o.outputs[0].token_ids) for o in llm.generate(prompts, mixed, use_tqdm=False)]
         same_work = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
         best = {"unconstrained": 0.0, "constrained": 0.0}
+        per_step: dict[str, dict] = {}
         for _ in range(args.repeats):
             for label, params in (("unconstrained", same_work), ("constrained", mixed)):
+                before = dict(engine.stats)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 dt = time.perf_counter() - t0
-                best[label] = max(best[label], sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+                tok_s = sum(len(o.outputs[0].token_ids) for o in outs) / dt
+                if tok_s > best[label]:
+                    best[label], per_step[label] = tok_s, _per_step(before, engine.stats)
         constrained_rows = [n for n, p in zip(lengths, mixed) if p is constrained]
+        u, c = per_step["unconstrained"], per_step["constrained"]
         emit({"bench": "structured", "concurrency": conc, "max_tokens": args.max_tokens,
               "constrained_fraction": len(constrained_rows) / conc,
               "mean_constrained_tokens": round(sum(constrained_rows) / len(constrained_rows), 1),
               "unconstrained_tok_s": round(best["unconstrained"], 2),
               "constrained_tok_s": round(best["constrained"], 2),
               "throughput_ratio": round(best["constrained"] / best["unconstrained"], 4),
-              "backend": engine.backend.name, "shape": args.shape, **meta})
+              **{f"unconstrained_{k}": v for k, v in u.items()}, **{f"constrained_{k}": v for k, v in c.items()},
+              "extra_step_us": round((c["step_ms"] - u["step_ms"]) * 1e3, 1),
+              "extra_step_us_per_row": round((c["step_ms"] - u["step_ms"]) * 1e3 / len(constrained_rows), 1),
+              "backend": engine.backend.name, "shape": args.shape, "speculative_method": args.speculative_method,
+              **meta})
         if args.profile:
             _profile(llm, prompts, {"unconstrained": same_work, "constrained": mixed})
 

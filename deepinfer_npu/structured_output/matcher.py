@@ -8,6 +8,8 @@ there). The bitmask layout is xgrammar's: int32 words, bit ``t % 32`` of word ``
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -18,14 +20,31 @@ except ImportError:  # only structured output needs it: the engine imports and s
 
 __all__ = ["RequestGrammar", "allowed_mask", "fill_rows", "new_bitmask"]
 
-_batch: xgr.BatchGrammarMatcher | None = None  # xgrammar's threaded batch calls (one pool for the process)
+# xgrammar's BatchGrammarMatcher starts (and joins) a new thread pool on every threaded call, and its "auto" is half
+# of std::thread::hardware_concurrency(): every core of the host, not the CPUs this process may use. Starting a
+# thread costs tens of µs (a one-row fill: ~8 µs on one thread, ~100-170 µs on two), so "auto" costs each step
+# time that grows with the host's cores, whatever the batch, far beyond the fill itself. Rows are filled by one
+# call on the calling thread (one crossing into C++ for the whole batch); only batches large enough to pay for
+# starting threads get a few.
+PARALLEL_FILL_ROWS = 64  # fewer rows: one thread
+_ROWS_PER_THREAD = 32
+_batch: dict[int, xgr.BatchGrammarMatcher] = {}
 
 
-def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    global _batch
-    if _batch is None:
-        _batch = xgr.BatchGrammarMatcher(max_threads="auto")
-    return _batch
+def fill_threads(rows: int) -> int:
+    """Threads of a batched mask fill of ``rows`` rows."""
+    if rows < PARALLEL_FILL_ROWS:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(rows // _ROWS_PER_THREAD, cpus // 2, 8))
+
+
+def _batch_matcher(rows: int) -> xgr.BatchGrammarMatcher:
+    threads = fill_threads(rows)
+    batch = _batch.get(threads)
+    if batch is None:
+        batch = _batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+    return batch
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
@@ -72,45 +91,56 @@ class RequestGrammar:
         One request's :func:`fill_rows`."""
         fill_rows([self], bitmask, [row], [list(drafts)])
 
-    def _only_stop(self, bitmask: torch.Tensor, row: int) -> None:
-        bitmask[row].zero_()
+    def _only_stop(self, words: np.ndarray, row: int) -> None:
+        """Row ``row`` of the bitmask ``words`` (as unsigned words) allows the stop tokens only."""
+        words[row] = 0
         for t in self.matcher.stop_token_ids:
-            bit = 1 << (t % 32)
-            bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words: bit 31 is the sign
+            words[row, t // 32] |= np.uint32(1 << (t % 32))
 
 
 def fill_rows(grammars: list[RequestGrammar], bitmask: torch.Tensor, rows: list[int],
               drafts: list[list[int]] | None = None) -> None:
     """``RequestGrammar.fill`` for many requests at once: grammar ``i`` fills rows ``rows[i] ..
     rows[i] + len(drafts[i])`` (the next position, then the position after each draft). Each draft depth is one
-    threaded xgrammar call over every request still accepting, so the cost per step grows with the draft depth,
-    not with the number of constrained requests."""
-    batch = _batch_matcher()
-    drafts = drafts if drafts is not None else [[] for _ in grammars]
+    batched xgrammar call over every request still accepting (``fill_threads`` threads)."""
+    batch = _batch_matcher(len(grammars))
+    matchers = [g.matcher for g in grammars]
+    words = None  # the bitmask's memory as unsigned words, for the rows set here (an ended grammar, a rejection)
+    if drafts is None or not any(len(d) for d in drafts):  # the next position only: one call
+        running = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+        if len(running) < len(matchers):
+            words = bitmask.numpy().view(np.uint32)
+            for i in sorted(set(range(len(matchers))) - set(running)):
+                grammars[i]._only_stop(words, rows[i])  # the grammar ended: only a stop token may follow
+        if running:
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in running], bitmask, [rows[i] for i in running])
+        return
     accepted = [0] * len(grammars)
     live = list(range(len(grammars)))
     k = 0
     while live:
         running = []
         for i in live:
-            if grammars[i].matcher.is_terminated():
-                grammars[i]._only_stop(bitmask, rows[i] + k)  # the grammar ended: only a stop token may follow
+            if matchers[i].is_terminated():
+                words = bitmask.numpy().view(np.uint32) if words is None else words
+                grammars[i]._only_stop(words, rows[i] + k)
             else:
                 running.append(i)
         if running:
-            batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in running], bitmask,
+            batch.batch_fill_next_token_bitmask([matchers[i] for i in running], bitmask,
                                                 [rows[i] + k for i in running])
         deeper = [i for i in running if k < len(drafts[i])]
-        ok = batch.batch_accept_token([grammars[i].matcher for i in deeper], [int(drafts[i][k]) for i in deeper]) \
+        ok = batch.batch_accept_token([matchers[i] for i in deeper], [int(drafts[i][k]) for i in deeper]) \
             if deeper else []
         accepts = dict(zip(deeper, ok))
         for i in live:
             if k < len(drafts[i]) and not accepts.get(i, False):
-                bitmask[rows[i] + k + 1: rows[i] + len(drafts[i]) + 1] = 0  # rejected here: all-false after it
+                words = bitmask.numpy().view(np.uint32) if words is None else words
+                words[rows[i] + k + 1: rows[i] + len(drafts[i]) + 1] = 0  # rejected here: all-false after it
         live = [i for i, a in zip(deeper, ok) if a]
         for i in live:
             accepted[i] += 1
         k += 1
     back = [i for i in range(len(grammars)) if accepted[i]]
     if back:
-        batch.batch_rollback([grammars[i].matcher for i in back], [accepted[i] for i in back])
+        batch.batch_rollback([matchers[i] for i in back], [accepted[i] for i in back])

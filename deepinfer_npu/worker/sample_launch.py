@@ -20,7 +20,8 @@ import torch
 from deepinfer_npu.sampling import SamplingTensors
 from deepinfer_npu.sampling.prompt_logprobs import prompt_logprobs
 from deepinfer_npu.spec.drafter import DraftContext
-from deepinfer_npu.worker import grammar_mask, penalty_state
+from deepinfer_npu.structured_output import step_masks
+from deepinfer_npu.worker import penalty_state
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests
 
 
@@ -127,7 +128,7 @@ class SampleLaunch:
                 self.slots, step.slots.index_select(0, self._dev(sample_rows)))
         ban = self._ban_mask(reqs, src_idx, t.offsets, rows)
         if reqs.grammars is not None:
-            ban = grammar_mask.merge(ban, grammar_mask.prefill_banned(
+            ban = step_masks.merge(ban, step_masks.prefill_banned(
                 reqs.grammars, sample_rows, self.runner.model_config.vocab_size, self._dev))
         vo = self.kernels.spec_verify(logits, torch.full((m,), -1, dtype=torch.int64, device=self.device),
                                       torch.arange(m, device=self.device),
@@ -165,7 +166,7 @@ class SampleLaunch:
         ban = self._ban_mask(reqs, row, t.offsets, np.arange(n))
         max_q = max(self.k + 1, 1)
         if reqs.grammars is not None:
-            ban = grammar_mask.merge(ban, grammar_mask.decode_banned(
+            ban = step_masks.merge(ban, step_masks.decode_banned(
                 reqs.grammars, n, max_q, row, j, step.draft_next, self.runner.model_config.vocab_size,
                 self._dev))
         if t.need_penalties:
