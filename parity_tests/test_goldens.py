@@ -101,6 +101,23 @@ def test_recorder_end_to_end_on_cpu_with_negative_control(tmp_path):
     assert not all(v.ok for v in compare_docs(bad, doc))  # the rule catches a changed token
 
 
+@needs_reference_model
+def test_two_ranks_give_the_goldens_of_one():
+    """The parity job on two rank processes (gloo, expert-parallel MoE across them): the fp32 goldens' tokens, and
+    the same tokens and top-5 logprobs as the one-process recording within the fp32 rule."""
+    fp32 = [p for p in GOLDENS if json.loads(p.read_text())["dtype"] == "float32"
+            and not json.loads(p.read_text())["model"].get("repo_dir")]
+    one = record_cpu("float32", REFERENCE_MODEL_DIR, P.MAX_TOKENS)
+    two = recorder.record("cpu", "float32", REFERENCE_MODEL_DIR, P.MAX_TOKENS, data_parallel_size=2,
+                          distributed_timeout_s=120)
+    assert two["environment"]["data_parallel_size"] == 2
+    assert [t["tokens"] for t in two["traces"]] == [t["tokens"] for t in one["traces"]]
+    assert all(v.ok for v in compare_docs(one, two))
+    for path in fp32:
+        verdicts = compare_docs(json.loads(path.read_text()), two)
+        assert all(v.ok for v in verdicts), (path.name, [v.message for v in verdicts if not v.ok])
+
+
 REAL_DIMS_MODEL = Path(__file__).resolve().parent / "models" / "deepseek-v2-lite-dims-2l"
 
 
@@ -159,3 +176,10 @@ def test_dummy_portable_weights_do_not_depend_on_the_cpu_code_path():
         assert out.returncode == 0, out.stderr[-2000:]
         digests.add(out.stdout.strip().splitlines()[-1])
     assert len(digests) == 1, digests
+
+
+def test_parity_cli_refuses_a_bad_rank_count(capsys):
+    from deepinfer_npu.parity.__main__ import main
+
+    assert main(["record", "--backend", "cpu", "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1, got 0" in capsys.readouterr().err

@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--golden", required=True)
     c.add_argument("--backend", default="cpu")
     c.add_argument("--model", default=None)
+    for sp in (r, c):
+        sp.add_argument("--data-parallel-size", type=int, default=1,
+                        help="rank processes (expert-parallel MoE across them): the goldens hold for any number")
     args = p.parse_args(argv)
 
     try:
@@ -53,9 +56,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _ranks(args) -> dict:
+    """Engine options for ``--data-parallel-size`` (1: one process, the default)."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    return {"data_parallel_size": args.data_parallel_size} if args.data_parallel_size > 1 else {}
+
+
 def _run(args) -> int:
     if args.cmd == "record":
-        doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens, load_format=args.load_format)
+        doc = recorder.record(args.backend, args.dtype, args.model, args.max_tokens, load_format=args.load_format,
+                              **_ranks(args))
         out = Path(args.out) if args.out else recorder.golden_path(args.backend, args.dtype)
         recorder.write(doc, out)
         print(f"wrote {out} ({len(doc['traces'])} prompts, {doc['seconds']} s)")
@@ -71,7 +82,7 @@ def _run(args) -> int:
     elif model is None and recorded.get("dir") and Path(recorded["dir"]).is_dir():
         model = recorded["dir"]  # replay on the model the golden was recorded on
     cand = recorder.record(args.backend, golden["dtype"], model, golden["max_tokens"],
-                           load_format=recorded.get("load_format", "auto"))
+                           load_format=recorded.get("load_format", "auto"), **_ranks(args))
     if recorded.get("config_sha256") and (cand.get("model") or {}).get("config_sha256") != recorded["config_sha256"]:
         print(f"FAIL: the golden was recorded on model {recorded.get('dir')} (config sha256 "
               f"{recorded['config_sha256'][:12]}), not on {(cand.get('model') or {}).get('dir')}; pass --model")
@@ -81,7 +92,8 @@ def _run(args) -> int:
         print(f"prompt {i}: {'OK ' if v.ok else 'FAIL'} {v.message}")
     ok = all(v.ok for v in verdicts)
     print(
-        f"{'PASS' if ok else 'FAIL'}: {args.backend} vs {golden['backend']}-{golden['dtype']} "
+        f"{'PASS' if ok else 'FAIL'}: {args.backend} ({args.data_parallel_size} rank(s)) vs "
+        f"{golden['backend']}-{golden['dtype']} "
         f"({'tokens identical' if golden['dtype'] == 'float32' else 'logprobs-close'} rule)"
     )
     return 0 if ok else 1
