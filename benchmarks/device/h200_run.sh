@@ -14,6 +14,7 @@
 #   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, ... absent on the host)
 #   structured  benchmarks/bench_structured.py on the reference model and on V2-Lite dims, concurrency 1 and 32
 #   serving   benchmarks/bench_serving.py against `python -m deepinfer_npu.serve --backend cuda` (reference model)
+#   startup   benchmarks/bench_startup.py: LLM(...) until ready, cold caches then warm (V2-Lite shape; STARTUP_ARGS)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
 # DEADLINE (seconds from start, default unset) caps PHASE_LIMIT and skips phases once it has passed. Outputs under
@@ -84,6 +85,8 @@ for l in open('$OUT/profile.jsonl'):
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --model parity_tests/models/deepseek-v2-lite-dims-2l --load-format dummy_portable \
              --out "$OUT/cuda-$dt-v2-lite-dims.json" 2>&1 | filt | tail -3; done ;;
+    startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
+             --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4 ;;
     savecache) (set -o pipefail; tar -cf - -C /tmp/tlcache . | xz -9e > "$OUT/tlcache.tar.xz") \
              || { echo "savecache FAILED"; rm -f "$OUT/tlcache.tar.xz"; }; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
