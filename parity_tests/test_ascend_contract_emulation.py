@@ -578,7 +578,10 @@ def test_reference_model_npu_graphs_zos_equal_cpu_without_host_reads(reference_m
     assert isinstance(runner, NpuGraphRunner) and stats["graphs_disabled"] is None
     assert stats["graph_steps"] > 0 and runner.num_replays >= stats["graph_steps"]  # (+ varlen's profile runs)
     assert updates == runner.num_task_updates > 0
-    assert dev["shortfall_beyond_padding"] == 0 and (spec is None or dev["rows_with_kv_shortfall"] > 0), dev
+    # Varlen picks draft counts from measured step times: on a loaded host it may verify few or no drafts. Every
+    # rejected draft makes ZOS's next (replayed) step plan past the true key length, which the replay must hide.
+    rejected = stats.get("spec_draft_tokens", 0) - stats.get("spec_accepted_tokens", 0)
+    assert dev["shortfall_beyond_padding"] == 0 and (rejected == 0 or dev["rows_with_kv_shortfall"] > 0), (dev, stats)
     assert reads.reads == []
     assert "verified by the CPU contract emulation only" in report["decode_graphs"]
 
