@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from deepinfer_npu.backends.cpu import moe as ref
 from deepinfer_npu.benchmark_meta import row_meta
-from deepinfer_npu.distributed.ep_comm import ep_combine, ep_dispatch
+from deepinfer_npu.backends.cpu.ep_comm import ep_combine, ep_dispatch
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from deepinfer_npu.hal.types import GatingParams

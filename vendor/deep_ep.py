@@ -16,7 +16,7 @@ import torch
 from .status import VendorStatus, probe_module, require
 
 NAME = "deep_ep"
-FALLBACK = "torch.distributed all_to_all_single (distributed/ep_comm.py)"
+FALLBACK = "torch.distributed all_to_all_single (backends/cpu/ep_comm.py)"
 
 
 def probe() -> VendorStatus:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from deepinfer_npu.hal.kernel_set import KernelSet
 
+import torch
+
+from deepinfer_npu.hal.types import EPDispatched
+
 from . import cache_ops as _cache_ops
+from . import ep_comm as _ep_comm
 from . import linear as _linear
 from . import mla as _mla
 from . import moe as _moe
@@ -49,3 +54,16 @@ class CpuKernelSet(KernelSet):
     w8a8_grouped_mlp = staticmethod(_quant.w8a8_grouped_mlp)
     mla_prolog_quant = staticmethod(_quant.mla_prolog_quant)
     mla_epilogue_quant = staticmethod(_quant.mla_epilogue_quant)
+
+    # ---- expert parallelism: all_to_all_single with variable splits (ep_comm.py), then this rank's own routing ops
+    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+        rows, local_slot, handle = _ep_comm.ep_dispatch(hidden, slots, placement, group)
+        sorted_rows, counts, state = self.moe_dispatch(rows, local_slot.view(-1, 1).to(torch.int32),
+                                                       placement.slots_per_rank)
+        return EPDispatched(sorted_rows, counts, (handle, state, rows.shape[0]))
+
+    def ep_combine(self, expert_out, dispatched: EPDispatched, weights, group) -> torch.Tensor:
+        handle, state, num_rows = dispatched.state
+        # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
+        out = self.moe_combine(expert_out, state, torch.ones(num_rows, 1, device=expert_out.device))
+        return _ep_comm.ep_combine(out, handle, weights, group)

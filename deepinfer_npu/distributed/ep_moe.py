@@ -2,9 +2,9 @@
 
 ``shard_experts`` keeps only this rank's experts (in slot order) in a ``DeepseekMoE``'s stacked weights;
 ``ep_moe_forward`` is that layer's forward over the EP group: the router and the shared experts run on the
-rank's own tokens, the routed (token, choice) rows go to the ranks owning their experts (``ep_dispatch``), run
-through the local grouped GEMM, come back (``ep_combine``) and are reduced with the router weights in the same
-order as on one device, so the layer's output equals the single-device layer's.
+rank's own tokens, the routed (token, choice) rows go to the ranks owning their experts (the kernel set's
+``ep_dispatch``), run through the local grouped GEMM, come back (``ep_combine``) and are reduced with the router
+weights in the same order as on one device, so the layer's output equals the single-device layer's.
 
 A layer built under expert parallelism registers an ``EPLayer`` with the group: its own placement (a load
 balancer may replace it between steps, ``deepinfer_npu/eplb``), that placement's route table on the device, and
@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .ep_comm import ep_combine, ep_dispatch
 from .expert_placement import ExpertPlacement, RouteTable
 
 WINDOW, SINCE_PLAN = 0, 1  # rows of EPLayer.load
@@ -110,16 +109,12 @@ def ep_moe_forward(moe, hidden: torch.Tensor, ep: EPGroup) -> torch.Tensor:
         placement, slots = ep.placement, ep.placement.route(ids, ep.rank)
     else:  # replicas spread by token index, shifted per rank and step so one-token decode batches spread too
         placement, slots = layer.placement, layer.table.route(ids, ep.rank + ep.steps)
-    rows, local_expert, handle = ep_dispatch(hidden, slots, placement, ep.group)
-    num_local = placement.slots_per_rank
-    sorted_rows, counts, state = k.moe_dispatch(rows, local_expert.view(-1, 1).to(torch.int32), num_local)
+    dispatched = k.ep_dispatch(hidden, slots, placement, ep.group)
     if layer is not None:
-        layer.load.add_(counts)  # the routing op's per-slot counts, accumulated on the device
+        layer.load.add_(dispatched.tokens_per_slot)  # the routing op's per-slot counts, accumulated on the device
         ep.forwards += 1
-    out = moe.experts_mlp(sorted_rows, counts)
-    # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
-    out = k.moe_combine(out, state, torch.ones(rows.shape[0], 1, device=rows.device))
-    routed = ep_combine(out, handle, weights, ep.group)
+    out = moe.experts_mlp(dispatched.rows, dispatched.tokens_per_slot)
+    routed = k.ep_combine(out, dispatched, weights, ep.group)
     if moe.shared_experts is None:
         return routed
     return routed + moe.shared_experts(hidden)

@@ -6,7 +6,7 @@ from __future__ import annotations
 def ep_dispatch_report(backend) -> dict[str, str]:
     """``{"ep_dispatch": ..., "ep_combine": ..., "eplb": ...}``: the path this backend's ranks take, and why not a
     faster one; where the load balancer's counts come from."""
-    path = (f"torch.distributed all_to_all_single over {backend.dist_backend} (distributed/ep_comm.py; the host "
+    path = (f"torch.distributed all_to_all_single over {backend.dist_backend} (the kernel set's ep_dispatch / ep_combine, backends/cpu/ep_comm.py; the host "
             "reads the split sizes: one sync per MoE layer and step)")
     if backend.name == "cuda":
         from deepinfer_npu.vendor import deep_ep

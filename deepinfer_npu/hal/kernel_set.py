@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
+from .types import DispatchState, EPDispatched, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 
 class KernelSet(abc.ABC):
@@ -207,6 +207,23 @@ class KernelSet(abc.ABC):
         [T, D] in ``expert_out``'s dtype (the MoE layer's routed output plus its shared experts'), the combine
         rounded to the dtype before the add. A backend may fuse the add into the combine (CUDA: one kernel)."""
         return self.moe_combine(expert_out, state, weights) + addend
+
+    # ---- expert parallelism (not in OPS: distributed/ep_report.py reports their path) ---------------------------
+    @abc.abstractmethod
+    def ep_dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, placement: Any, group: Any) -> EPDispatched:
+        """Send each (token, choice) row to the rank owning its physical expert slot; -> this rank's received rows
+        sorted by local slot, with ``tokens_per_slot`` [slots_per_rank] int64 on the device.
+
+        ``hidden`` [T, D] (T may be 0), ``slots`` [T, k] physical slot ids (``ExpertPlacement.route``),
+        ``placement`` the layer's ``ExpertPlacement`` (``slots_per_rank`` consecutive slots a rank), ``group`` the
+        EP process group. Every rank of the group calls it in the same order (a collective)."""
+
+    @abc.abstractmethod
+    def ep_combine(self, expert_out: torch.Tensor, dispatched: EPDispatched, weights: torch.Tensor,
+                   group: Any) -> torch.Tensor:
+        """Bring ``expert_out`` [R, D] (``dispatched.rows``' order) back to the ranks that sent the rows and sum each
+        token's k outputs weighted by ``weights`` [T, k] in fp32, in the single-device ``moe_combine``'s order
+        -> [T, D] in ``expert_out``'s dtype. A collective, like ``ep_dispatch``."""
 
     # ---- speculative decoding -------------------------------------------------------------------------------
     @abc.abstractmethod

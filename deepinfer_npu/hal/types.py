@@ -8,7 +8,7 @@ ints only (no modules), which keeps ops free functions that a backend can map on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -88,6 +88,16 @@ class DispatchState:
     order: torch.Tensor
     num_tokens: int
     top_k: int
+
+
+@dataclass
+class EPDispatched:
+    """What ``ep_dispatch`` gives this rank: its routed rows sorted by local expert slot, the rows per slot, and
+    what ``ep_combine`` needs to bring the outputs back (backend-specific)."""
+
+    rows: torch.Tensor  # [R, D] the (token, choice) rows this rank's slots run, slot 0's first
+    tokens_per_slot: torch.Tensor  # [slots_per_rank] int64 on the device
+    state: Any
 
 
 @dataclass(frozen=True, kw_only=True)

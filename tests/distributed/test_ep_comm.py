@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deepinfer_npu.backends.cpu import moe as ref
-from deepinfer_npu.distributed.ep_comm import ep_combine, ep_dispatch
+from deepinfer_npu.backends.cpu.ep_comm import ep_combine, ep_dispatch
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill

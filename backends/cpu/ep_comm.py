@@ -4,8 +4,9 @@
 this rank must run, with their local expert index; ``ep_combine`` sends the expert outputs back and reduces each
 token's ``k`` rows with the router weights in the same fp32 order as the single-device ``moe_combine``, so an EP
 deployment gives the single-device result. The split sizes are host integers (one count exchange per dispatch):
-on the reference path this is a host sync by construction; device backends replace these two functions (NCCL
-with device-side counts, DeepEP, MC2) behind the same signatures.
+on the reference path this is a host sync by construction. The kernel sets' ``ep_dispatch`` / ``ep_combine`` ops
+(``CpuKernelSet``) wrap these with the local ``moe_dispatch`` / ``moe_combine``; a device backend overrides those
+ops (NCCL with device-side counts, DeepEP, MC2).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from deepinfer_npu.hal.sync_guard import allow_sync
 
-from .expert_placement import ExpertPlacement
+from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 
 
 @dataclass(frozen=True)
