@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, unpack_fp8_latents
+from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, fp8_latent_row_bytes, unpack_fp8_latents
 
 #: above this many gathered bytes an eager step takes the reference instead (captured steps always come here)
 MAX_GATHER_BYTES = 2 << 30
@@ -20,8 +20,8 @@ MAX_GATHER_BYTES = 2 << 30
 def gather_bytes(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
     """fp32 bytes of the gathered rows (L + R values a key; a packed FP8 row also unpacks to L + R)."""
     lrank, width = q_latent.shape[-1], kv_cache.shape[2]
-    if kv_cache.dtype == FP8_KV_DTYPE:  # L e4m3 bytes, 4 per 128 of them (scales), 2 per RoPE value
-        width = lrank + (width - lrank - 4 * -(-lrank // 128)) // 2
+    if kv_cache.dtype == FP8_KV_DTYPE:  # the packed row's bytes past the latents and their scales: 2 per RoPE value
+        width = lrank + (width - fp8_latent_row_bytes(lrank, 0)) // 2
     return q_latent.shape[0] * block_tables.shape[1] * kv_cache.shape[1] * width * 4
 
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
+from deepinfer_npu.model_executor.quantization.kv_fp8 import fp8_latent_row_bytes
 
 from .. import mla_dense
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref
 
 KV_LORA, ROPE, PAGE = 512, 64, 64  # what kernels_cuda.mla_decode is built for (FlashMLA layout)
-FP8_ROW_BYTES = 656  # its packed FP8 rows (kv_cache_dtype="fp8"): 512 e4m3 + 4 fp32 scales + 64 bf16
+FP8_ROW_BYTES = fp8_latent_row_bytes(KV_LORA, ROPE)  # its packed FP8 rows (kv_cache_dtype="fp8"): 656 bytes
 MAX_Q = 16  # query tokens per request the decode kernel handles (speculative verification)
 
 
