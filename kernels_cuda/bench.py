@@ -167,11 +167,22 @@ def bench_mla_absorb(args, copy):
 
 
 # ---- MLA decode ----------------------------------------------------------------------------------------------------
-def _mla_decode_row(batch, heads, seqlen_k, q_len, copy, num_splits=None, warp_specialized=False, **tuning):
-    """One decode launch timed; bytes = the latent cache read once (FlashMLA's count) + q + out + lse + tables."""
+def _mla_decode_row(batch, heads, seqlen_k, q_len, copy, num_splits=None, warp_specialized=False, kv_fp8=False,
+                    **tuning):
+    """One decode launch timed; bytes = the latent cache read once (FlashMLA's count) + q + out + lse + tables.
+    kv_fp8: the cache packed into FP8 rows (FP8_ROW_BYTES a token) first."""
     from . import mla_decode as m
 
     inp = problems.mla_paged(batch, heads, seqlen_k, q_len, seed=100, spare_blocks=0)
+    row_bytes = m.HEAD_DIM * 2
+    if kv_fp8:
+        from deepinfer_npu.model_executor.quantization.kv_fp8 import pack_fp8_latents
+
+        kv = inp["kv_cache"]
+        inp["kv_cache"] = pack_fp8_latents(kv.reshape(-1, m.HEAD_DIM).float(), m.KV_LORA).view(
+            kv.shape[0], kv.shape[1], -1)
+        row_bytes = m.FP8_ROW_BYTES
+        del kv
     tq = batch * q_len
     out = torch.empty(tq, heads, m.KV_LORA, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(tq, heads, dtype=torch.float32, device="cuda")
@@ -181,16 +192,17 @@ def _mla_decode_row(batch, heads, seqlen_k, q_len, copy, num_splits=None, warp_s
     us, how = time_us(lambda: m.mla_decode(**inp, softmax_scale=m.HEAD_DIM**-0.5, max_seqlen_q=q_len,
                                            num_splits=splits, out=out, lse=lse, num_sms=sms,
                                            warp_specialized=warp_specialized, **tuning))
-    ws = m.takes_warp_specialized(heads, bq, warp_specialized)
+    ws = m.takes_warp_specialized(heads, bq, warp_specialized) and not kv_fp8
     block_m = tuning.get("block_m") or m.decode_block_m(heads, bq)
     threads = m._ws_module().THREADS if ws else tuning.get("threads") or (
         m.SMALL_THREADS if block_m < m.BLOCK_M else 256)
-    nbytes = (batch * seqlen_k * m.HEAD_DIM * 2 + tq * heads * (m.HEAD_DIM + m.KV_LORA) * 2 + tq * heads * 4
+    nbytes = (batch * seqlen_k * row_bytes + tq * heads * (m.HEAD_DIM + m.KV_LORA) * 2 + tq * heads * 4
               + batch * -(-seqlen_k // m.PAGE) * 4)
     row = {"batch": batch, "seqlen_k": seqlen_k, "heads": heads, "q_len": q_len, "num_splits": splits,
            "num_stages": tuning.get("num_stages") or 2, "threads": threads, "block_m": block_m,
            "skip_empty_splits": bool(tuning.get("skip_empty_splits")),
-           "kernel": "warp_specialized" if ws else "pipelined", "us": round(us, 2),
+           "kernel": "warp_specialized" if ws else "pipelined", "kv_cache_dtype": "fp8" if kv_fp8 else "bfloat16",
+           "us": round(us, 2),
            "TFLOPs": round(2 * tq * heads * seqlen_k * (m.HEAD_DIM + m.KV_LORA) / (us * 1e-6) / 1e12, 1),
            "timing": how}
     return rate(row, nbytes, us, copy)
@@ -220,11 +232,18 @@ def bench_mla_decode(args, copy):
         bq = m.bucket_q(q)
         splits = m.default_num_splits(b, h, bq, s // m.PAGE, sms)
         cfgs += [m.decode_config(h, bq, n) for n in [splits, *args.splits]]
+        if args.kv_fp8:
+            cfgs.append(m.decode_config(h, bq, splits, kv_fp8=True))
         if args.warp_specialized:
             cfgs.append(m.decode_config(h, bq, splits, True))
     m.precompile(cfgs)
     for b, h, s, q in shapes:
-        for n in [None, *args.splits]:
+        base = _mla_decode_row(b, h, s, q, copy)
+        yield base
+        if args.kv_fp8:  # the packed FP8 cache at the engine's split count, against the bf16 cache's time
+            row = _mla_decode_row(b, h, s, q, copy, kv_fp8=True)
+            yield dict(row, over_bf16_cache=round(base["us"] / row["us"], 3))
+        for n in args.splits:
             yield _mla_decode_row(b, h, s, q, copy, n)
         for bm in args.block_m:  # tile variants at the engine's split count (compiled at first use)
             if bm != m.decode_block_m(h, m.bucket_q(q)) and bm >= m.SMALL_BLOCK_M and h * q <= 8 * bm:
@@ -678,6 +697,7 @@ def main(argv=None) -> int:
     mla.add_argument("--block-m", type=int, nargs="*", default=[],
                      help="also these CTA row tiles (16: mma.sync tile at 128 threads; 64: wgmma tile at 256)")
     mla.add_argument("--warp-specialized", action="store_true", help="also mla_decode_ws' kernel (64-row tiles)")
+    mla.add_argument("--kv-fp8", action="store_true", help="also the packed FP8 cache (kv_cache_dtype='fp8')")
     mla.add_argument("--sweep-batch1", action="store_true", help="batch-1 latency: splits x stages x threads x rows")
     sk = ap.add_argument_group("skinny_gemm")
     sk.add_argument("--variants", nargs="+", default=["1,4", "2,4", "1,8", "2,8", "1,4,4"],

@@ -96,6 +96,7 @@ def build_mla_decode(
     if kv_fp8:  # half-page key tiles: the fp8 staging tile and the bf16 tile, each double-buffered, fit in 227 KB
         BN = BLOCK_N // 2
     TPP = PAGE // BN  # key tiles a page
+    NG = DV // FP8_GROUP  # scale groups a latent row
     S = num_splits
     scale = float(softmax_scale * LOG2E)
     dtype = T.bfloat16
@@ -122,6 +123,8 @@ def build_mla_decode(
             K_pe_shared = T.alloc_shared([BN, DPE], dtype)
             if kv_fp8:
                 KV8_shared = T.alloc_shared([BN, DV], T.float8_e4m3fn)
+                SC_shared = T.alloc_shared([BN, NG], acc)
+                KV_dq = T.alloc_fragment([BN, DV], dtype)
             S_shared = T.alloc_shared([BM, BN], dtype)
             acc_s = T.alloc_fragment([BM, BN], acc)
             acc_o = T.alloc_fragment([BM, DV], acc)
@@ -172,10 +175,14 @@ def build_mla_decode(
                     page = block_table[b, (t0 + k) // TPP]
                     r0 = ((t0 + k) % TPP) * BN  # the tile's first row in its page
                     T.copy(KV_lat[page, r0 : r0 + BN, 0:DV], KV8_shared)
+                    T.copy(KV_sc[page, r0 : r0 + BN, FP8_SCALE_OFFSET : FP8_SCALE_OFFSET + NG], SC_shared)
                     T.copy(KV_pe[page, r0 : r0 + BN, FP8_PE_OFFSET : FP8_PE_OFFSET + DPE], K_pe_shared)
-                    for i, d in T.Parallel(BN, DV):  # value * its group's scale (fp32), rounded to bf16
-                        KV_shared[i, d] = T.cast(T.cast(KV8_shared[i, d], acc)
-                                                 * KV_sc[page, r0 + i, FP8_SCALE_OFFSET + d // FP8_GROUP], dtype)
+                    # value * its group's scale (fp32), rounded to bf16; through registers, so that the whole
+                    # tile is read before it is written (one barrier, not one per row chunk) and the scales come
+                    # from shared memory (per-element global loads made this kernel slower than the bf16 one)
+                    for i, d in T.Parallel(BN, DV):
+                        KV_dq[i, d] = T.cast(T.cast(KV8_shared[i, d], acc) * SC_shared[i, d // FP8_GROUP], dtype)
+                    T.copy(KV_dq, KV_shared)
                 else:
                     page = block_table[b, t0 + k]
                     T.copy(KV_lat[page, :, 0:DV], KV_shared)

@@ -58,14 +58,14 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory a Hopper CTA may hold
 @pytest.mark.nvcc
 @pytest.mark.tilelang
 def test_fp8_variant_compiles_within_the_shared_memory_gpu_free():
-    """The 64-row FP8 tile (128 heads) for sm_90a: the packed rows load through the TMA unit (the e4m3 latents and
-    the bf16 RoPE values; the scales by plain loads), and the double-buffered fp8 and bf16 tiles fit the shared
-    memory (whole-page tiles did not: 288 KB)."""
+    """The 64-row FP8 tile (128 heads) for sm_90a: the packed rows load through the TMA unit (the e4m3 latents,
+    their fp32 scales and the bf16 RoPE values), and the double-buffered staging tiles fit the shared memory
+    (whole-page tiles did not: 288 KB)."""
     import re
 
     (kernel,) = mla.ci_compile([(128, 2, 1, False, 64, False, True)])
     src = kernel.get_kernel_source()
-    assert "mla_decode_split_fp8" in src and "KV8_desc" in src and "KVr_desc" in src
+    assert "mla_decode_split_fp8" in src and all(f"{v}_desc" in src for v in ("KV8", "KVs", "KVr"))
     offsets = [int(x) for x in re.findall(r"buf_dyn_shmem \+ (\d+)\)", src)]
     assert offsets and max(offsets) < SMEM_LIMIT - 8 * 1024, max(offsets)  # the last buffers are a few KB
 
