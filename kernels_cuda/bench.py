@@ -188,7 +188,7 @@ def _mla_decode_row(batch, heads, seqlen_k, q_len, copy, num_splits=None, warp_s
     lse = torch.empty(tq, heads, dtype=torch.float32, device="cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bq = m.bucket_q(q_len)
-    splits = num_splits or m.default_num_splits(batch, heads, bq, -(-seqlen_k // m.PAGE), sms)
+    splits = num_splits or m.default_num_splits(batch, heads, bq, -(-seqlen_k // m.PAGE), sms, kv_fp8)
     us, how = time_us(lambda: m.mla_decode(**inp, softmax_scale=m.HEAD_DIM**-0.5, max_seqlen_q=q_len,
                                            num_splits=splits, out=out, lse=lse, num_sms=sms,
                                            warp_specialized=warp_specialized, **tuning))
@@ -233,7 +233,7 @@ def bench_mla_decode(args, copy):
         splits = m.default_num_splits(b, h, bq, s // m.PAGE, sms)
         cfgs += [m.decode_config(h, bq, n) for n in [splits, *args.splits]]
         if args.kv_fp8:
-            cfgs.append(m.decode_config(h, bq, splits, kv_fp8=True))
+            cfgs.append(m.decode_config(h, bq, m.default_num_splits(b, h, bq, s // m.PAGE, sms, True), kv_fp8=True))
         if args.warp_specialized:
             cfgs.append(m.decode_config(h, bq, splits, True))
     m.precompile(cfgs)

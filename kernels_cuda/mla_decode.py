@@ -67,6 +67,12 @@ def _ws_module():
     return _ws
 
 
+# Registers a consumer thread takes at two CTAs an SM: each CTA launches with 128 a thread (the launch bound), the
+# producer warpgroup gives back down to 24, so the consumer may grow to 128 + (128 - 24) = 232 (240 would wait for
+# registers that never come)
+FP8_CONSUMER_REGS = 232
+
+
 # ----------------------------------------------------------------------------------------------------
 # factory
 # ----------------------------------------------------------------------------------------------------
@@ -96,6 +102,9 @@ def build_mla_decode(
     if kv_fp8:  # half-page key tiles: the fp8 staging tile and the bf16 tile, each double-buffered, fit in 227 KB
         BN = BLOCK_N // 2
     TPP = PAGE // BN  # key tiles a page
+    # The FP8 16-row tile: two CTAs an SM, so that one dequantises while the other runs its GEMMs (alone, a CTA's
+    # dequantise -> GEMM -> softmax -> GEMM chain bounds it; its shared memory, ~95 KB, fits twice)
+    two_ctas_per_sm = kv_fp8 and BM == SMALL_BLOCK_M and threads == SMALL_THREADS
     NG = DV // FP8_GROUP  # scale groups a latent row
     S = num_splits
     scale = float(softmax_scale * LOG2E)
@@ -115,6 +124,10 @@ def build_mla_decode(
         """The split kernel; KV_lat / KV_sc / KV_pe: the cache (bf16: the same tensor three times; FP8: its e4m3,
         fp32 and bf16 views)."""
         with T.Kernel(m_tiles, B, S, threads=threads) as (mt, b, z):
+            if two_ctas_per_sm:
+                T.annotate_min_blocks_per_sm(2)
+                T.annotate_producer_reg_dealloc(24)
+                T.annotate_consumer_reg_alloc(FP8_CONSUMER_REGS)
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             Q_shared = T.alloc_shared([BM, DV], dtype)
@@ -406,15 +419,22 @@ def decode_config(heads: int, q_bucket: int, num_splits: int, warp_specialized: 
     return (heads, -(-q_bucket * heads // bm), num_splits, False, bm)
 
 
+def resident_ctas(heads: int, q_bucket: int, kv_fp8: bool) -> int:
+    """CTAs of the engine's decode kernel an SM holds at once: 2 for the FP8 cache's 16-row tile, else 1."""
+    return 2 if kv_fp8 and decode_block_m(heads, q_bucket) == SMALL_BLOCK_M else 1
+
+
 def default_num_splits(
-    batch: int, heads: int, max_seqlen_q: int, max_blocks_per_seq: int, num_sms: int = 132
+    batch: int, heads: int, max_seqlen_q: int, max_blocks_per_seq: int, num_sms: int = 132, kv_fp8: bool = False
 ) -> int:
-    """Host-side split heuristic (no device sync): about one wave of CTAs, at least 1 page per split (at batch 1
-    a 9-page context took 23 us in 2 splits: each page costs a few us of latency, so spread them out)."""
+    """Host-side split heuristic (no device sync): about one wave of CTAs (``resident_ctas`` an SM), at least 1
+    page per split (at batch 1 a 9-page context took 23 us in 2 splits: each page costs a few us of latency, so
+    spread them out). ``max_seqlen_q``: the bucketed query length; ``kv_fp8``: a packed FP8 cache."""
+    slots = num_sms * resident_ctas(heads, max_seqlen_q, kv_fp8)
     ctas = batch * m_tiles_for(heads, max_seqlen_q)
-    if ctas >= num_sms * 0.75:
+    if ctas >= slots * 0.75:
         return 1
-    s = max(1, round(num_sms / ctas))
+    s = max(1, round(slots / ctas))
     return int(min(s, max(1, max_blocks_per_seq), 32))
 
 
@@ -482,10 +502,10 @@ def mla_decode(
         max_seqlen_q = int(seqlens_q.max().item())  # sync: pass it explicitly under graph capture
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(q_latent.device).multi_processor_count
-    if num_splits is None:
-        num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms)
-    engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
     kv_fp8 = kv_cache.dtype == torch.uint8
+    if num_splits is None:
+        num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms, kv_fp8)
+    engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
     use_ws = takes_warp_specialized(H, bucket_q(max_seqlen_q), warp_specialized) and not kv_fp8
     if kv_fp8:  # the engine's tile only
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)

@@ -28,16 +28,18 @@ SMS = 132  # H200
 def expected_mla_decode(plan: KernelWarmupPlan, short_prefill_on_decode: bool = False) -> set[tuple]:
     """Independently: each decode graph at max_q = k + 1 on the graphs' tables; with ``short_prefill_on_decode``
     (mla_prefill left out: prefill chunks of <= 16 tokens take the decode kernel) every host max query length
-    1..16 of a prefill chunk of B prompts on the scheduler's tables too."""
+    1..16 of a prefill chunk of B prompts on the scheduler's tables too. A packed FP8 cache's split counts
+    count two resident CTAs an SM for its 16-row tile."""
+    fp8 = plan.kv_cache_fp8
     h, width = plan.num_heads, math.ceil(plan.max_model_len / plan.block_size)
     out = set()
     for b in range(1, plan.max_num_prompts + 1 if short_prefill_on_decode else 1):
         for q in range(1, 17):
             bq = md.bucket_q(q)
-            out.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS)))
+            out.add(md.decode_config(h, bq, md.default_num_splits(b, h, bq, width, SMS, fp8)))
     bq = md.bucket_q(plan.num_speculative_tokens + 1)
     for s in plan.decode_graph_sizes:
-        out.add(md.decode_config(h, bq, md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS)))
+        out.add(md.decode_config(h, bq, md.default_num_splits(s, h, bq, plan.decode_graph_width, SMS, fp8)))
     return out
 
 
@@ -246,11 +248,13 @@ def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kerne
     """``kv_cache_dtype="fp8"``: the decode and prefill configurations of the bf16 plan, each as the FP8 variant
     (never the warp-specialized kernel), and the composed prolog tail (rms_norm of the latent) instead of
     mla_rope_cache, which writes bf16 rows."""
-    plan = v2_lite_plan(k=0)
-    kernel_set().warmup(dataclasses.replace(plan, kv_cache_fp8=True))
+    plan = dataclasses.replace(v2_lite_plan(k=0), kv_cache_fp8=True)
+    kernel_set().warmup(plan)
     cfgs = recorded["mla_decode"][0][0]
     decode = {md._normalize(c)[:5] for c in cfgs if not md._normalize(c)[3]}
     assert decode == {md._normalize(c)[:5] for c in expected_mla_decode(plan)}
+    # twice the split count of the bf16 cache's where one wave of 16-row CTAs does not fill the SMs twice over
+    assert md.default_num_splits(16, 16, 1, 66, SMS, True) == 2 * md.default_num_splits(16, 16, 1, 66, SMS) == 16
     assert all(md._normalize(c)[5:] == (False, True) for c in cfgs)
     assert [md._normalize(c)[:4] for c in cfgs if md._normalize(c)[3]] == PREFILL_4096
     assert "mla_rope_cache" not in recorded

@@ -189,13 +189,13 @@ def mla_decode_configs(plan: KernelWarmupPlan, num_sms: int, prefill: bool = Tru
         """Every bucket of a host max query length 1..max_q_bound, at ``batch`` rows and table ``width``."""
         for bucket in (1, 2, 4, 8, 16):
             if _bucket_reachable(bucket, min(max_q_bound, MAX_Q)):
-                decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms),
+                decode.add(md.decode_config(h, bucket, md.default_num_splits(batch, h, bucket, width, num_sms, fp8),
                                             warp_specialized, fp8))
 
     for size in plan.decode_graph_sizes:  # S rows, host max_seqlen_q = k + 1 exactly, the graphs' own tables
         bucket = md.bucket_q(k + 1)
         decode.add(md.decode_config(h, bucket, md.default_num_splits(size, h, bucket, plan.decode_graph_width,
-                                                                     num_sms), warp_specialized, fp8))
+                                                                     num_sms, fp8), warp_specialized, fp8))
     if not prefill:  # without mla_prefill, prefill chunks of <= 16 query tokens take the decode kernel
         for b in range(1, min(plan.max_num_prompts, mnbt) + 1):
             add(b, min(mnbt, plan.max_model_len), plan.block_table_width)
