@@ -238,3 +238,16 @@ def test_agreed_tokens_is_validated_and_nests():
     with pytest.raises(ValueError, match="non-negative host int"):
         with agreed_ep_tokens(-1):
             pass
+
+
+def test_report_names_each_backends_path():
+    from types import SimpleNamespace
+
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.distributed.ep_report import ep_dispatch_report
+
+    cuda = ep_dispatch_report(SimpleNamespace(name="cuda", dist_backend="nccl", kernels=CudaKernelSet()))
+    assert cuda["ep_dispatch"].startswith("fixed-capacity all_to_all_single on nccl at decode sizes (no host sync")
+    assert "variable splits for prefill" in cuda["ep_dispatch"] and "DeepEP" in cuda["ep_dispatch"]
+    cpu = ep_dispatch_report(SimpleNamespace(name="cpu", dist_backend="gloo", kernels=CpuKernelSet()))
+    assert "variable splits" in cpu["ep_dispatch"] and "fixed-capacity" not in cpu["ep_dispatch"]
