@@ -48,7 +48,7 @@ def _case(rank: int, world: int, seed: int, tokens: list[int], k: int, skew: boo
 def _expert(rows: torch.Tensor, tokens_per_slot: torch.Tensor, padding: float = 0.0) -> torch.Tensor:
     """A per-row expert output that depends only on the row and its slot (exact in any layout): rows * (slot + 1)
     + slot; rows past the counts (padding) are set to ``padding``."""
-    slot = torch.repeat_interleave(torch.arange(tokens_per_slot.shape[0]), tokens_per_slot)
+    slot = torch.repeat_interleave(torch.arange(tokens_per_slot.shape[0], device=rows.device), tokens_per_slot)
     real = slot.shape[0]
     out = torch.full_like(rows, padding)
     scale = (slot + 1).to(rows.dtype).unsqueeze(1)
