@@ -125,7 +125,7 @@ def _path_choice(world: int, rank: int, group, out: dict) -> None:
     from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 
     placement = ExpertPlacement(SLOTS_PER_RANK * world, world, tuple(range(SLOTS_PER_RANK * world)))
-    hidden, slots, weights = _case(rank, world, 7, [2 + rank for rank in range(world)], 2, False)
+    hidden, slots, weights = _case(rank, world, 7, [2 + r for r in range(world)], 2, False)
     fixed = FixedCpuKernels()
     states = {}
     for label, agreed in (("undeclared", None), ("decode", world + 1), ("above-bound", 1000)):
