@@ -8,7 +8,8 @@ forwards alike), entered around a decode step's launch and around each decode gr
 size. Inside, :class:`FixedCapacityAtDecode` takes the fixed path when that count is at most
 ``ep_fixed_max_tokens`` (capacity = count * k); outside, or above the bound (prefill), the inherited
 variable-split path. The choice depends only on host values that are the same on every rank, so the ranks' paths
-(and their collectives) always pair up.
+(and their collectives) always pair up. A captured decode graph bakes its capacity in: every rank must replay the
+graph of the same size (the one for the agreed count), never the one for its own batch.
 """
 
 from __future__ import annotations
