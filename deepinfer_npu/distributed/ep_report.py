@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from .ep_decode_path import FixedCapacityAtDecode
+
 
 def ep_dispatch_report(backend) -> dict[str, str]:
     """``{"ep_dispatch": ..., "ep_combine": ..., "eplb": ...}``: the path this backend's ranks take, and why not a
     faster one; where the load balancer's counts come from."""
-    path = (f"torch.distributed all_to_all_single over {backend.dist_backend} (the kernel set's ep_dispatch / ep_combine, backends/cpu/ep_comm.py; the host "
-            "reads the split sizes: one sync per MoE layer and step)")
+    host_splits = "backends/cpu/ep_comm.py; the host reads the split sizes: one sync per MoE layer and step"
+    kernels = getattr(backend, "kernels", None)
+    if isinstance(kernels, FixedCapacityAtDecode):
+        path = (f"fixed-capacity all_to_all_single on {backend.dist_backend} at decode sizes (no host sync; "
+                "distributed/ep_fixed_capacity.py; for steps whose agreed token count, at most "
+                f"{kernels.ep_fixed_max_tokens}, the engine declares with ep_decode_path.agreed_ep_tokens), variable "
+                f"splits for prefill and undeclared steps ({host_splits})")
+    else:
+        path = (f"torch.distributed all_to_all_single over {backend.dist_backend} with variable splits (the kernel "
+                f"set's ep_dispatch / ep_combine, {host_splits})")
     if backend.name == "cuda":
         from deepinfer_npu.vendor import deep_ep
 
