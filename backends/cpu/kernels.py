@@ -10,6 +10,7 @@ from deepinfer_npu.hal.kernel_set import KernelSet
 
 import torch
 
+from deepinfer_npu.distributed.ep_decode_path import FixedCapacityAtDecode
 from deepinfer_npu.hal.types import EPDispatched
 
 from . import cache_ops as _cache_ops
@@ -25,10 +26,29 @@ from . import step_inputs as _step_inputs
 from . import zos as _zos
 
 
-class CpuKernelSet(KernelSet):
+class VariableSplitEP:
+    """Expert parallelism's reference: all_to_all_single with variable splits (ep_comm.py; one allowed host sync a
+    layer), then this rank's own routing ops."""
+
+    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+        rows, local_slot, handle = _ep_comm.ep_dispatch(hidden, slots, placement, group)
+        sorted_rows, counts, state = self.moe_dispatch(rows, local_slot.view(-1, 1).to(torch.int32),
+                                                       placement.slots_per_rank)
+        return EPDispatched(sorted_rows, counts, (handle, state, rows.shape[0]))
+
+    def ep_combine(self, expert_out, dispatched: EPDispatched, weights, group) -> torch.Tensor:
+        handle, state, num_rows = dispatched.state
+        # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
+        out = self.moe_combine(expert_out, state, torch.ones(num_rows, 1, device=expert_out.device))
+        return _ep_comm.ep_combine(out, handle, weights, group)
+
+
+class CpuKernelSet(FixedCapacityAtDecode, VariableSplitEP, KernelSet):
     """The oracle: each op is the readable reference in norm.py, linear.py, rope.py, mla.py, moe.py,
     spec_verify.py, zos.py, step_inputs.py,
-    cache_ops.py and quant.py (FP8 / INT8 weights)."""
+    cache_ops.py and quant.py (FP8 / INT8 weights). Expert parallelism: the fixed-capacity all-to-all for decode
+    steps whose agreed size the engine declares (distributed/ep_decode_path.py; what the device backends run, so
+    the engine tests cover it), variable splits otherwise."""
 
     IS_REFERENCE = True
 
@@ -55,15 +75,3 @@ class CpuKernelSet(KernelSet):
     mla_prolog_quant = staticmethod(_quant.mla_prolog_quant)
     mla_epilogue_quant = staticmethod(_quant.mla_epilogue_quant)
 
-    # ---- expert parallelism: all_to_all_single with variable splits (ep_comm.py), then this rank's own routing ops
-    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
-        rows, local_slot, handle = _ep_comm.ep_dispatch(hidden, slots, placement, group)
-        sorted_rows, counts, state = self.moe_dispatch(rows, local_slot.view(-1, 1).to(torch.int32),
-                                                       placement.slots_per_rank)
-        return EPDispatched(sorted_rows, counts, (handle, state, rows.shape[0]))
-
-    def ep_combine(self, expert_out, dispatched: EPDispatched, weights, group) -> torch.Tensor:
-        handle, state, num_rows = dispatched.state
-        # back to receive order; a weight of 1.0 in fp32 leaves every value as the expert produced it
-        out = self.moe_combine(expert_out, state, torch.ones(num_rows, 1, device=expert_out.device))
-        return _ep_comm.ep_combine(out, handle, weights, group)

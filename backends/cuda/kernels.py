@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
-from deepinfer_npu.distributed.ep_decode_path import FixedCapacityAtDecode
 from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 from .branches import ParallelBranches
@@ -45,10 +44,11 @@ _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 _FAMILIES = {**FAMILIES, "quant": QuantOps, "mla_quant": MLAQuant}
 
 
-class CudaKernelSet(FixedCapacityAtDecode, CpuKernelSet):
-    """Expert parallelism (``FixedCapacityAtDecode``): ``ep_dispatch`` / ``ep_combine`` run the fixed-capacity
-    all-to-all over NCCL (equal splits, no host read, capturable) for a step whose agreed token count is declared and
-    at most ``ep_fixed_max_tokens``; else the reference's variable splits (one allowed host sync a layer)."""
+class CudaKernelSet(CpuKernelSet):
+    """Expert parallelism (``FixedCapacityAtDecode``, from the reference kernel set): ``ep_dispatch`` /
+    ``ep_combine`` run the fixed-capacity all-to-all over NCCL (equal splits, no host read, capturable) for a step
+    whose agreed token count is declared and at most ``ep_fixed_max_tokens``; else the reference's variable splits
+    (one allowed host sync a layer)."""
 
     #: implementations left out of every selection, by kernel name (e.g. ``{"mla_absorb"}``): tests that compare a
     #: kernel with the path it replaces set it on the class before an engine is built

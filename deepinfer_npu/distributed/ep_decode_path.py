@@ -30,11 +30,13 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def agreed_ep_tokens(num_tokens: int) -> Iterator[None]:
+def agreed_ep_tokens(num_tokens: int | None) -> Iterator[None]:
     """Declare, for the block, the step's token count agreed by every rank of the EP group (a host int, the same on
-    every rank, >= every MoE forward's T in the step on every rank). Re-entrant: the innermost declaration holds."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"agreed_ep_tokens: num_tokens must be a non-negative host int, got {num_tokens!r}")
+    every rank, >= every MoE forward's T in the step on every rank); None: no declaration (prefill steps).
+    Re-entrant: the innermost declaration holds."""
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                   or num_tokens < 0):
+        raise ValueError(f"agreed_ep_tokens: num_tokens must be a non-negative host int or None, got {num_tokens!r}")
     previous = getattr(_state, "tokens", None)
     _state.tokens = num_tokens
     try:

@@ -15,6 +15,7 @@ import threading
 import time
 
 from deepinfer_npu import _core
+from deepinfer_npu.distributed.ep_decode_path import agreed_ep_tokens
 from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill
 from deepinfer_npu.engine.input_processing import build_step_requests
 from deepinfer_npu.engine.outputs import RequestOutput
@@ -76,21 +77,25 @@ class StepLoop:
         prefill = vote_prefill(self.scheduler.prefill_vote(), group)
         out = self.scheduler.schedule(prefill)
         outputs += self._finished_by_scheduler(out.finished)
-        agreed = confirm_step(prefill, out.num_seqs if prefill else 0, out.num_seqs, group)
+        agreed = confirm_step(prefill, out.num_seqs if prefill else 0, out.num_tokens, group)
         if prefill and not agreed.prefill:  # round two: no rank could prefill; every rank decodes instead
             prefill = False
             out = self.scheduler.schedule(False)
             outputs += self._finished_by_scheduler(out.finished)
-            any_work = agree_decode_size(out.num_seqs, group) > 0
+            step_tokens = agree_decode_size(out.num_tokens, group)
         else:
-            any_work = agreed.any_work
+            step_tokens = agreed.max_num_tokens
+        any_work = step_tokens > 0
         self.last_step_had_work = any_work
-        if out.num_seqs:
-            results = self._run_plan(StepPlan.from_schedule(self._step_id, out, prefill))
-        elif any_work:
-            results = self.worker.execute_dummy_step(prefill, self._step_requests(dummy_plan(prefill)))
-        else:
-            results = self.worker.flush()
+        # a decode step's MoE forwards (main model, drafter, a dummy row) never exceed the group's largest step:
+        # the kernel set may size a fixed-capacity expert all-to-all from it (distributed/ep_decode_path.py)
+        with agreed_ep_tokens(None if prefill or not any_work else step_tokens):
+            if out.num_seqs:
+                results = self._run_plan(StepPlan.from_schedule(self._step_id, out, prefill))
+            elif any_work:
+                results = self.worker.execute_dummy_step(prefill, self._step_requests(dummy_plan(prefill)))
+            else:
+                results = self.worker.flush()
         outputs += self._apply_results([r for r in results if not _is_dummy(r)])
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs

@@ -24,8 +24,7 @@ D = 16
 SLOTS_PER_RANK = 4
 
 
-class FixedCpuKernels(FixedCapacityAtDecode, CpuKernelSet):
-    """The reference kernel set with the decode-size fixed-capacity EP path (as CudaKernelSet has it)."""
+FixedCpuKernels = CpuKernelSet  # the reference kernel set takes the decode-size fixed-capacity path too
 
 
 def _free_port() -> int:
@@ -250,4 +249,6 @@ def test_report_names_each_backends_path():
     assert cuda["ep_dispatch"].startswith("fixed-capacity all_to_all_single on nccl at decode sizes (no host sync")
     assert "variable splits for prefill" in cuda["ep_dispatch"] and "DeepEP" in cuda["ep_dispatch"]
     cpu = ep_dispatch_report(SimpleNamespace(name="cpu", dist_backend="gloo", kernels=CpuKernelSet()))
-    assert "variable splits" in cpu["ep_dispatch"] and "fixed-capacity" not in cpu["ep_dispatch"]
+    assert cpu["ep_dispatch"].startswith("fixed-capacity all_to_all_single on gloo at decode sizes")
+    plain = ep_dispatch_report(SimpleNamespace(name="cpu", dist_backend="gloo", kernels=object()))
+    assert "variable splits" in plain["ep_dispatch"] and "fixed-capacity" not in plain["ep_dispatch"]
