@@ -71,6 +71,65 @@ def _round(kernels, rank, hidden, slots, weights, placement, group, scale, shift
     return {"rows": d.rows, "counts": d.tokens_per_slot, "y": kernels.ep_combine(out, d, weights, group)}
 
 
+def _layer_round(limits, rank: int, world: int, group) -> dict:
+    """A DeepSeek-V3 MoE layer (sigmoid noaux_tc gating, a shared expert) through ``ep_moe_forward`` on the Ascend
+    kernel set: MC2 vs the reference all-to-all (no token bound) vs the whole layer on one process."""
+    from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
+    from deepinfer_npu.distributed.ep_moe import EPGroup, ep_moe_forward, shard_experts
+    from deepinfer_npu.model_executor.layers.moe import DeepseekMoE
+    from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+
+    cfg = DeepseekModelConfig.from_dict(dict(
+        model_type="deepseek_v3", hidden_size=32, moe_intermediate_size=16, intermediate_size=64,
+        n_routed_experts=8, num_experts_per_tok=3, num_hidden_layers=2, num_attention_heads=2, vocab_size=64,
+        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, q_lora_rank=None,
+        first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1))
+    hidden = torch.randn([4, 1, 7, 2][rank], 32, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, bound in (("single", None), ("reference", None), ("mc2", 8)):
+        kernels = AscendKernelSet(limits)
+        kernels.ep_max_tokens_per_rank = bound
+        torch.manual_seed(0)
+        moe = DeepseekMoE(cfg, kernels, dtype=torch.float32, device="cpu")
+        for p in moe.parameters():
+            p.data.normal_(0, 0.2)
+        if name == "single":
+            out[name] = moe(hidden)
+            continue
+        ep = EPGroup(ExpertPlacement.contiguous(8, world), rank, group)
+        shard_experts(moe, ep)
+        calls = CALLS["npu_moe_distribute_dispatch"]
+        out[name] = ep_moe_forward(moe, hidden, ep)
+        out[f"{name}_calls"] = CALLS["npu_moe_distribute_dispatch"] - calls
+    return out
+
+
+def _graph_round(kernels, rank: int, placement, group, h: int, k: int) -> dict:
+    """Capture dispatch + combine in an emulated NPU graph, then replay it on new tokens and routing: MC2 needs no
+    host read (the reference path's split sizes would fail the capture)."""
+    n = 5
+
+    def inputs(seed):
+        slots, weights = _routing(n, placement.num_slots, k, seed=seed)
+        return torch.randn(n, h, generator=torch.Generator().manual_seed(seed)), slots, weights
+
+    static_h, static_s, static_w = inputs(rank)
+
+    def step():
+        d = kernels.ep_dispatch(static_h, static_s, placement, group)
+        return kernels.ep_combine(d.rows * 2, d, static_w, group)
+
+    step()  # eager first: the decision and the MC2 group are made outside the capture
+    graph = torch.npu.NPUGraph()
+    with torch.npu.graph(graph):
+        captured = step()
+    new_h, new_s, new_w = inputs(1000 + rank)
+    static_h.copy_(new_h), static_s.copy_(new_s), static_w.copy_(new_w)
+    graph.replay()
+    return {"replayed": captured.clone(), "eager": step(), "tasks": len(graph.tasks)}
+
+
 def _rank_main(rank: int, world: int, port: int, out_dir: str, case: dict) -> None:
     from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
     from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
@@ -104,6 +163,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, case: dict) -> No
                     res["unbounded"] = _round(unbounded, rank, hidden, slots, weights, placement, group, scale, shift)
                     res["unbounded_calls"] = CALLS["npu_moe_distribute_dispatch"] - calls
                 results[name] = res
+            if case.get("layer"):
+                results["layer"] = _layer_round(limits, rank, world, group)
+            if case.get("graph"):
+                results["graph"] = _graph_round(mc2, rank, placement, group, h, k)
             results["report"] = mc2.ep_path_report()
             results["unbounded_report"] = unbounded.ep_path_report()
             torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -128,7 +191,7 @@ def _padding_counts(world: int, slots_per_rank: int, top_k: int, idle: list[int]
 def test_mc2_equals_reference_ep_world4_relaxed_world_size(tmp_path):
     world, k, experts = 4, 3, 8
     case = {"soc": "relaxed", "dtype": torch.float32, "hidden": 32, "top_k": k, "experts": experts, "bound": 16,
-            "unbounded": True,
+            "unbounded": True, "layer": True, "graph": True,
             "rounds": {"skewed": [5, 9, 1, 16], "idle_rank": [6, 0, 11, 2]}}
     results = _spawn(world, tmp_path, case)
     spr = experts // world
@@ -156,6 +219,13 @@ def test_mc2_equals_reference_ep_world4_relaxed_world_size(tmp_path):
         assert "no rank-agreed bound on tokens per rank" in res["unbounded_report"]["ep_dispatch"]
         assert res["unbounded_report"]["ep_combine"].startswith("fallback (MC2")
     assert int(sum(r["skewed"]["mc2"]["counts"].sum() for r in results)) == sum(case["rounds"]["skewed"]) * k
+    for res in results:
+        layer = res["layer"]
+        assert layer["mc2_calls"] == 1 and layer["reference_calls"] == 0
+        assert torch.equal(layer["mc2"], layer["reference"])
+        torch.testing.assert_close(layer["mc2"], layer["single"], rtol=1e-6, atol=1e-6)  # GEMMs over other row sets
+        graph = res["graph"]
+        assert graph["tasks"] > 0 and torch.equal(graph["replayed"], graph["eager"])
 
 
 def test_mc2_world8_under_a3_limits(tmp_path):
