@@ -273,8 +273,12 @@ def test_dispatch_contract_errors(soc, kwargs, match):
             npu.npu_moe_distribute_dispatch(*_dispatch_args(**kwargs))
 
 
-def test_dispatch_refuses_bs_above_global_bs_and_reserved_mask():
+def test_dispatch_refuses_bs_above_global_bs_reserved_mask_and_small_buffer(monkeypatch):
     with emulated_npu() as npu, ops_ep.use_soc(ops_ep.A3):
+        monkeypatch.setenv("HCCL_BUFFSIZE", "5")
+        with pytest.raises(ContractError, match="HCCL_BUFFSIZE=5 MB; A3 needs >= 7.6 MB"):
+            npu.npu_moe_distribute_dispatch(*_dispatch_args(bs=8, experts=16))
+        monkeypatch.delenv("HCCL_BUFFSIZE")
         with pytest.raises(ContractError, match="global_bs=16"):
             npu.npu_moe_distribute_dispatch(*_dispatch_args(bs=4), global_bs=16)  # max_bs 2 < BS 4
         with pytest.raises(ContractError, match="x_active_mask is reserved"):
@@ -282,8 +286,11 @@ def test_dispatch_refuses_bs_above_global_bs_and_reserved_mask():
 
 
 def test_decision_reasons_per_soc():
-    fits = caps.decide_ep(STRICT_A3_LIMITS, 8, 7168, 8, torch.bfloat16, 256, 128)
+    fits = caps.decide_ep(STRICT_A3_LIMITS, 8, 7168, 8, torch.bfloat16, 256, 128, hccl_buffsize_mb=1024)
     assert fits.native and "global_bs = 128 x 8" in fits.detail
+    # DeepSeek-V3 on 8 A3 dies, 128 tokens a rank: the docs' formula wants ~946 MB of HCCL buffer, CANN's default is 200
+    small = caps.decide_ep(STRICT_A3_LIMITS, 8, 7168, 8, torch.bfloat16, 256, 128)
+    assert not small.native and "HCCL_BUFFSIZE 200 MB < the 946 MB" in small.detail, small.detail
     for args, reason in [((4, 7168, 8, torch.bfloat16, 256, 128), "ep_world_size 4"),
                          ((8, 7168, 9, torch.bfloat16, 256, 128), "top_k 9"),
                          ((8, 4096, 8, torch.bfloat16, 256, 128), "hidden 4096"),

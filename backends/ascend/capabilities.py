@@ -260,12 +260,23 @@ def decide_dispatch(lim: Limits, num_experts: int) -> Decision:
     return Decision(True, "torch_npu.npu_moe_init_routing_v2 (dropless, count mode)")
 
 
+def mc2_buffer_mb(m: Mc2Limits, tokens: int, hidden: int, ep_world_size: int, local_experts: int,
+                  top_k: int) -> float:
+    """The HCCL_BUFFSIZE (MB, CANN's default 200) the docs require before calling MC2 with BS = ``tokens``.
+    A3: 1024^2 * (HCCL_BUFFSIZE - 2) / 2 >= BS * 2 * (H + 128) * (ep_world_size * local_expert_num + K + 1), and
+    >= 2; A2 (fullmesh): >= 2 * (BS * ep_world_size * min(local_expert_num, K) * H * sizeof(uint16) + 2 MB)."""
+    if m.combine_needs_dispatch_weights:
+        return 2 * (tokens * ep_world_size * min(local_experts, top_k) * hidden * 2 / 2**20 + 2)
+    return max(2.0, 2 + 2 * tokens * 2 * (hidden + 128) * (ep_world_size * local_experts + top_k + 1) / 2**20)
+
+
 def decide_ep(lim: Limits, ep_world_size: int, hidden: int, top_k: int, dtype: torch.dtype, num_slots: int,
-              token_bound: int | None) -> Decision:
+              token_bound: int | None, hccl_buffsize_mb: float = 200) -> Decision:
     """MC2 for ``ep_dispatch`` / ``ep_combine`` when every documented limit holds for every call, else the reference
     all-to-all. Every input is the same on every rank of the group (the choice is a collective's): ``token_bound``
     is the rank-agreed upper bound on the tokens any rank passes (``AscendKernelSet.ep_max_tokens_per_rank``); it
-    becomes MC2's BS limit and its ``global_bs``."""
+    becomes MC2's BS limit and its ``global_bs``. ``hccl_buffsize_mb``: CANN's HCCL_BUFFSIZE (set alike on every
+    rank)."""
     m = lim.mc2
     if m is None:
         return Decision(False, f"MC2 not used: {lim.mc2_missing}")
@@ -292,6 +303,11 @@ def decide_ep(lim: Limits, ep_world_size: int, hidden: int, top_k: int, dtype: t
         why.append("no rank-agreed bound on tokens per rank (AscendKernelSet.ep_max_tokens_per_rank unset)")
     elif not 0 < token_bound <= m.max_tokens:
         why.append(f"tokens per rank up to {token_bound} (BS takes <= {m.max_tokens})")
+    elif ep_world_size > 1 and num_slots % ep_world_size == 0:
+        need = mc2_buffer_mb(m, token_bound, hidden, ep_world_size, num_slots // ep_world_size, top_k)
+        if hccl_buffsize_mb < need:
+            why.append(f"HCCL_BUFFSIZE {hccl_buffsize_mb:g} MB < the {need:.0f} MB the docs require for "
+                       f"{token_bound} tokens a rank")
     if why:
         return Decision(False, f"MC2 ({m.soc}) does not fit: " + ", ".join(why) + "; the reference all_to_all_single "
                         "path (host-read split sizes) runs instead")

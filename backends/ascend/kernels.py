@@ -342,7 +342,8 @@ class AscendKernelSet(CpuKernelSet):
         world = dist.get_world_size(group)
         if world != placement.ep_size:
             raise ValueError(f"the EP group has {world} ranks but the expert placement is for {placement.ep_size}")
-        key = (world, hidden.shape[1], slots.shape[1], hidden.dtype, placement.num_slots, self.ep_max_tokens_per_rank)
+        key = (world, hidden.shape[1], slots.shape[1], hidden.dtype, placement.num_slots, self.ep_max_tokens_per_rank,
+               ops_ep.hccl_buffsize_mb())
         d = self._decide("ep_dispatch", key, lambda: caps.decide_ep(self._lim(), *key))
         self._decisions["ep_dispatch"] = self._decisions["ep_combine"] = d
         return d

@@ -21,6 +21,7 @@ The engine never needs this: a rank with nothing scheduled runs a one-token dumm
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,18 @@ import torch.distributed as dist
 from deepinfer_npu.hal.types import EPDispatched
 
 from . import runtime
+
+
+HCCL_BUFFSIZE_ENV = "HCCL_BUFFSIZE"  # CANN's, read by HCCL itself: MB a communication domain, default 200
+
+
+def hccl_buffsize_mb() -> int:
+    """CANN's ``HCCL_BUFFSIZE`` as HCCL will read it (MC2 needs enough of it: capabilities.mc2_buffer_mb)."""
+    raw = os.environ.get(HCCL_BUFFSIZE_ENV, "200")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{HCCL_BUFFSIZE_ENV}={raw!r} is not an integer (MB)") from None
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -206,6 +207,13 @@ def npu_moe_distribute_dispatch(
         check(soc.takes_expert_scales, f"{op}: expert_scales is not supported on {soc.name}")
         check(expert_scales.shape == (bs, k) and expert_scales.dtype == torch.float32,
               f"{op}: expert_scales must be [BS, K] float32")
+    world, rows_cap = ep_world_size, (global_bs or bs * ep_world_size) * min(local, k)
+    max_bs, buff = (global_bs // world if global_bs else bs), int(os.environ.get("HCCL_BUFFSIZE", "200"))
+    if soc.takes_expert_scales:  # A2 (fullmesh): >= 2 * (BS * ep_world_size * min(local, K) * H * 2 B + 2 MB)
+        need = 2 * (max_bs * world * min(local, k) * h * 2 / 2**20 + 2)
+    else:  # A3: 1024^2 * (HCCL_BUFFSIZE - 2) / 2 >= BS * 2 * (H + 128) * (ep_world_size * local + K + 1)
+        need = 2 + 2 * max_bs * 2 * (h + 128) * (world * local + k + 1) / 2**20
+    check(buff >= need, f"{op}: HCCL_BUFFSIZE={buff} MB; {soc.name} needs >= {need:.1f} MB for BS {max_bs}")
     ids = expert_ids.long()
     check(bool(((ids >= 0) & (ids < moe_expert_num)).all()), f"{op}: expert ids outside [0, {moe_expert_num})")
     check(bool((ids.sort(dim=1).values.diff(dim=1) != 0).all()), f"{op}: the K expert ids of a token must differ")
@@ -214,7 +222,6 @@ def npu_moe_distribute_dispatch(
                     "ep_world_size / moe_expert_num / global_bs / H")
     check(global_bs != 0 or bool((all_bs == bs).all()),
           f"{op}: global_bs=0 needs the same BS on every rank, got {all_bs.tolist()}")
-    world, rows_cap = ep_world_size, (global_bs or bs * ep_world_size) * min(local, k)
 
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by global expert = (destination rank, local expert), then token
