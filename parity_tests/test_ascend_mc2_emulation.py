@@ -306,3 +306,12 @@ def test_decision_reasons_per_soc():
     assert caps.mc2_for_device("Ascend910_9391") is caps.MC2_A3
     assert caps.mc2_for_device("Ascend910B3") is caps.MC2_A2
     assert caps.detect_profile("Ascend910_9391", emulated=False).mc2 is caps.MC2_A3
+
+
+def test_ep_path_report_before_the_first_forward():
+    from deepinfer_npu.backends.ascend.kernels import AscendKernelSet
+
+    unknown = AscendKernelSet(caps.A2_A3).ep_path_report()["ep_dispatch"]
+    assert unknown.startswith("fallback (MC2 not used: the SoC is not identified"), unknown
+    pending = AscendKernelSet(STRICT_A3_LIMITS).ep_path_report()
+    assert pending["ep_combine"].startswith("pending (MC2, A3,") and "ep_max_tokens_per_rank" in pending["ep_dispatch"]
