@@ -12,7 +12,8 @@ Profiles: ``a2_a3`` (Atlas A2/A3, the documented limits), ``950`` (Ascend 950: t
 gating op to <= 2048 experts), and ``emulation`` — the CPU contract emulation (parity_tests/ascend_emulation),
 which keeps every *semantic* constraint (layouts, the gating op's always-on renormalisation, FIA's 16-query
 window) but lifts fixed dims and dtypes so a small fp32 model exercises the same call sites. The emulation
-profile is never chosen on hardware.
+profile is never chosen on hardware. The MC2 expert-parallel pair's limits differ between A2 and A3, so
+``Limits.mc2`` comes from the chip's name (:func:`mc2_for_device`); :func:`decide_ep` takes its decision.
 """
 
 from __future__ import annotations
