@@ -12,11 +12,13 @@ Profiles: ``a2_a3`` (Atlas A2/A3, the documented limits), ``950`` (Ascend 950: t
 gating op to <= 2048 experts), and ``emulation`` — the CPU contract emulation (parity_tests/ascend_emulation),
 which keeps every *semantic* constraint (layouts, the gating op's always-on renormalisation, FIA's 16-query
 window) but lifts fixed dims and dtypes so a small fp32 model exercises the same call sites. The emulation
-profile is never chosen on hardware.
+profile is never chosen on hardware. The MC2 expert-parallel pair's limits differ between A2 and A3, so
+``Limits.mc2`` comes from the chip's name (:func:`mc2_for_device`); :func:`decide_ep` takes its decision.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -65,12 +67,58 @@ class Limits:
     # Docs: torch_npu-npu_dynamic_quant.md, torch_npu-npu_quant_matmul.md, aclnnGroupedMatmulV4.md; usage
     # vllm_ascend/quantization/methods/w8a8_dynamic.py.
     w8a8_dtypes: tuple[torch.dtype, ...] = HALF
+    # npu_moe_distribute_dispatch / _combine (MC2): their limits differ between A2 and A3, so they come from the
+    # chip's name (``mc2_for_device``); None: MC2 not used, ``mc2_missing`` says why.
+    mc2: Mc2Limits | None = None
+    mc2_missing: str = "the SoC is not identified as Atlas A2 or A3 (MC2's limits differ between them)"
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mc2Limits:
+    """The MC2 pair's documented limits on one SoC. Docs: Ascend/op-plugin docs/context
+    torch_npu-npu_moe_distribute_dispatch.md and torch_npu-npu_moe_distribute_combine.md (the same limits on both
+    pages): x bf16/fp16 [BS, H], expert_ids int32 [BS, K] (distinct ids a row), moe_expert_num in [1, 512] divisible
+    by ep_world_size; A3: ep_world_size in {8, 16, 32, 64, 128, 144, 256, 288}, H = 7168, 0 < BS <= 512, K <= 8;
+    A2: ep_world_size in {16, 32, 64}, 0 < H <= 7168 (% 32), 0 < BS <= 256, K <= 16, <= 24 experts a rank, and its
+    combine requires ``expand_scales`` (the router weights sent by the dispatch). Usage:
+    vllm_ascend/ops/fused_moe/token_dispatcher.py (TokenDispatcherWithMC2)."""
+
+    soc: str
+    ep_world_sizes: tuple[int, ...] | None  # None: any (emulation profile / tests)
+    hidden_sizes: tuple[int, ...] | None
+    hidden_max: int | None
+    hidden_multiple: int
+    max_tokens: int  # BS: tokens a rank sends in one call
+    max_top_k: int
+    max_local_experts: int | None
+    dtypes: tuple[torch.dtype, ...]
+    combine_needs_dispatch_weights: bool  # A2
+    max_experts: int = 512
+
+
+MC2_A3 = Mc2Limits(soc="A3", ep_world_sizes=(8, 16, 32, 64, 128, 144, 256, 288), hidden_sizes=(7168,),
+                   hidden_max=None, hidden_multiple=1, max_tokens=512, max_top_k=8, max_local_experts=None,
+                   dtypes=HALF, combine_needs_dispatch_weights=False)
+MC2_A2 = Mc2Limits(soc="A2", ep_world_sizes=(16, 32, 64), hidden_sizes=None, hidden_max=7168, hidden_multiple=32,
+                   max_tokens=256, max_top_k=16, max_local_experts=24, dtypes=HALF,
+                   combine_needs_dispatch_weights=True)
+
+
+def mc2_for_device(device_name: str | None) -> Mc2Limits | None:
+    """A3 chips report ``Ascend910_93xx``, A2 chips ``Ascend910B*``."""
+    name = (device_name or "").replace(" ", "")
+    if "910_93" in name:
+        return MC2_A3
+    if "910B" in name:
+        return MC2_A2
+    return None
 
 
 A2_A3 = Limits(name="a2_a3", fixed_dims=True)
 ASCEND_950 = Limits(
-    name="950", fixed_dims=True, gating_experts=None, gating_max_experts=2048, gating_k_group=None
+    name="950", fixed_dims=True, gating_experts=None, gating_max_experts=2048, gating_k_group=None,
+    mc2_missing="no documented MC2 limits for Ascend 950 in the torch_npu docs",
 )
 EMULATION = Limits(
     name="emulation",
@@ -86,6 +134,8 @@ EMULATION = Limits(
     gating_k_group=None,
     gmm_dtypes=ANY_FLOAT,
     w8a8_dtypes=ANY_FLOAT,
+    # A3's MC2 limits with H and dtype lifted (what parity_tests/npu_emulation/ops_ep.py emulates by default)
+    mc2=dataclasses.replace(MC2_A3, soc="A3 (emulation: H and dtype lifted)", hidden_sizes=None, dtypes=ANY_FLOAT),
 )
 PROFILES = {p.name: p for p in (A2_A3, ASCEND_950, EMULATION)}
 PROFILE_ENV = "DEEPINFER_ASCEND_PROFILE"
@@ -102,7 +152,8 @@ def detect_profile(device_name: str | None, emulated: bool) -> Limits:
         return EMULATION
     if device_name and "950" in device_name:
         return ASCEND_950
-    return A2_A3
+    mc2 = mc2_for_device(device_name)
+    return A2_A3 if mc2 is None else dataclasses.replace(A2_A3, mc2=mc2)
 
 
 @dataclass(frozen=True)
@@ -208,6 +259,62 @@ def decide_dispatch(lim: Limits, num_experts: int) -> Decision:
     if num_experts > lim.routing_max_experts:
         return Decision(False, f"npu_moe_init_routing_v2 takes <= {lim.routing_max_experts} experts")
     return Decision(True, "torch_npu.npu_moe_init_routing_v2 (dropless, count mode)")
+
+
+def mc2_buffer_mb(m: Mc2Limits, tokens: int, hidden: int, ep_world_size: int, local_experts: int,
+                  top_k: int) -> float:
+    """The HCCL_BUFFSIZE (MB, CANN's default 200) the docs require before calling MC2 with BS = ``tokens``.
+    A3: 1024^2 * (HCCL_BUFFSIZE - 2) / 2 >= BS * 2 * (H + 128) * (ep_world_size * local_expert_num + K + 1), and
+    >= 2; A2 (fullmesh): >= 2 * (BS * ep_world_size * min(local_expert_num, K) * H * sizeof(uint16) + 2 MB)."""
+    if m.combine_needs_dispatch_weights:
+        return 2 * (tokens * ep_world_size * min(local_experts, top_k) * hidden * 2 / 2**20 + 2)
+    return max(2.0, 2 + 2 * tokens * 2 * (hidden + 128) * (ep_world_size * local_experts + top_k + 1) / 2**20)
+
+
+def decide_ep(lim: Limits, ep_world_size: int, hidden: int, top_k: int, dtype: torch.dtype, num_slots: int,
+              token_bound: int | None, hccl_buffsize_mb: float = 200) -> Decision:
+    """MC2 for ``ep_dispatch`` / ``ep_combine`` when every documented limit holds for every call, else the reference
+    all-to-all. Every input is the same on every rank of the group (the choice is a collective's): ``token_bound``
+    is the rank-agreed upper bound on the tokens any rank passes (``AscendKernelSet.ep_max_tokens_per_rank``); it
+    becomes MC2's BS limit and its ``global_bs``. ``hccl_buffsize_mb``: CANN's HCCL_BUFFSIZE (set alike on every
+    rank)."""
+    m = lim.mc2
+    if m is None:
+        return Decision(False, f"MC2 not used: {lim.mc2_missing}")
+    why = []
+    if m.ep_world_sizes is not None and ep_world_size not in m.ep_world_sizes:
+        why.append(f"ep_world_size {ep_world_size} (takes {m.ep_world_sizes})")
+    if ep_world_size < 2:
+        why.append("ep_world_size 1")
+    if m.hidden_sizes is not None and hidden not in m.hidden_sizes:
+        why.append(f"hidden {hidden} (takes {m.hidden_sizes})")
+    if m.hidden_max is not None and not (0 < hidden <= m.hidden_max and hidden % m.hidden_multiple == 0):
+        why.append(f"hidden {hidden} (takes <= {m.hidden_max}, a multiple of {m.hidden_multiple})")
+    if not 0 < top_k <= min(m.max_top_k, num_slots):
+        why.append(f"top_k {top_k} (takes <= {m.max_top_k})")
+    if dtype not in m.dtypes:
+        why.append(f"dtype {dtype} (takes fp16/bf16)")
+    if num_slots > m.max_experts or num_slots % max(ep_world_size, 1):
+        why.append(f"{num_slots} expert slots (takes <= {m.max_experts}, divisible by ep_world_size)")
+    elif m.max_local_experts is not None and num_slots // ep_world_size > m.max_local_experts:
+        why.append(f"{num_slots // ep_world_size} expert slots a rank (takes <= {m.max_local_experts})")
+    if m.combine_needs_dispatch_weights:
+        why.append("the combine takes the router weights from the dispatch (expand_scales); ep_dispatch has none")
+    if token_bound is None:
+        why.append("no rank-agreed bound on tokens per rank (AscendKernelSet.ep_max_tokens_per_rank unset)")
+    elif not 0 < token_bound <= m.max_tokens:
+        why.append(f"tokens per rank up to {token_bound} (BS takes <= {m.max_tokens})")
+    elif ep_world_size > 1 and num_slots % ep_world_size == 0:
+        need = mc2_buffer_mb(m, token_bound, hidden, ep_world_size, num_slots // ep_world_size, top_k)
+        if hccl_buffsize_mb < need:
+            why.append(f"HCCL_BUFFSIZE {hccl_buffsize_mb:g} MB < the {need:.0f} MB the docs require for "
+                       f"{token_bound} tokens a rank")
+    if why:
+        return Decision(False, f"MC2 ({m.soc}) does not fit: " + ", ".join(why) + "; the reference all_to_all_single "
+                        "path (host-read split sizes) runs instead")
+    return Decision(True, f"torch_npu.npu_moe_distribute_dispatch / npu_moe_distribute_combine (MC2, {m.soc}) on a "
+                    f"dedicated group; BS <= {token_bound} a rank, global_bs = {token_bound} x {ep_world_size}; "
+                    "fixed shapes, no host read")
 
 
 def plan_for_config(lim: Limits, cfg, dtype: torch.dtype, block_size: int) -> dict[str, Decision]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -26,10 +27,10 @@ from deepinfer_npu.backends.cpu import rope as ref_rope
 from deepinfer_npu.backends.cpu import spec_verify as ref_spec_verify
 from deepinfer_npu.backends.cpu import zos as ref_zos
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
-from deepinfer_npu.hal.types import DispatchState, GatingParams, MLAWeights, RopeLike
+from deepinfer_npu.hal.types import DispatchState, EPDispatched, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
-from . import kv_layout, ops_dense, ops_mla, ops_moe, ops_quant, tilelang_ascend
+from . import kv_layout, ops_dense, ops_ep, ops_mla, ops_moe, ops_quant, tilelang_ascend
 
 NOT_RUN_NOTE = (
     "this backend has not yet run on an NPU (verified by CPU contract emulation only; docs/ascend.md)"
@@ -70,6 +71,12 @@ class AscendKernelSet(CpuKernelSet):
 
     def __init__(self, limits: caps.Limits | None = None) -> None:
         self.limits = limits
+        #: The most tokens any rank of the EP group passes to one ``ep_dispatch`` while this value stands; it must be
+        #: the same on every rank (set from the engine's token budget or the step vote's agreed maximum). MC2 needs
+        #: it: its BS limit is checked against it and its ``global_bs`` (fixed output shapes) is sized by it. None:
+        #: unknown, and the reference all-to-all runs.
+        self.ep_max_tokens_per_rank: int | None = None
+        self._mc2_comms: dict[int, tuple[object, ops_ep.Mc2Comm]] = {}  # id(EP group) -> (group, its MC2 domain)
         self._decisions: dict[str, caps.Decision] = {}
         self._memo: dict[tuple, caps.Decision] = {}
         # Caches written in the split k_nope / k_rope layout -> (L, R), so block copies use that layout.
@@ -327,6 +334,50 @@ class AscendKernelSet(CpuKernelSet):
         if tl is not None:
             return tl.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
         return ref_zos.zos_fixup(seqlens_q, seqlens_k, optimistic, slots, correction, draft_probs, caps)
+
+    # ---- expert parallelism: MC2 where its documented limits hold, else the reference all-to-all --------------
+    def _ep_decision(self, hidden: torch.Tensor, slots: torch.Tensor, placement, group) -> caps.Decision:
+        """From values every rank shares (the choice is a collective's): world size, hidden size, top-k, dtype,
+        expert slots and the agreed token bound."""
+        world = dist.get_world_size(group)
+        if world != placement.ep_size:
+            raise ValueError(f"the EP group has {world} ranks but the expert placement is for {placement.ep_size}")
+        key = (world, hidden.shape[1], slots.shape[1], hidden.dtype, placement.num_slots, self.ep_max_tokens_per_rank,
+               ops_ep.hccl_buffsize_mb())
+        d = self._decide("ep_dispatch", key, lambda: caps.decide_ep(self._lim(), *key))
+        self._decisions["ep_dispatch"] = self._decisions["ep_combine"] = d
+        return d
+
+    def _mc2_comm(self, group, device: torch.device) -> ops_ep.Mc2Comm:
+        entry = self._mc2_comms.get(id(group))
+        if entry is None or entry[0] is not group:
+            entry = (group, ops_ep.open_comm(group, device))
+            self._mc2_comms[id(group)] = entry
+        return entry[1]
+
+    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+        if not self._ep_decision(hidden, slots, placement, group).native:
+            return super().ep_dispatch(hidden, slots, placement, group)
+        return ops_ep.dispatch(hidden, slots, placement.num_slots, placement.slots_per_rank,
+                               self._mc2_comm(group, hidden.device), self.ep_max_tokens_per_rank)
+
+    def ep_combine(self, expert_out, dispatched: EPDispatched, weights, group) -> torch.Tensor:
+        if isinstance(dispatched.state, ops_ep.Mc2State):
+            return ops_ep.combine(expert_out, dispatched.state, weights)
+        return super().ep_combine(expert_out, dispatched, weights, group)
+
+    def ep_path_report(self) -> dict[str, str]:
+        """``{"ep_dispatch": ..., "ep_combine": ...}`` for ``--list-ops``: the decision taken, else what decides it."""
+        d = self._decisions.get("ep_dispatch")
+        if d is not None:
+            text = d.report()
+        elif self._lim().mc2 is None:
+            text = f"fallback (MC2 not used: {self._lim().mc2_missing}; the reference all_to_all_single)"
+        else:
+            text = (f"pending (MC2, {self._lim().mc2.soc}, at the first MoE forward when the EP world size, hidden "
+                    "size, top-k, dtype, expert slots and ep_max_tokens_per_rank fit its documented limits; else "
+                    "the reference all_to_all_single)")
+        return {"ep_dispatch": text, "ep_combine": text}
 
     # ---- reporting -----------------------------------------------------------------------------------------
     def _plan(self, cfg, dtype: torch.dtype, block_size: int) -> dict[str, caps.Decision]:

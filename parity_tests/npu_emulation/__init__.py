@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import graphs, ops_attention, ops_dense, ops_moe, ops_quant
+from . import graphs, ops_attention, ops_dense, ops_ep, ops_moe, ops_quant
 from .contract import CALLS, ContractError
 from .device import FakeNpuNamespace
 
@@ -40,6 +40,8 @@ OPS = {
     "npu_moe_token_unpermute": ops_moe.npu_moe_token_unpermute,
     "npu_dynamic_quant": ops_quant.npu_dynamic_quant,
     "npu_quant_matmul": ops_quant.npu_quant_matmul,
+    "npu_moe_distribute_dispatch": ops_ep.npu_moe_distribute_dispatch,
+    "npu_moe_distribute_combine": ops_ep.npu_moe_distribute_combine,
     "_npu_fused_infer_attention_score_get_max_workspace":
         ops_attention.npu_fused_infer_attention_score_get_max_workspace,
 }
@@ -71,6 +73,7 @@ def install() -> types.ModuleType:
         "npu_fused_infer_attention_score.out", ops_attention.npu_fused_infer_attention_score_out
     )
     graphs.STATE.__init__()
+    ops_ep.install_accessor()  # HCCL group names for the MC2 ops (ProcessGroupHCCL.get_hccl_comm_name)
     sys.modules["torch_npu"] = mod
     torch.npu = mod.npu_namespace  # type: ignore[attr-defined]
     CALLS.clear()
@@ -80,6 +83,7 @@ def install() -> types.ModuleType:
 
 def uninstall() -> None:
     graphs.STATE.__init__()
+    ops_ep.uninstall_accessor()
     sys.modules.pop("torch_npu", None)
     if hasattr(torch, "npu"):
         delattr(torch, "npu")
