@@ -301,7 +301,8 @@ def decide_ep(lim: Limits, ep_world_size: int, hidden: int, top_k: int, dtype: t
     if m.combine_needs_dispatch_weights:
         why.append("the combine takes the router weights from the dispatch (expand_scales); ep_dispatch has none")
     if token_bound is None:
-        why.append("no rank-agreed bound on tokens per rank (AscendKernelSet.ep_max_tokens_per_rank unset)")
+        why.append("no rank-agreed bound on tokens per rank (a prefill step, or a call outside the engine's step loop "
+                   "with AscendKernelSet.ep_max_tokens_per_rank unset)")
     elif not 0 < token_bound <= m.max_tokens:
         why.append(f"tokens per rank up to {token_bound} (BS takes <= {m.max_tokens})")
     elif ep_world_size > 1 and num_slots % ep_world_size == 0:

@@ -27,6 +27,7 @@ from deepinfer_npu.backends.cpu import rope as ref_rope
 from deepinfer_npu.backends.cpu import spec_verify as ref_spec_verify
 from deepinfer_npu.backends.cpu import zos as ref_zos
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
+from deepinfer_npu.distributed.ep_decode_path import current_agreed_ep_tokens
 from deepinfer_npu.hal.types import DispatchState, EPDispatched, GatingParams, MLAWeights, RopeLike
 
 from . import capabilities as caps
@@ -342,11 +343,18 @@ class AscendKernelSet(CpuKernelSet):
         world = dist.get_world_size(group)
         if world != placement.ep_size:
             raise ValueError(f"the EP group has {world} ranks but the expert placement is for {placement.ep_size}")
-        key = (world, hidden.shape[1], slots.shape[1], hidden.dtype, placement.num_slots, self.ep_max_tokens_per_rank,
+        key = (world, hidden.shape[1], slots.shape[1], hidden.dtype, placement.num_slots, self._ep_token_bound(),
                ops_ep.hccl_buffsize_mb())
         d = self._decide("ep_dispatch", key, lambda: caps.decide_ep(self._lim(), *key))
         self._decisions["ep_dispatch"] = self._decisions["ep_combine"] = d
         return d
+
+    def _ep_token_bound(self) -> int | None:
+        """Tokens any rank passes to a MoE layer this step: ``ep_max_tokens_per_rank`` when set, else the decode
+        step's size the engine declares (``distributed/ep_decode_path.agreed_ep_tokens``; None for prefill)."""
+        if self.ep_max_tokens_per_rank is not None:
+            return self.ep_max_tokens_per_rank
+        return current_agreed_ep_tokens()
 
     def _mc2_comm(self, group, device: torch.device) -> ops_ep.Mc2Comm:
         entry = self._mc2_comms.get(id(group))
@@ -359,7 +367,7 @@ class AscendKernelSet(CpuKernelSet):
         if not self._ep_decision(hidden, slots, placement, group).native:
             return super().ep_dispatch(hidden, slots, placement, group)
         return ops_ep.dispatch(hidden, slots, placement.num_slots, placement.slots_per_rank,
-                               self._mc2_comm(group, hidden.device), self.ep_max_tokens_per_rank)
+                               self._mc2_comm(group, hidden.device), self._ep_token_bound())
 
     def ep_combine(self, expert_out, dispatched: EPDispatched, weights, group) -> torch.Tensor:
         if isinstance(dispatched.state, ops_ep.Mc2State):

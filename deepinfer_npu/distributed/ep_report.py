@@ -25,14 +25,20 @@ def ep_dispatch_report(backend) -> dict[str, str]:
         why = ("DeepEP found but not wired into the dispatch yet" if status.available
                else f"DeepEP not used: {status.reason}")
         path += f"; {why}"
-    elif backend.name == "ascend":
-        path += "; MC2 (npu_moe_distribute_dispatch / combine) not wired yet"
+    elif backend.name == "ascend" and hasattr(kernels, "ep_path_report"):
+        mc2 = kernels.ep_path_report()
+        return {"ep_dispatch": f"{mc2['ep_dispatch']}; otherwise: {path}",
+                "ep_combine": f"{mc2['ep_combine']}; otherwise: {path}", "eplb": _eplb(backend)}
+    return {"ep_dispatch": path, "ep_combine": path, "eplb": _eplb(backend)}
+
+
+def _eplb(backend) -> str:
     counts = {"cpu": "torch.bincount in the reference moe_dispatch",
               "cuda": "the kernels_cuda.moe_routing permute kernel's counts (composed torch scatter_add_ past its "
                       "limits)",
-              "ascend": "npu_moe_init_routing_v2's expert_token_count (expert_tokens_num_type=1)"}.get(
+              "ascend": "npu_moe_distribute_dispatch's expert_token_nums under MC2, else npu_moe_init_routing_v2's "
+                        "expert_token_count (expert_tokens_num_type=1)"}.get(
         backend.name, "the backend's moe_dispatch counts")
-    eplb = (f"per-slot token counts from the local dispatch op ({counts}), added on the device with one torch add "
+    return (f"per-slot token counts from the local dispatch op ({counts}), added on the device with one torch add "
             "per layer and step, read at re-plan time; weights move over the device group with all_to_all_single "
             f"on {backend.dist_backend} (deepinfer_npu/eplb)")
-    return {"ep_dispatch": path, "ep_combine": path, "eplb": eplb}
