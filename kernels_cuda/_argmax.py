@@ -21,6 +21,7 @@ the reference's ``scaled + gumbel_noise(...)`` with the same IEEE division and t
 """
 
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 THREADS = 256
 UNROLL = 2  # 16-byte loads in flight per thread and tile
@@ -103,6 +104,7 @@ def unroll_for(noise: bool) -> int:
     return 1 if noise else UNROLL
 
 
+@cached_prim_func
 def build_row_argmax(vocab: int, noise: bool, stream: int = 0, threads: int = THREADS, unroll: int | None = None):
     """PrimFunc. ``noise=False``: (L [N, V] f32, Part [N, S] i64 out). ``noise=True``: (L, Temp [N] f32,
     Greedy [N] u8, Seeds [N] i64, Offsets [N] i64, Part). N and S are dynamic, V compile-time."""

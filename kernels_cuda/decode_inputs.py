@@ -29,6 +29,7 @@ from deepinfer_npu.backends.cpu.step_inputs import DecodeInputs
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 THREADS = 256
@@ -37,6 +38,7 @@ MAX_TOKENS = 16384
 
 
 # ---- kernel ----------------------------------------------------------------------------------------------------
+@cached_prim_func
 def build_decode_inputs(block_size: int = 64, threads: int = THREADS):
     """PrimFunc (Sq [B] i32, Sk [B] i32, Tables [B, W] i32, Slots [B] i64, First [B] i64, Last [S] i64,
     Drafts [S, K] i64, Pos [T] i64, SlotMap [T] i64, Cu [B+1] i32, Row [T] i64, J [T] i64, Ids [T] i64,

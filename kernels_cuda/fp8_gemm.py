@@ -28,6 +28,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 128  # one scale block of K per pipeline stage: the promotion happens after every stage
@@ -45,6 +46,7 @@ def rows_tile(m: int) -> int:
     return 16 if m <= 16 else 64
 
 
+@cached_prim_func
 def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, num_stages: int = 4,
                         threads: int = 256):
     """PrimFunc of the "tile" form for w [n, k]; rows M are dynamic."""
@@ -88,6 +90,7 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
     return fp8_gemm_tile
 
 
+@cached_prim_func
 def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 64, num_stages: int = 4,
                         threads: int = 128):
     """PrimFunc of the "swap" form for w [n, k]: ``rt`` token rows a tile (wgmma N), ``block_n`` weight rows a
@@ -136,6 +139,7 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
     return fp8_gemm_swap
 
 
+@cached_prim_func
 def build_split_reduce(n: int, split: int, block: int = 256):
     """PrimFunc summing the swapped form's fp32 K-slice partials [split, M, n] into [M, n] bf16 (one row's
     ``block`` columns a CTA, two a thread; ``block`` divides n)."""

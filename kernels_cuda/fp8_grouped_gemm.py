@@ -21,12 +21,14 @@ import torch
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
 from .fp8_gemm import BLOCK_K, MULT_K, SCALE_BLOCK
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 SWAP_MAX_ROWS = 32  # mean rows an expert up to this: the swapped form
 MULT_N = 64
 
 
+@cached_prim_func
 def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_stages: int = 4):
     """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. ``swap``: ``rows`` (8 or 16) token rows
     as the wgmma's N side; else ``rows`` (64 or 128) as its M side."""

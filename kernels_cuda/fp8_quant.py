@@ -19,6 +19,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 GROUP = 128  # values per scale along K (DeepGEMM's 1 x 128 activation groups)
@@ -33,6 +34,7 @@ def rows_block(m: int) -> int:
     return 8 if m <= SMALL_ROWS else 32
 
 
+@cached_prim_func
 def build_fp8_quant(k: int, bm: int, gated: bool = False, threads: int = THREADS):
     """PrimFunc quantising rows of ``k`` values (gated: input rows of 2k, [gate | up]); rows M are dynamic."""
     assert tilelang is not None, "tilelang is not installed"

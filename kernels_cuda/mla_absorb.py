@@ -26,6 +26,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 THREADS = 256
@@ -46,6 +47,7 @@ def supported(heads: int, nope: int, lrank: int, q_dim: int) -> str | None:
     return None
 
 
+@cached_prim_func
 def build_absorb(heads: int, nope: int, lrank: int, q_dim: int):
     """PrimFunc: (Q [1, H, QD], W [H, N, L], Out [1, H, L]) for compile-time dims."""
     assert tilelang is not None, "tilelang is not installed"

@@ -60,6 +60,7 @@ from ._mla_common import (  # noqa: F401 - PAGE, HEAD_DIM, LOG2E ... are this mo
     m_tiles_for,
     tilelang,
 )
+from ._prim_func_cache import cached_prim_func
 
 
 def _ws_module():
@@ -76,6 +77,7 @@ FP8_CONSUMER_REGS = 232
 # ----------------------------------------------------------------------------------------------------
 # factory
 # ----------------------------------------------------------------------------------------------------
+@cached_prim_func
 def build_mla_decode(
     heads: int, m_tiles: int, num_splits: int, softmax_scale: float, num_stages: int = 2, threads: int = 256,
     causal_tile_bound: bool = False, block_m: int = BLOCK_M, skip_empty_splits: bool = False, kv_fp8: bool = False,

@@ -48,6 +48,7 @@ from ._mla_common import (
     decode_block_m,
     tilelang,
 )
+from ._prim_func_cache import cached_prim_func
 
 THREADS = 256  # two warpgroups, each a consumer and its own TMA issuer
 
@@ -66,6 +67,7 @@ def applies(heads: int, q_bucket: int) -> bool:
     return decode_block_m(heads, q_bucket) == BLOCK_M
 
 
+@cached_prim_func
 def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale: float):
     """Return the TileLang PrimFunc (not compiled). Arguments as ``mla_decode.build_mla_decode``; Q and Q_pe are
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as

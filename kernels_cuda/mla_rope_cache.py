@@ -31,6 +31,7 @@ import torch
 
 from ._ast_guard import compile_pool
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -52,6 +53,7 @@ def supported_heads(heads: int) -> bool:
     return heads > 0 and (heads % 16 == 0 or heads in (1, 2, 4, 8))
 
 
+@cached_prim_func
 def build_mla_rope_cache(heads: int, q_dim: int, q_off: int, interleaved: bool, eps: float, threads: int = THREADS):
     """PrimFunc for H = ``heads`` query heads of ``q_dim`` values with the rope part at ``q_off`` (compile-time);
     tokens, cos/sin rows and cache slots are dynamic."""

@@ -22,6 +22,7 @@ import torch
 
 from ._ast_guard import compile_pool
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_M, BLOCK_K = 64, 64
@@ -30,6 +31,7 @@ BLOCK_M, BLOCK_K = 64, 64
 MAX_EXPERTS = 256  # expert_scan: one thread per expert
 
 
+@cached_prim_func
 def build_expert_scan():
     """PrimFunc (counts [E] i64, scan [2E+1] i32 out): scan[0:E+1] = exclusive prefix sum of the counts (scan[E] =
     rows); scan[E+1 : E+1+h] = the h experts with rows, ascending; scan[E+1+h : 2E+1] = -1. One CTA, Hillis-Steele
@@ -76,6 +78,7 @@ def build_expert_scan():
     return expert_scan
 
 
+@cached_prim_func
 def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, threads: int = 128):
     """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. n % block_n == 0, k % BLOCK_K == 0."""
     assert tilelang is not None, "tilelang is not installed"

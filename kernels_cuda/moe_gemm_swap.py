@@ -25,6 +25,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64
@@ -36,6 +37,7 @@ def rows_tile(m: int) -> int:
     return 8 if m <= 8 else MAX_ROWS_TILE
 
 
+@cached_prim_func
 def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: int = BLOCK_N, num_stages: int = 4,
                         threads: int = 128):
     """PrimFunc for weights [E, n, k] (gated: n = 2I, output I columns); rows M and experts E are dynamic.

@@ -55,6 +55,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # Products must round to fp32 before the sums, as in torch's separate multiply and sum kernels.
@@ -287,6 +288,7 @@ def _gating_macro(
     return gating_token
 
 
+@cached_prim_func
 def build_gating_topk(
     num_experts: int,
     top_k: int,
@@ -444,6 +446,7 @@ def _permute_macro(hidden_size, top_k, num_experts, dtype, threads, with_scan, T
     return body
 
 
+@cached_prim_func
 def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "bfloat16", threads: int = 128,
                   with_scan: bool = False):
     """PrimFunc (x [T, D], ids [N] i32, sorted [N, D] out, counts [E] i64 out, order [N] i64 out), N = T * k.
@@ -494,6 +497,7 @@ def build_permute(hidden_size: int, top_k: int, num_experts: int, dtype: str = "
 
 
 # ---- 2b. route: gating + permute(with_scan) in one launch (decode batches) --------------------------------------
+@cached_prim_func
 def build_route(
     hidden_size: int,
     top_k: int,
@@ -570,6 +574,7 @@ def build_route(
 
 
 # ---- 3. unpermute (combine) ----------------------------------------------------------------------------------
+@cached_prim_func
 def build_unpermute(
     hidden_size: int, top_k: int, dtype: str = "bfloat16", sum_order: str = "torch_strided", threads: int = 128,
     with_addend: bool = False,

@@ -16,10 +16,12 @@ import torch
 
 from ._ast_guard import compile_pool
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
+@cached_prim_func
 def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 1, threads: int = 256):
     """PrimFunc for rows of width `hidden` (compile-time); the number of rows is dynamic."""
     assert tilelang is not None, "tilelang is not installed"

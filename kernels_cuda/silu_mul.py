@@ -23,6 +23,7 @@ import torch
 
 from ._ast_guard import compile_pool
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
@@ -43,6 +44,7 @@ def tile_for(inter: int, row_variant: bool = False) -> tuple[int, int]:
     return (1 if row_variant else TILE // bn), bn
 
 
+@cached_prim_func
 def build_silu_mul(inter: int, row_variant: bool = False, threads: int = THREADS):
     """PrimFunc for I = ``inter`` (compile-time); the number of rows is dynamic."""
     assert tilelang is not None, "tilelang is not installed"

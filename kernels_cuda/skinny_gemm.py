@@ -24,6 +24,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 MAX_ROWS = 8  # row block RB <= 8 (registers: RB * R * G fp32 accumulators a lane)
@@ -52,6 +53,7 @@ def rows_block(m: int) -> int:
     return min(MAX_ROWS, 1 << max(0, (int(m) - 1).bit_length()))
 
 
+@cached_prim_func
 def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = False, a_dtype: str = "bfloat16",
                       w_dtype: str = "bfloat16", out_dtype: str = "bfloat16", rows_per_warp: int = ROWS_PER_WARP,
                       unroll: int = UNROLL, threads: int = THREADS, col_iters: int = 1):

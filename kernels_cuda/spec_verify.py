@@ -39,6 +39,7 @@ import torch
 from . import _argmax as am
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 ACCEPT_THREADS = 512
@@ -47,6 +48,7 @@ MAX_Q = 32  # query tokens a row (one bit each)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------
+@cached_prim_func
 def build_accept(threads: int = ACCEPT_THREADS, max_rows: int = MAX_ROWS):
     """PrimFunc (Part [T, S] i64, Draft [T] i64, Row [T] i64, J [T] i64, Emitted [B, Q] i64 out, NumEmitted [B] i64
     out, Accepted [B] i64 out, Target [T] i64 out); T, S, B, Q dynamic (B <= max_rows, Q <= 32)."""

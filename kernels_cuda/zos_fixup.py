@@ -36,6 +36,7 @@ import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 COMPILE_FLAGS = ["--fmad=false"]  # the cumprod's products are plain fp32 multiplies
@@ -53,6 +54,7 @@ def resplit_launch(rows: int) -> tuple[int, int]:
 
 
 # ---- kernels -------------------------------------------------------------------------------------------------
+@cached_prim_func
 def build_correct(threads: int = CORRECT_THREADS):
     """PrimFunc (Sq [B] i32, Sk [B] i32, Opt [B] u8, Slots [B] i64, Corr [S] i64, SqOut [B] i32, SkOut [B] i32)."""
     assert tilelang is not None, "tilelang is not installed"
@@ -83,6 +85,7 @@ def build_correct(threads: int = CORRECT_THREADS):
     return zos_correct
 
 
+@cached_prim_func
 def build_resplit(k: int, threads: int = 128, rows_per_thread: int = 1):
     """PrimFunc (Sq [B] i32, Sk [B] i32, Opt [B] u8, Slots [B] i64, Corr [S] i64, Probs [S, k] f32, Caps [B] i64,
     SqOut [B] i32, SkOut [B] i32); one CTA, B <= threads * rows_per_thread."""
