@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import hashlib
 import importlib
 import logging
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -98,6 +100,26 @@ def fill_worker_main() -> None:
             _fill_one(name, cfg, softmax_scale)
         except Exception as e:  # noqa: BLE001 - reported; the serial pass compiles it again
             print(f"{FAILED_MARK}{name} {cfg}: {type(e).__name__}: {str(e).strip()[:200]}", flush=True)
+
+
+def compiled_marker(name: str, cfg: tuple) -> Path:
+    """A file that says ``kernels_cuda.<name>``'s configuration ``cfg`` was compiled into this TileLang cache
+    directory by the current kernel sources (``_prim_func_cache.cache_root``: a source change starts afresh)."""
+    import tilelang
+
+    from deepinfer_npu.kernels_cuda._prim_func_cache import cache_root
+
+    key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR)))
+    return cache_root() / "compiled" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
+
+
+def mark_compiled(name: str, cfg: tuple) -> None:
+    try:
+        path = compiled_marker(name, cfg)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except Exception as e:  # noqa: BLE001 - without the marker the next start only spends worker processes
+        logger.debug("kernel warm-up: could not mark %s %s compiled (%s)", name, cfg, e)
 
 
 def compile_workers(num_jobs: int) -> int:
@@ -198,11 +220,15 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
             del configs[name]
     total = sum(len(c) for c in configs.values())
     logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
-    workers = compile_workers(total)
+    # configurations an earlier process compiled are loaded by the serial pass: worker processes (seconds to start
+    # each) only for the rest
+    pending = {n: [c for c in cfgs if not compiled_marker(n, c).exists()] for n, cfgs in configs.items()}
+    pending = {n: cfgs for n, cfgs in pending.items() if cfgs}
+    workers = compile_workers(sum(len(c) for c in pending.values()))
     if workers:
         t1 = time.perf_counter()
         try:
-            lost = fill_disk_cache(configs, float(plan.softmax_scale), workers)
+            lost = fill_disk_cache(pending, float(plan.softmax_scale), workers)
             logger.info("kernel warm-up: built in %d processes in %.1f s%s", workers, time.perf_counter() - t1,
                         f"; left to the serial pass: {'; '.join(lost)}" if lost else "")
         except Exception as e:  # noqa: BLE001 - e.g. no process can be spawned: the serial pass builds them all
@@ -222,6 +248,8 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
             continue
         logger.info("kernel warm-up [%d/%d]: kernels_cuda.%s, %d configs in %.1f s", i, len(configs), name,
                     len(cfgs), time.perf_counter() - t1)
+        for cfg in pending.get(name, ()):
+            mark_compiled(name, cfg)
     if failed:  # the selection learns which modules are off now
         kernels.select(kernels.config)
     done = {n: c for n, c in configs.items() if n not in failed}

@@ -80,9 +80,10 @@ def _v2_lite_plan(k: int = 0, varlen: bool = False, method: str | None = None, m
 
 
 @pytest.fixture
-def recorded(monkeypatch):
+def recorded(monkeypatch, tmp_path):
     """Replace every compile entry point by a recorder: -> {module: [args of each call]}."""
     calls: dict[str, list] = {}
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # the warm-up's compiled-markers: nothing compiled
     for name in PRECOMPILED:
 
         def rec(items, *args, _name=name, **kwargs):

@@ -49,3 +49,18 @@ def test_no_workers_without_the_disk_cache_or_spare_cores(monkeypatch):
     monkeypatch.setattr(warmup.os, "cpu_count", lambda: 16)
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
     assert warmup.compile_workers(40) == 0
+
+
+def test_compiled_configurations_take_no_worker(tmp_path, monkeypatch):
+    """A configuration the serial pass compiled is marked (per TileLang cache directory and kernel sources): the
+    next start-up gives workers only the others."""
+    from deepinfer_npu.backends.cuda import warmup
+
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "engine"))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tl"))
+    done, todo = ("rms_norm", (1536, True, 1e-6)), ("silu_mul", (1536, False))
+    assert not warmup.compiled_marker(*done).exists()
+    warmup.mark_compiled(*done)
+    assert warmup.compiled_marker(*done).exists() and not warmup.compiled_marker(*todo).exists()
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "another"))  # another kernel cache: not compiled there
+    assert not warmup.compiled_marker(*done).exists()
