@@ -8,7 +8,10 @@ warm-up, graph capture, everything the constructor does) and one short greedy re
 summary (configurations and their seconds) comes along. One JSON line per run::
 
     {"bench": "startup", "run": "cold", "ready_s": x, "import_s": y, "first_request_s": z, "kernel_warmup": "...",
-     "kernel_warmup_s": w, "date": ..., "commit": ..., "hardware": ..., "command": ...}
+     "kernel_warmup_s": w, "token_ids": [...], "date": ..., "commit": ..., "hardware": ..., "command": ...}
+
+A run after the first also says whether its greedy tokens equal the first run's (``same_tokens_as_first_run``:
+kernels loaded from the caches compute what the freshly built ones did).
 
 GPU:  python -m benchmarks.bench_startup --backend cuda --out benchmarks/results/h200_startup.jsonl
 CPU rehearsal (tiny shapes):  python -m benchmarks.bench_startup --backend cpu --tiny
@@ -45,7 +48,8 @@ t_first = time.perf_counter()
 worker = llm.llm_engine.worker
 print("STARTUP_RESULT " + json.dumps({
     "import_s": t_import - t0, "ready_s": t_ready - t_import, "first_request_s": t_first - t_ready,
-    "tokens": len(out[0].outputs[0].token_ids), "kernel_warmup": getattr(worker, "kernel_warmup", None),
+    "tokens": len(out[0].outputs[0].token_ids), "token_ids": list(out[0].outputs[0].token_ids),
+    "kernel_warmup": getattr(worker, "kernel_warmup", None),
     "graphs": worker.graphs is not None}), flush=True)
 """
 
@@ -79,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None, help="default 4096 (512 with --tiny)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--runs", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
                    help="cold: empty cache directories; warm: the directories the earlier runs filled")
@@ -91,7 +95,8 @@ def main(argv=None) -> int:
     cfg = TINY if args.tiny else V2_LITE
     model_dir = write_model_dir(cfg, "bench_startup_")
     engine_kwargs = dict(model=model_dir, load_format="dummy", backend=args.backend, dtype=args.dtype,
-                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+                         max_model_len=args.max_model_len or (512 if args.tiny else 4096),
+                         max_num_seqs=args.max_num_seqs)
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="bench_startup_cache_")
     meta = row_meta("cuda" if args.backend == "cuda" else "cpu")
     rows = []
@@ -99,6 +104,8 @@ def main(argv=None) -> int:
         if run == "cold" and os.listdir(cache_dir):
             cache_dir = tempfile.mkdtemp(prefix="bench_startup_cache_")  # a cold run starts from empty caches
         result = run_once(engine_kwargs, cache_dir, args.timeout)
+        if rows:  # kernels loaded from the caches give the greedy tokens of the ones built for the first run
+            result["same_tokens_as_first_run"] = result["token_ids"] == rows[0]["token_ids"]
         row = {"bench": "startup", "run": run, **{k: round(v, 3) if isinstance(v, float) else v
                                                   for k, v in result.items()},
                "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
