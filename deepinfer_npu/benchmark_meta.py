@@ -13,7 +13,12 @@ _REPO = Path(__file__).resolve().parent.parent
 
 
 def commit() -> str:
-    """The checkout's short commit (with ``+dirty`` for uncommitted changes), or ``unknown`` outside git."""
+    """The checkout's short commit (with ``+dirty`` for uncommitted changes), or ``unknown`` outside git;
+    ``DEEPINFER_BENCH_COMMIT`` when set (a copied tree whose git metadata is stale)."""
+    from deepinfer_npu import envs
+
+    if envs.BENCH_COMMIT:
+        return envs.BENCH_COMMIT
     try:
         sha = subprocess.run(["git", "-C", str(_REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()

@@ -66,7 +66,10 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL", "8", _positive_int,
                "Decode graph sizes (total query tokens): powers of two below this interval, then every interval."),
         EnvVar("DEEPINFER_CACHE_DIR", str(Path.home() / ".cache" / "deepinfer_npu"), _path,
-               "Where the engine caches measured data (the varlen step-time curve)."),
+               "Where the engine caches measured data (the varlen step-time curve) and built kernel functions."),
+        EnvVar("DEEPINFER_BENCH_COMMIT", "", _text,
+               "The commit benchmark rows name, for a copy of the sources whose git metadata is absent or stale; "
+               "empty: asked from git."),
         EnvVar("DEEPINFER_CPU_THREADS", "1", _positive_int,
                "Intra-op threads of the CPU backend (one is fastest for reference-sized models)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,

@@ -17,6 +17,7 @@
 #   startup   benchmarks/bench_startup.py: LLM(...) until ready, cold caches then warm (V2-Lite shape; STARTUP_ARGS)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
+# Rows name DEEPINFER_BENCH_COMMIT when it is set (pass the local HEAD: the copied tree's git metadata may be stale).
 # DEADLINE (seconds from start, default unset) caps PHASE_LIMIT and skips phases once it has passed. Outputs under
 # $OUT; each phase has its own time limit (PHASE_LIMIT seconds, default 150; goldens keep their own).
 set -u
