@@ -38,6 +38,7 @@ def _emulated_rank_main(spec, inbox, outbox, store=None):
 
     torch.set_num_threads(1)
     AscendBackend.dist_backend = "gloo"
+    _collectives_complete_at_replay()
     if spec.rank == 1 and _NARROW_FLAG in spec.config.model:
         real = DecodeGraphs.size_for
         DecodeGraphs.size_for = lambda self, t, width: None if width > 1 else real(self, t, width)
@@ -46,6 +47,28 @@ def _emulated_rank_main(spec, inbox, outbox, store=None):
 
 
 _NARROW_FLAG = "narrow-graph-tables"
+
+
+def _collectives_complete_at_replay() -> None:
+    """A captured collective (``c10d::alltoall_base_`` & co.) is ordered on the device stream: the next captured
+    kernel sees its result. The emulation re-runs it at replay as an aten task, which returns the gloo ``Work``
+    without waiting for it; here the replay waits for that work, as the stream order would."""
+    from parity_tests.npu_emulation import graphs
+
+    if getattr(graphs.AtenTask.run, "waits_for_collectives", False):
+        return
+    replay = graphs.AtenTask.run
+
+    def run(self) -> None:
+        if not self.func._schema.name.startswith("c10d::"):
+            return replay(self)
+        result = self.func(*self.args, **self.kwargs)
+        for item in result if isinstance(result, (tuple, list)) else (result,):
+            if hasattr(item, "wait"):
+                item.wait()
+
+    run.waits_for_collectives = True
+    graphs.AtenTask.run = run
 
 
 @pytest.fixture(scope="module")

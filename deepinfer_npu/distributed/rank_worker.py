@@ -118,9 +118,15 @@ def _graphs_under_expert_parallel(rank: int, config: EngineConfig, kernels) -> E
     """Decode graphs under expert parallelism need a dispatch without host reads at decode sizes: a kernel set with
     ``FixedCapacityAtDecode`` (fixed capacity, or Ascend's MC2) keeps them, captured at start-up so every rank
     captures the same sizes in the same order (each graph's all-to-all pairs with the other ranks'); any other
-    keeps the eager decode (its reference dispatch sizes the all-to-all from host counts: not capturable)."""
+    keeps the eager decode (its reference dispatch sizes the all-to-all from host counts: not capturable), and so does
+    EPLB (a re-plan installs new route tables and moves experts between slots, which a captured graph would not
+    follow)."""
     from .ep_decode_path import FixedCapacityAtDecode
 
+    if config.eplb is not None:
+        logger.warning("rank %d: decode graphs are off under expert parallelism with EPLB (eager decode): a "
+                       "re-plan moves experts to other slots, which captured graphs would not follow", rank)
+        return dataclasses.replace(config, enable_graphs=False)
     if not isinstance(kernels, FixedCapacityAtDecode):
         logger.warning("rank %d: decode graphs are off under expert parallelism (eager decode): kernel set %s "
                        "sizes its all-to-all from host counts", rank, type(kernels).__name__)

@@ -60,6 +60,12 @@ def ep_decode_tokens(agreed_tokens: int, sizes: list[int] | None) -> int:
     return next(s for s in sizes if s >= agreed_tokens)
 
 
+def _main_ep_layers(model) -> int:
+    """Expert-parallel MoE layers of the main decode forward (the MTP layers past ``num_hidden_layers`` are not)."""
+    layers = list(model.model.layers)[: model.config.num_hidden_layers]
+    return sum(getattr(m, "ep_layer", None) is not None for layer in layers for m in layer.modules())
+
+
 class DecodeGraphs:
     """Pads a decode step into static buffers and replays (capturing at first use, or all at start-up)."""
 
@@ -70,6 +76,7 @@ class DecodeGraphs:
         self.graphs = graph_runner
         self.k = k
         self.sizes = graph_sizes(max_tokens)
+        self._ep_layers = _main_ep_layers(runner.model)
         if get_expert_parallel() is not None:
             # a graph's expert all-to-all must be the fixed-capacity one: larger steps run eagerly on every rank
             limit = getattr(runner.backend.kernels, "ep_fixed_max_tokens", 0)
@@ -202,6 +209,9 @@ class DecodeGraphs:
             logger.warning("decode graphs disabled: %s", self.disabled)
             return None
         out = self.graphs.replay(size)
+        ep = get_expert_parallel()
+        if ep is not None:  # the replay ran the MoE layers, not their Python, which counts forwards for the
+            ep.forwards += self._ep_layers  # group's model steps (ep_moe.EPGroup.step_boundary)
         t = attn.num_tokens
         captured = None if out["captured"] is None else {i: c[:t] for i, c in out["captured"].items()}
         return out["hidden"][:t], captured, out["logits"][:t]
