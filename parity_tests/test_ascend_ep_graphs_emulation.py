@@ -108,20 +108,20 @@ def _run(llm: LLM, requests) -> dict[str, list[int]]:
     return done
 
 
-def _one_process(model) -> tuple[dict[str, list[int]], int]:
+def _one_process(model, requests, **kw) -> tuple[dict[str, list[int]], int]:
     with emulated_npu():
-        llm = LLM(model, **ENGINE)
-        tokens = _run(llm, _requests())
+        llm = LLM(model, **{**ENGINE, **kw})
+        tokens = _run(llm, requests)
         return tokens, llm.get_stats()["graph_steps"]
 
 
-def _two_ranks(model, monkeypatch) -> tuple[dict[str, list[int]], list[int], dict]:
+def _two_ranks(model, requests, monkeypatch, **kw) -> tuple[dict[str, list[int]], list[int], dict]:
+    """-> (tokens by request, requests per rank after adding them all, merged stats with ``per_rank``)."""
     monkeypatch.setattr(rank_launch, "rank_main", _emulated_rank_main)
     with emulated_npu():
-        llm = LLM(model, data_parallel_size=2, distributed_timeout_s=60, **ENGINE)
+        llm = LLM(model, data_parallel_size=2, distributed_timeout_s=60, **{**ENGINE, **kw})
+        engine = llm.llm_engine
         try:
-            engine = llm.llm_engine
-            requests = _requests()
             for rid, prompt, params in requests:
                 engine.add_request(rid, prompt, params)
             split = engine.requests_per_rank()
@@ -132,12 +132,12 @@ def _two_ranks(model, monkeypatch) -> tuple[dict[str, list[int]], list[int], dic
                         done[out.request_id] = list(out.outputs[0].token_ids)
             return done, split, engine.get_stats()
         finally:
-            llm.llm_engine.shutdown()
+            engine.shutdown()
 
 
 def test_two_ranks_replay_the_agreed_graph_and_equal_one_process(v3_model, monkeypatch):
-    one, one_graph_steps = _one_process(v3_model)
-    two, split, stats = _two_ranks(v3_model, monkeypatch)
+    one, one_graph_steps = _one_process(v3_model, _requests())
+    two, split, stats = _two_ranks(v3_model, _requests(), monkeypatch)
     assert split == [1, 3]
     assert two == one
     assert one_graph_steps > 0
@@ -149,10 +149,35 @@ def test_two_ranks_replay_the_agreed_graph_and_equal_one_process(v3_model, monke
 
 
 def test_a_rank_too_wide_for_its_graphs_runs_eagerly_at_the_same_capacity(narrow_v3_model, monkeypatch):
-    one, _ = _one_process(narrow_v3_model)
-    two, split, stats = _two_ranks(narrow_v3_model, monkeypatch)
+    one, _ = _one_process(narrow_v3_model, _requests())
+    two, split, stats = _two_ranks(narrow_v3_model, _requests(), monkeypatch)
     assert split == [1, 3]
     assert two == one
     steps = [r["graph_steps"] for r in stats["per_rank"]]
     # rank 1's rows outgrow one block after a few steps: those steps run eagerly while rank 0 replays
     assert 0 < steps[1] < steps[0], steps
+
+
+def test_mtp_chain_eager_inside_the_declared_size_two_ranks_equal_one(monkeypatch):
+    """MTP (k=2) on the reference model, whose MTP layer is a MoE: the main decode forward replays the agreed graph
+    on both ranks, the MTP catch-up and draft chain (T and rows <= the declared size) run eagerly inside the same
+    declaration; tokens equal one process's."""
+    from deepinfer_npu.config import REFERENCE_MODEL_DIR
+    from tests.reference_assets import HAS_REFERENCE_MODEL, NO_REFERENCE_MODEL
+
+    if not HAS_REFERENCE_MODEL:
+        pytest.skip(NO_REFERENCE_MODEL)
+    spec = dict(speculative_method="mtp", num_speculative_tokens=2, num_kv_blocks=128)
+    requests = [("long", {"prompt_token_ids": [(37 * j + 11) % 4000 + 1 for j in range(12)]},
+                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
+    requests += [(f"s{i}", {"prompt_token_ids": [(53 * i + 7 * j) % 4000 + 1 for j in range(3 + i)]},
+                  SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)) for i in range(3)]
+    one, one_graph_steps = _one_process(REFERENCE_MODEL_DIR, requests, **spec)
+    two, split, stats = _two_ranks(REFERENCE_MODEL_DIR, requests, monkeypatch, **spec)
+    assert split == [1, 3]
+    assert two == one and one_graph_steps > 0
+    per_rank = stats["per_rank"]
+    assert [r["graphs_disabled"] for r in per_rank] == [None, None]
+    assert all(r["spec_draft_tokens"] > 0 for r in per_rank)
+    steps = [r["graph_steps"] for r in per_rank]
+    assert steps[0] > 0 and steps[0] == steps[1], steps
