@@ -39,7 +39,7 @@ def _emulated_rank_main(spec, inbox, outbox, store=None):
     torch.set_num_threads(1)
     AscendBackend.dist_backend = "gloo"
     _collectives_complete_at_replay()
-    if spec.rank == 1 and _NARROW_FLAG in spec.config.model:
+    if spec.rank == 1 and _NARROW_FLAG in str(spec.config.model):
         real = DecodeGraphs.size_for
         DecodeGraphs.size_for = lambda self, t, width: None if width > 1 else real(self, t, width)
     with emulated_npu():
