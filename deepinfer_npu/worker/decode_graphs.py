@@ -76,15 +76,19 @@ class DecodeGraphs:
         self.graphs = graph_runner
         self.k = k
         self.sizes = graph_sizes(max_tokens)
-        self._ep_layers = _main_ep_layers(runner.model)
+        self.disabled: str | None = None  # why graphs were turned off (a failed capture)
+        self._ep_layers = 0  # expert-parallel MoE layers a replay runs (counted for the group's model steps)
         if get_expert_parallel() is not None:
+            self._ep_layers = _main_ep_layers(runner.model)
             # a graph's expert all-to-all must be the fixed-capacity one: larger steps run eagerly on every rank
             limit = getattr(runner.backend.kernels, "ep_fixed_max_tokens", 0)
-            self.sizes = [s for s in self.sizes if s <= limit] or [1]
+            fitting = [s for s in self.sizes if s <= limit]
+            if not fitting:
+                self.disabled = f"no decode graph size within the fixed-capacity dispatch's {limit} tokens"
+            self.sizes = fitting or [1]
         self.capture_layer_ids = tuple(capture_layer_ids) if capture_layer_ids else None
         # (captured, positions, slots_per_token) -> None, captured after the forward; needs the captured layers
         self.drafter_hook = drafter_hook if self.capture_layer_ids else None
-        self.disabled: str | None = None  # why graphs were turned off (a failed capture)
         bs = runner.block_size
         # Room for every key a decode step can hold: max_model_len plus the drafts a re-split may add.
         self.width = math.ceil((runner.max_model_len + extra_width) / bs) + 1
