@@ -15,6 +15,10 @@ accessor); with fp32 and two ranks MC2's documented limits do not hold, so the f
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+
 import pytest
 
 from deepinfer_npu import LLM, SamplingParams
@@ -38,37 +42,66 @@ def _emulated_rank_main(spec, inbox, outbox, store=None):
 
     torch.set_num_threads(1)
     AscendBackend.dist_backend = "gloo"
-    _collectives_complete_at_replay()
+    sizes: list[int] = []
+    _collectives_complete_at_replay(sizes)
     if spec.rank == 1 and _NARROW_FLAG in str(spec.config.model):
         real = DecodeGraphs.size_for
         DecodeGraphs.size_for = lambda self, t, width: None if width > 1 else real(self, t, width)
     with emulated_npu():
         rank_worker.rank_main(spec, inbox, outbox, store)
+    with open(_a2a_log(spec.parent_pid, spec.rank), "w") as f:
+        json.dump(sizes, f)
+
+
+def _a2a_log(front_end_pid: int, rank: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"deepinfer-ep-graphs-a2a-{front_end_pid}-rank{rank}.json")
+
+
+def _a2a_sizes(world: int) -> list[list[int]]:
+    """Each rank's all-to-all sizes in issue order (eager, captured and replayed), read once the ranks are gone."""
+    logs = []
+    for rank in range(world):
+        path = _a2a_log(os.getpid(), rank)
+        with open(path) as f:
+            logs.append(json.load(f))
+        os.remove(path)
+    return logs
 
 
 _NARROW_FLAG = "narrow-graph-tables"
 
 
-def _collectives_complete_at_replay() -> None:
+def _collectives_complete_at_replay(sizes: list[int]) -> None:
     """A captured collective (``c10d::alltoall_base_`` & co.) is ordered on the device stream: the next captured
     kernel sees its result. The emulation re-runs it at replay as an aten task, which returns the gloo ``Work``
-    without waiting for it; here the replay waits for that work, as the stream order would."""
+    without waiting for it; here the replay waits for that work, as the stream order would. Every equal-split
+    all-to-all's element count, eager or replayed, is appended to ``sizes``: gloo does not check that the ranks'
+    equal splits match (NCCL and HCCL would hang or corrupt), so the test compares the ranks' sequences itself."""
+    import torch.distributed as dist
+
     from parity_tests.npu_emulation import graphs
 
-    if getattr(graphs.AtenTask.run, "waits_for_collectives", False):
-        return
-    replay = graphs.AtenTask.run
+    replay, eager = graphs.AtenTask.run, dist.all_to_all_single
 
     def run(self) -> None:
         if not self.func._schema.name.startswith("c10d::"):
             return replay(self)
+        if self.func._schema.name == "c10d::alltoall_base_":
+            sizes.append(self.args[0].numel())
         result = self.func(*self.args, **self.kwargs)
         for item in result if isinstance(result, (tuple, list)) else (result,):
             if hasattr(item, "wait"):
                 item.wait()
 
-    run.waits_for_collectives = True
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        # equal splits only (the variable ones of the reference dispatch differ by rank by design); a capture
+        # records its collectives as tasks, logged at replay
+        if output_split_sizes is None and input_split_sizes is None and graphs.STATE.capturing is None:
+            sizes.append(output.numel())
+        return eager(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
     graphs.AtenTask.run = run
+    dist.all_to_all_single = all_to_all_single
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +155,7 @@ def _two_ranks(model, requests, monkeypatch, **kw) -> tuple[dict[str, list[int]]
         llm = LLM(model, data_parallel_size=2, distributed_timeout_s=60, **{**ENGINE, **kw})
         engine = llm.llm_engine
         try:
-            for rid, prompt, params in requests:
-                engine.add_request(rid, prompt, params)
+            engine.add_requests(requests)  # one message a rank: rank 1 prefills its three rows in one step
             split = engine.requests_per_rank()
             done = {}
             while engine.has_unfinished_requests():
@@ -141,6 +173,8 @@ def test_two_ranks_replay_the_agreed_graph_and_equal_one_process(v3_model, monke
     assert split == [1, 3]
     assert two == one
     assert one_graph_steps > 0
+    a2a = _a2a_sizes(2)
+    assert a2a[0] == a2a[1] and len(a2a[0]) > 0  # every all-to-all paired with one of the same size
     per_rank = stats["per_rank"]
     assert [r["graphs_disabled"] for r in per_rank] == [None, None]
     # every decode step of either rank (rank 1's dummy steps included) replayed the same agreed graph
@@ -153,6 +187,8 @@ def test_a_rank_too_wide_for_its_graphs_runs_eagerly_at_the_same_capacity(narrow
     two, split, stats = _two_ranks(narrow_v3_model, _requests(), monkeypatch)
     assert split == [1, 3]
     assert two == one
+    a2a = _a2a_sizes(2)
+    assert a2a[0] == a2a[1] and len(a2a[0]) > 0  # the eager rank's all-to-alls are the replaying rank's sizes
     steps = [r["graph_steps"] for r in stats["per_rank"]]
     # rank 1's rows outgrow one block after a few steps: those steps run eagerly while rank 0 replays
     assert 0 < steps[1] < steps[0], steps
@@ -176,6 +212,8 @@ def test_mtp_chain_eager_inside_the_declared_size_two_ranks_equal_one(monkeypatc
     two, split, stats = _two_ranks(REFERENCE_MODEL_DIR, requests, monkeypatch, **spec)
     assert split == [1, 3]
     assert two == one and one_graph_steps > 0
+    a2a = _a2a_sizes(2)
+    assert a2a[0] == a2a[1] and len(a2a[0]) > 0
     per_rank = stats["per_rank"]
     assert [r["graphs_disabled"] for r in per_rank] == [None, None]
     assert all(r["spec_draft_tokens"] > 0 for r in per_rank)
