@@ -31,9 +31,10 @@ ENGINE = dict(backend="ascend", dtype="float32", block_size=4, num_kv_blocks=64,
 
 
 def _emulated_rank_main(spec, inbox, outbox, store=None):
-    """A rank process under the emulation: the real ``rank_main``, its device group on gloo (no HCCL here). With
-    ``narrow_graph_tables`` in the spec's model options (rank 1 only), the rank's decode graphs take tables of one
-    block only, so its longer rows run eagerly while the other rank replays (a table too wide for its graphs)."""
+    """A rank process under the emulation: the real ``rank_main``, its device group on gloo (no HCCL here), its
+    equal-split all-to-all sizes written to a file at exit. When the model directory's name holds ``_NARROW_FLAG``,
+    rank 1's decode graphs take tables of one block only, so its longer rows run eagerly while rank 0 replays (a
+    table too wide for its graphs)."""
     import torch
 
     from deepinfer_npu.backends.ascend.backend import AscendBackend
@@ -58,7 +59,8 @@ def _a2a_log(front_end_pid: int, rank: int) -> str:
 
 
 def _a2a_sizes(world: int) -> list[list[int]]:
-    """Each rank's all-to-all sizes in issue order (eager, captured and replayed), read once the ranks are gone."""
+    """Each rank's equal-split all-to-all sizes in issue order (eager and replayed), read once the ranks are
+    gone."""
     logs = []
     for rank in range(world):
         path = _a2a_log(os.getpid(), rank)
