@@ -9,7 +9,9 @@ size. Inside, :class:`FixedCapacityAtDecode` takes the fixed path when that coun
 ``ep_fixed_max_tokens`` (capacity = count * k); outside, or above the bound (prefill), the inherited
 variable-split path. The choice depends only on host values that are the same on every rank, so the ranks' paths
 (and their collectives) always pair up. A captured decode graph bakes its capacity in: every rank must replay the
-graph of the same size (the one for the agreed count), never the one for its own batch.
+graph of the same size, never the one for its own batch, so with graphs the step declares the agreed count rounded up
+to a graph size (``worker/decode_graphs.ep_decode_tokens``) and every rank replays that graph or runs eagerly inside
+the same declaration.
 """
 
 from __future__ import annotations

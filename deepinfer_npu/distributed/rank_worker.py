@@ -94,9 +94,7 @@ def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
         lockstep = _setup_expert_parallel(spec, groups)
         config = spec.config
         if lockstep and config.enable_graphs is not False and (config.enable_graphs or backend.graphs_by_default):
-            # the reference dispatch sizes its all-to-all from host counts: not capturable in a graph
-            logger.warning("rank %d: decode graphs are off under expert parallelism (eager decode)", spec.rank)
-            config = dataclasses.replace(config, enable_graphs=False)
+            config = _graphs_under_expert_parallel(spec.rank, config, backend.kernels)
         engine = LLMEngine(config)
         if lockstep:
             engine.attach_step_group(groups.cpu_group)
@@ -114,6 +112,28 @@ def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
             destroy_process_groups()
     except Exception:
         outbox.put(("fatal", spec.rank, traceback.format_exc()))
+
+
+def _graphs_under_expert_parallel(rank: int, config: EngineConfig, kernels) -> EngineConfig:
+    """Decode graphs under expert parallelism need a dispatch without host reads at decode sizes: a kernel set with
+    ``FixedCapacityAtDecode`` (fixed capacity, or Ascend's MC2) keeps them, captured at start-up so every rank
+    captures the same sizes in the same order (each graph's all-to-all pairs with the other ranks'); any other
+    keeps the eager decode (its reference dispatch sizes the all-to-all from host counts: not capturable), and so does
+    EPLB (a re-plan installs new route tables and moves experts between slots, which a captured graph would not
+    follow)."""
+    from .ep_decode_path import FixedCapacityAtDecode
+
+    if config.eplb is not None:
+        logger.warning("rank %d: decode graphs are off under expert parallelism with EPLB (eager decode): a "
+                       "re-plan moves experts to other slots, which captured graphs would not follow", rank)
+        return dataclasses.replace(config, enable_graphs=False)
+    if not isinstance(kernels, FixedCapacityAtDecode):
+        logger.warning("rank %d: decode graphs are off under expert parallelism (eager decode): kernel set %s "
+                       "sizes its all-to-all from host counts", rank, type(kernels).__name__)
+        return dataclasses.replace(config, enable_graphs=False)
+    logger.info("rank %d: decode graphs on under expert parallelism (%s: fixed-capacity dispatch at decode sizes "
+                "<= %d tokens), all captured at start-up", rank, type(kernels).__name__, kernels.ep_fixed_max_tokens)
+    return dataclasses.replace(config, graph_capture="startup")
 
 
 def weight_bytes(model) -> dict[str, int]:

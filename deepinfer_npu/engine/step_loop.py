@@ -3,7 +3,8 @@
 Under zero-overhead scheduling the worker keeps a decode step in flight, so the results applied by a step are
 usually the previous step's; a step with nothing scheduled flushes the kept one. With a step group (data-parallel
 ranks with expert-parallel MoE) the ranks vote on the step kind first, and a rank with nothing scheduled runs a
-dummy step while another has work, so the collectives inside the model pair up (``distributed/step_vote.py``).
+dummy step while another has work, so the collectives inside the model pair up (``distributed/step_vote.py``); a
+decode step declares the agreed token count rounded up to a decode graph size, the graph every rank replays.
 
 A mixin of ``LLMEngine``: it reads the engine's ``scheduler``, ``worker``, ``lock``, ``_router``, ``stats`` and
 request tables, and hands results to ``OutputProcessing``.
@@ -19,6 +20,7 @@ from deepinfer_npu.distributed.ep_decode_path import agreed_ep_tokens
 from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill
 from deepinfer_npu.engine.input_processing import build_step_requests
 from deepinfer_npu.engine.outputs import RequestOutput
+from deepinfer_npu.worker.decode_graphs import ep_decode_tokens
 from deepinfer_npu.worker.step_io import StepPlan, StepRequests, StepResult
 from deepinfer_npu.worker.worker import DUMMY_SEQ_ID, dummy_plan
 
@@ -87,9 +89,11 @@ class StepLoop:
             step_tokens = agreed.max_num_tokens
         any_work = step_tokens > 0
         self.last_step_had_work = any_work
-        # a decode step's MoE forwards (main model, drafter, a dummy row) never exceed the group's largest step:
-        # the kernel set may size a fixed-capacity expert all-to-all from it (distributed/ep_decode_path.py)
-        with agreed_ep_tokens(None if prefill or not any_work else step_tokens):
+        # a decode step's MoE forwards (main model, drafter, a dummy row) never exceed the group's largest step,
+        # rounded up to its decode graph's size (every rank replays that graph or runs eagerly inside the same
+        # declaration): the kernel set may size a fixed-capacity expert all-to-all from it
+        # (distributed/ep_decode_path.py, worker/decode_graphs.py)
+        with agreed_ep_tokens(None if prefill or not any_work else self._ep_decode_tokens(step_tokens)):
             if out.num_seqs:
                 results = self._run_plan(StepPlan.from_schedule(self._step_id, out, prefill))
             elif any_work:
@@ -99,6 +103,12 @@ class StepLoop:
         outputs += self._apply_results([r for r in results if not _is_dummy(r)])
         self.stats["step_ms"] += (time.perf_counter() - t0) * 1e3
         return outputs
+
+    def _ep_decode_tokens(self, step_tokens: int) -> int:
+        """The token count a decode step declares to the expert-parallel kernels: the group's agreed count rounded
+        up to a decode graph size (the same on every rank: the sizes come from the shared configuration)."""
+        graphs = self.worker.graphs
+        return ep_decode_tokens(step_tokens, graphs.sizes if graphs is not None else None)
 
     def _run_plan(self, plan: StepPlan) -> list[StepResult]:
         self._step_id += 1

@@ -80,6 +80,10 @@ class MtpDrafter(Drafter):
 
         if self.max_model_len is None or type(runner).set_step_host_lengths is not GraphRunner.set_step_host_lengths:
             return False
+        if any(getattr(m, "ep", None) is not None for layer in self.mtp.layers for m in layer.modules()):
+            # an expert-parallel MoE in the chain: its graphs would be captured per this rank's own row count, which
+            # the other ranks do not share; the chain stays eager inside the step's declared size
+            return False
         width = chain_graph_width(self.max_model_len, self.num_speculative_tokens, self.block_size)
         k = self.num_speculative_tokens
         inputs = {"hidden": ((self.hidden_size,), self.dtype), "positions": ((), torch.int64, k - 1),

@@ -25,6 +25,11 @@ State slots are not used by the main forward; the drafter hooks receive the real
 
 Outputs (hidden, captured layers, logits) are views into the graph's static outputs: valid until the next replay,
 i.e. through this step's sampling and drafting, which is all the worker needs.
+
+Under expert parallelism a captured graph bakes in the fixed-capacity all-to-all's capacity, so every rank must
+replay the graph of the SAME size in a step: the step loop declares ``ep_decode_tokens(agreed, sizes)`` (the graph
+size for the group's agreed token count, :func:`ep_decode_tokens`) and every rank pads its own step (a one-row dummy
+step included) up to that size. Each graph is captured inside a declaration of its own size.
 """
 
 from __future__ import annotations
@@ -34,11 +39,31 @@ import math
 
 import torch
 
+from deepinfer_npu.distributed.ep_decode_path import agreed_ep_tokens
+from deepinfer_npu.distributed.parallel_state import get_expert_parallel
 from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.hal.graph_sizes import graph_sizes
 from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
 
 logger = logging.getLogger(__name__)
+
+
+def ep_decode_tokens(agreed_tokens: int, sizes: list[int] | None) -> int:
+    """The token count an expert-parallel decode step declares (``agreed_ep_tokens``): the smallest graph size
+    ``>= agreed_tokens`` (every rank replays that graph, or runs eagerly inside the same declaration), or
+    ``agreed_tokens`` itself when graphs are off (``sizes`` None) or it exceeds the largest size (eager on every
+    rank). Depends only on the group's agreed count and the configured sizes, so every rank computes the same."""
+    if isinstance(agreed_tokens, bool) or not isinstance(agreed_tokens, int) or agreed_tokens < 0:
+        raise ValueError(f"ep_decode_tokens: agreed_tokens must be a non-negative int, got {agreed_tokens!r}")
+    if not sizes or agreed_tokens == 0 or agreed_tokens > sizes[-1]:
+        return agreed_tokens
+    return next(s for s in sizes if s >= agreed_tokens)
+
+
+def _main_ep_layers(model) -> int:
+    """Expert-parallel MoE layers of the main decode forward (the MTP layers past ``num_hidden_layers`` are not)."""
+    layers = list(model.model.layers)[: model.config.num_hidden_layers]
+    return sum(getattr(m, "ep_layer", None) is not None for layer in layers for m in layer.modules())
 
 
 class DecodeGraphs:
@@ -51,10 +76,19 @@ class DecodeGraphs:
         self.graphs = graph_runner
         self.k = k
         self.sizes = graph_sizes(max_tokens)
+        self.disabled: str | None = None  # why graphs were turned off (a failed capture)
+        self._ep_layers = 0  # expert-parallel MoE layers a replay runs (counted for the group's model steps)
+        if get_expert_parallel() is not None:
+            self._ep_layers = _main_ep_layers(runner.model)
+            # a graph's expert all-to-all must be the fixed-capacity one: larger steps run eagerly on every rank
+            limit = getattr(runner.backend.kernels, "ep_fixed_max_tokens", 0)
+            fitting = [s for s in self.sizes if s <= limit]
+            if not fitting:
+                self.disabled = f"no decode graph size within the fixed-capacity dispatch's {limit} tokens"
+            self.sizes = fitting or [1]
         self.capture_layer_ids = tuple(capture_layer_ids) if capture_layer_ids else None
         # (captured, positions, slots_per_token) -> None, captured after the forward; needs the captured layers
         self.drafter_hook = drafter_hook if self.capture_layer_ids else None
-        self.disabled: str | None = None  # why graphs were turned off (a failed capture)
         bs = runner.block_size
         # Room for every key a decode step can hold: max_model_len plus the drafts a re-split may add.
         self.width = math.ceil((runner.max_model_len + extra_width) / bs) + 1
@@ -137,9 +171,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        """Capture every size now (start-up), on all-padding inputs (they write nothing outside block 0)."""
+        """Capture every size now (start-up), on all-padding inputs (they write nothing outside block 0), largest
+        first: under expert parallelism every rank captures the same sizes in the same order, each inside a
+        declaration of its size (the capacity its all-to-all bakes in)."""
         for size in reversed(self.sizes):  # largest first: later graphs reuse the pool
-            if not self.graphs.has(size):
+            if not self.disabled and not self.graphs.has(size):
                 st = self._static(size)
                 st["input_ids"].zero_()
                 st["positions"].zero_()
@@ -150,8 +186,13 @@ class DecodeGraphs:
                 st["block_tables"].zero_()
                 if "slots_per_token" in st:
                     st["slots_per_token"].zero_()
-                self.graphs.set_step_host_lengths(size, None, self.k)
-                self.graphs.capture(size, self._forward, st)
+                try:
+                    self.graphs.set_step_host_lengths(size, None, self.k)
+                    with agreed_ep_tokens(size):
+                        self.graphs.capture(size, self._forward, st)
+                except Exception as e:  # noqa: BLE001 - as at a lazy capture: decode stays correct, only eager
+                    self.disabled = f"graph of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
+                    logger.warning("decode graphs disabled: %s", self.disabled)
 
     @torch.inference_mode()
     def run(self, size: int, ids: torch.Tensor, attn: AttentionMetadata,
@@ -165,12 +206,16 @@ class DecodeGraphs:
             self.graphs.set_step_host_lengths(size, attn.host, self.k)
             if not self.graphs.has(size):
                 logger.info("capturing the decode graph of %d tokens", size)
-                self.graphs.capture(size, self._forward, self._static(size))
+                with agreed_ep_tokens(size):  # under expert parallelism the step already declared this size
+                    self.graphs.capture(size, self._forward, self._static(size))
         except Exception as e:  # noqa: BLE001 - e.g. an op that syncs; decode stays correct, only eager
             self.disabled = f"graph of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
             logger.warning("decode graphs disabled: %s", self.disabled)
             return None
         out = self.graphs.replay(size)
+        ep = get_expert_parallel()
+        if ep is not None:  # the replay ran the MoE layers, not their Python, which counts forwards for the
+            ep.forwards += self._ep_layers  # group's model steps (ep_moe.EPGroup.step_boundary)
         t = attn.num_tokens
         captured = None if out["captured"] is None else {i: c[:t] for i, c in out["captured"].items()}
         return out["hidden"][:t], captured, out["logits"][:t]

@@ -3,7 +3,8 @@
 A decode step's inputs come from the per-slot device state (``SlotState``): under zero-overhead scheduling the
 scheduler planned the step before the previous one's tokens were known, so ``zos_fixup`` corrects the lengths (and,
 with varlen, re-splits the drafts) on the device, and ``decode_inputs`` builds positions, cache slots and input ids
-there. A decode forward replays a captured graph when one fits, else runs eagerly.
+there. A decode forward replays a captured graph when one fits, else runs eagerly; under expert parallelism the graph
+is the one of the step's declared (rank-agreed) size, whatever this rank's own batch (``decode_graphs.py``).
 
 A mixin of ``Worker``: it reads the worker's ``runner``, ``backend``, ``kernels``, ``slots``, ``drafter``, ``graphs``
 and ``k``, and returns the step's ``DeviceStepState``.
@@ -16,6 +17,7 @@ import time
 import numpy as np
 import torch
 
+from deepinfer_npu.distributed.ep_decode_path import current_agreed_ep_tokens
 from deepinfer_npu.model_executor.attention_metadata import AttentionMetadata, HostLengths
 from deepinfer_npu.model_executor.device_metadata import build_device_metadata
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests
@@ -91,7 +93,11 @@ class ForwardLaunch:
             fwd_events[0].record()
         size = None
         if self.graphs is not None and not plan.is_prefill:
-            size = self.graphs.size_for(plan.num_tokens, plan.block_tables.shape[1])
+            # under expert parallelism the graph of the step's declared size on every rank, whatever this rank's
+            # own T (a dummy step's one row included): a graph bakes in its all-to-all capacity
+            agreed = current_agreed_ep_tokens()
+            tokens = plan.num_tokens if agreed is None else max(plan.num_tokens, agreed)
+            size = self.graphs.size_for(tokens, plan.block_tables.shape[1])
         hook_in_graph = size is not None and self.graphs.drafter_hook is not None
         slots_per_token = slots.index_select(0, row) if self.drafter is not None else None
         replayed = None
