@@ -31,20 +31,18 @@ ENGINE = dict(backend="ascend", dtype="float32", block_size=4, num_kv_blocks=64,
 
 
 def _emulated_rank_main(spec, inbox, outbox, store=None):
-    """A rank process under the emulation: the real ``rank_main``, its device group on gloo (no HCCL here), its
-    equal-split all-to-all sizes written to a file at exit. When the model directory's name holds ``_NARROW_FLAG``,
-    rank 1's decode graphs take tables of one block only, so its longer rows run eagerly while rank 0 replays (a
-    table too wide for its graphs)."""
+    """A rank process under the emulation: the real ``rank_main`` (the emulated backend's device group is on
+    gloo), its equal-split all-to-all sizes written to a file at exit. When the model directory's name holds
+    ``_NARROW_FLAG``, rank 1's decode graphs take tables of one block only, so its longer rows run eagerly while
+    rank 0 replays (a table too wide for its graphs)."""
     import torch
 
-    from deepinfer_npu.backends.ascend.backend import AscendBackend
     from deepinfer_npu.distributed import rank_worker
     from deepinfer_npu.worker.decode_graphs import DecodeGraphs
 
     torch.set_num_threads(1)
-    AscendBackend.dist_backend = "gloo"
     sizes: list[int] = []
-    _collectives_complete_at_replay(sizes)
+    _log_equal_split_sizes(sizes)
     if spec.rank == 1 and _NARROW_FLAG in str(spec.config.model):
         real = DecodeGraphs.size_for
         DecodeGraphs.size_for = lambda self, t, width: None if width > 1 else real(self, t, width)
@@ -73,12 +71,10 @@ def _a2a_sizes(world: int) -> list[list[int]]:
 _NARROW_FLAG = "narrow-graph-tables"
 
 
-def _collectives_complete_at_replay(sizes: list[int]) -> None:
-    """A captured collective (``c10d::alltoall_base_`` & co.) is ordered on the device stream: the next captured
-    kernel sees its result. The emulation re-runs it at replay as an aten task, which returns the gloo ``Work``
-    without waiting for it; here the replay waits for that work, as the stream order would. Every equal-split
-    all-to-all's element count, eager or replayed, is appended to ``sizes``: gloo does not check that the ranks'
-    equal splits match (NCCL and HCCL would hang or corrupt), so the test compares the ranks' sequences itself."""
+def _log_equal_split_sizes(sizes: list[int]) -> None:
+    """Every equal-split all-to-all's element count, eager or replayed from a graph, appended to ``sizes``: gloo does
+    not check that the ranks' equal splits match (NCCL and HCCL would hang or corrupt), so the test compares the
+    ranks' sequences itself."""
     import torch.distributed as dist
 
     from parity_tests.npu_emulation import graphs
@@ -86,14 +82,9 @@ def _collectives_complete_at_replay(sizes: list[int]) -> None:
     replay, eager = graphs.AtenTask.run, dist.all_to_all_single
 
     def run(self) -> None:
-        if not self.func._schema.name.startswith("c10d::"):
-            return replay(self)
         if self.func._schema.name == "c10d::alltoall_base_":
             sizes.append(self.args[0].numel())
-        result = self.func(*self.args, **self.kwargs)
-        for item in result if isinstance(result, (tuple, list)) else (result,):
-            if hasattr(item, "wait"):
-                item.wait()
+        return replay(self)
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
         # equal splits only (the variable ones of the reference dispatch differ by rank by design); a capture

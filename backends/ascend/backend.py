@@ -44,6 +44,8 @@ class AscendBackend(Backend):
             device_name = str(ns.get_device_name(device_index))
         self.device_name = device_name
         self.emulated = runtime.emulated()
+        if self.emulated:  # the contract emulation's fake NPU is the host: its collectives run on gloo (no HCCL)
+            self.dist_backend = "gloo"
         self.kernels.limits = capabilities.detect_profile(device_name, self.emulated)
         self.kernels.setup_tilelang()  # TileLang-Ascend kernels (tilelang_ascend.WIRED): decided once, here
 

@@ -104,6 +104,13 @@ class AtenTask:
         if self.kind in ("empty", "view"):
             return
         fresh = self.func(*self.args, **self.kwargs)
+        if self.func._schema.name.startswith("c10d::"):
+            # a captured collective is ordered on the device stream: the next kernel sees its result; gloo's
+            # returned Work must be waited for to give the same order
+            for item in fresh if isinstance(fresh, (tuple, list)) else (fresh,):
+                if hasattr(item, "wait"):
+                    item.wait()
+            return
         if self.kind == "functional":
             _copy_results(self.out, fresh)
 
