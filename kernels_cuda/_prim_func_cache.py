@@ -8,8 +8,9 @@ factories are pure functions of their arguments, so :func:`cached_prim_func` sto
 its own cache (the reloaded function prints the same script, which is TileLang's cache key).
 
 Entries live under ``$DEEPINFER_CACHE_DIR/prim_funcs/<fingerprint>/``: the fingerprint hashes every source file of
-``kernels_cuda/`` and the TileLang and TVM versions, so a change to any kernel file starts a new directory. A
-missing, unreadable or corrupt entry is rebuilt (and rewritten); a cache that cannot be written is skipped.
+``kernels_cuda/`` and the TileLang and TVM versions, so a change to any kernel file starts a new directory (the
+process that starts one removes all but the ``KEEP_DIRS`` most recently used others). A missing, unreadable or
+corrupt entry is rebuilt (and rewritten); a cache that cannot be written is skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from deepinfer_npu import envs
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
+KEEP_DIRS = 3  # fingerprint directories kept besides the current one (other checkouts or versions in use)
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,13 +71,28 @@ def _load(path: Path):
         return None
 
 
+def prune_old_dirs(root: Path) -> None:
+    """Remove the fingerprint directories beside ``root`` but the ``KEEP_DIRS`` most recently modified."""
+    import shutil
+
+    try:
+        others = [d for d in root.parent.iterdir() if d.is_dir() and d.name != root.name]
+        others.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+        for stale in others[KEEP_DIRS:]:
+            shutil.rmtree(stale, ignore_errors=True)
+    except OSError as e:
+        logger.debug("could not prune %s (%s)", root.parent, e)
+
+
 def _store(path: Path, func: Any) -> None:
     import tvm
 
     tmp = None
     try:
         text = tvm.ir.save_json(func)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.exists():  # a new fingerprint: the kernel sources changed
+            path.parent.mkdir(parents=True, exist_ok=True)
+            prune_old_dirs(path.parent)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(text)

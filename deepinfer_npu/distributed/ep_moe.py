@@ -9,8 +9,9 @@ weights in the same order as on one device, so the layer's output equals the sin
 A layer built under expert parallelism registers an ``EPLayer`` with the group: its own placement (a load
 balancer may replace it between steps, ``deepinfer_npu/eplb``), that placement's route table on the device, and
 the tokens each of its local slots received, added on the device from the local dispatch op's counts (the
-backend's routing op: ``bincount`` on the CPU, ``npu_moe_init_routing_v2``'s expert counts on Ascend, the permute
-kernel's counts on CUDA), so counting costs one add per layer and step and no host read.
+backend's routing op: ``bincount`` on the CPU, ``npu_moe_init_routing_v2``'s expert counts on Ascend, or
+``npu_moe_distribute_dispatch``'s ``expert_token_nums`` under MC2, the permute kernel's counts on CUDA), so counting
+costs one add per layer and step and no host read.
 """
 
 from __future__ import annotations

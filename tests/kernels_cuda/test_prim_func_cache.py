@@ -83,3 +83,18 @@ def test_engine_factories_round_trip(cache_dir):
         built = build.uncached(*args).script(show_meta=True)
         assert build(*args).script(show_meta=True) == built  # stored on the way
         assert build(*args).script(show_meta=True) == built  # loaded
+
+
+def test_a_new_fingerprint_prunes_all_but_the_newest_old_directories(cache_dir, monkeypatch):
+    import os
+
+    base = cache_dir / "prim_funcs"
+    for i in range(5):  # older fingerprints, oldest first
+        d = base / f"old{i}"
+        d.mkdir(parents=True)
+        os.utime(d, (1000 + i, 1000 + i))
+    build, _ = counting_factory()
+    monkeypatch.setattr(pfc, "fingerprint", lambda: "current")
+    build(16, 2.0)
+    kept = sorted(d.name for d in base.iterdir())
+    assert kept == sorted(["current", *[f"old{i}" for i in range(5 - pfc.KEEP_DIRS, 5)]])
