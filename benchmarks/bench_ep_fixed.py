@@ -16,32 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
-import time
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.bench_ep import _timed
 from deepinfer_npu.backends.cpu.ep_comm import ep_combine, ep_dispatch
 from deepinfer_npu.benchmark_meta import row_meta
 from deepinfer_npu.distributed.ep_fixed_capacity import ep_combine_fixed, ep_dispatch_fixed
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
-
-
-def _median_us(fn, device: torch.device, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 def _rank_main(rank: int, args, port: int, queue) -> None:
@@ -74,12 +58,12 @@ def _rank_main(rank: int, args, port: int, queue) -> None:
             for name, fn in (("variable", variable), ("fixed", fixed)):
                 for _ in range(args.warmup):
                     fn()
-                row[f"{name}_us"] = round(_median_us(fn, device, args.iters), 1)
+                row[f"{name}_us"] = round(_timed(fn, device, args.iters)[0], 1)
             if device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     fixed()
-                row["fixed_graph_us"] = round(_median_us(graph.replay, device, args.iters), 1)
+                row["fixed_graph_us"] = round(_timed(graph.replay, device, args.iters)[0], 1)
             elem = hidden.element_size()
             row["variable_bytes"] = tokens * args.top_k * args.hidden * elem
             row["fixed_bytes"] = args.world * capacity * args.hidden * elem
