@@ -14,6 +14,8 @@
 #   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, ... absent on the host)
 #   structured  benchmarks/bench_structured.py on the reference model and on V2-Lite dims, concurrency 1 and 32
 #   serving   benchmarks/bench_serving.py against `python -m deepinfer_npu.serve --backend cuda` (reference model)
+#   throughput  benchmarks/bench_throughput.py: prefill, mixed and vLLM's V2-Lite workloads through LLM.generate
+#             (THROUGHPUT_ARGS: more, e.g. "--workload prefill --profile")
 #   startup   benchmarks/bench_startup.py: LLM(...) until ready, cold caches then warm (V2-Lite shape; STARTUP_ARGS)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
@@ -86,6 +88,15 @@ for l in open('$OUT/profile.jsonl'):
     goldens-real) for dt in bfloat16 float32; do timeout 120 python3 -m deepinfer_npu.parity record --backend cuda \
              --dtype $dt --model parity_tests/models/deepseek-v2-lite-dims-2l --load-format dummy_portable \
              --out "$OUT/cuda-$dt-v2-lite-dims.json" 2>&1 | filt | tail -3; done ;;
+    throughput) timeout $LIM python3 -m benchmarks.bench_throughput --backend cuda ${THROUGHPUT_ARGS:-} \
+             --out "$OUT/h200_throughput.jsonl" 2>&1 | filt > "$OUT/throughput.log"; grep -v '^{' "$OUT/throughput.log" | tail -8
+             python3 -c "
+import json
+for l in open('$OUT/h200_throughput.jsonl'):
+    r = json.loads(l)
+    if r['bench'] == 'throughput_profile':
+        print(r['workload'], 'wall', r['wall_s'], 'kernel', r['kernel_s']); [print('   ', t) for t in r['top']]
+" ;;
     startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
              --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4 ;;
     savecache) (set -o pipefail; tar -cf - -C /tmp/tlcache . | xz -9e > "$OUT/tlcache.tar.xz") \

@@ -1,0 +1,219 @@
+"""Offline throughput through ``LLM.generate``: prefill, a mixed workload and vLLM's DeepSeek-V2-Lite workload.
+
+DeepSeek-V2-Lite shape with random bf16 weights (``load_format="dummy"``), random prompt token ids (seeded),
+``ignore_eos``, greedy. Workloads (``--workload``):
+
+- ``prefill``: ``--num-prompts`` prompts of 128-2048 tokens, ``max_tokens=1`` (prompt tokens/s against the
+  tensor-core roofline: the model's FLOPs over a bf16 GEMM's TFLOP/s measured in this run);
+- ``mix``: the same prompt lengths, outputs of 64-512 tokens (req/s, total tokens/s);
+- ``vllm``: vLLM's published DeepSeek-V2-Lite throughput workload: 200 prompts of 1000 tokens, 100 out.
+
+The model FLOPs of a token: 2 x (the attention projections with kv_b decompressed, the dense MLP or the router,
+the shared and top-k routed experts) + 4 x heads x (qk + v head dims) x the positions it attends to (causal), and
+2 x hidden x vocabulary for each token whose logits are computed (the last prompt token and every output).
+One JSON line per workload::
+
+    {"bench": "throughput", "workload": ..., "req_s": ..., "prompt_tok_s": ..., "output_tok_s": ...,
+     "total_tok_s": ..., "model_tflops": ..., "frac_of_tensor_core_roofline": ..., "gemm_tflops": ..., ...}
+
+``--profile``: the first ``--profile-prompts`` prompts of each workload once more under torch.profiler; a row
+``throughput_profile`` names the kernels that took the device's time.
+
+GPU:  python -m benchmarks.bench_throughput --backend cuda --workload prefill mix vllm
+CPU rehearsal:  python -m benchmarks.bench_throughput --backend cpu --tiny --num-prompts 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import time
+
+from benchmarks.decode_workload import TINY, V2_LITE, append_jsonl, sync, warmup_summary, write_model_dir
+from deepinfer_npu.benchmark_meta import row_meta
+
+
+def workload(name: str, num_prompts: int, vocab: int, seed: int, tiny: bool) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request."""
+    rng = random.Random(seed)
+    scale = 16 if tiny else 1  # tiny: the same shape of mix at 1/16 of the lengths
+    if name == "vllm":
+        lens = [(1000 // scale, 100 // scale)] * (num_prompts or 200)
+    else:
+        n = num_prompts or 512
+        lens = [(rng.randint(128 // scale, 2048 // scale), 1 if name == "prefill" else rng.randint(64 // scale,
+                                                                                                   512 // scale))
+                for _ in range(n)]
+    return [([rng.randrange(3, vocab) for _ in range(p)], o) for p, o in lens]
+
+
+def token_flops(cfg: dict) -> tuple[float, float, float]:
+    """(FLOPs of a token's linear layers, FLOPs per attended position of a token, FLOPs of one token's logits)."""
+    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
+    e, k, mi = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
+    if cfg.get("q_lora_rank"):
+        q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
+    else:
+        q = h * (nope + rope) * d
+    attn = q + (lrank + rope) * d + lrank * h * (nope + v) + h * v * d
+    moe = e * d + 3 * d * mi * (cfg["n_shared_experts"] + k)
+    linear = layers * attn + dense_layers * 3 * d * cfg["intermediate_size"] + (layers - dense_layers) * moe
+    per_position = layers * 2 * h * (nope + rope + v)
+    return 2.0 * linear, 2.0 * per_position, 2.0 * d * cfg["vocab_size"]
+
+
+def request_flops(cfg: dict, prompt: int, output: int) -> float:
+    """Model FLOPs to prefill ``prompt`` tokens and decode ``output`` - 1 more (causal attention, lm_head rows)."""
+    linear, per_pos, logits = token_flops(cfg)
+    tokens = prompt + output - 1
+    attended = tokens * (tokens + 1) / 2  # token i attends to positions 0..i
+    return linear * tokens + per_pos * attended + logits * output
+
+
+def gemm_tflops(device: str) -> float:
+    """A bf16 8192^3 GEMM's TFLOP/s on this device (median of timed runs); the tensor-core roofline."""
+    import torch
+
+    n = 8192 if device == "cuda" else 512
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10 if device == "cuda" else 3):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            a @ b
+        sync(device)
+        times.append((time.perf_counter() - t0) / 5)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
+    """Device time by kernel name over one ``generate`` of ``reqs`` (CPU: operator self time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [params_of(o) for _, o in reqs], use_tqdm=False)
+        sync(device)
+        wall = time.perf_counter() - t0
+    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    total = 0.0
+    for ev in prof.events():
+        if device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) if device == "cuda" else \
+            ev.self_cpu_time_total
+        per_name[ev.name][0] += us
+        per_name[ev.name][1] += 1
+        total += us
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_s": round(wall, 3), "kernel_s": round(total / 1e6, 3),
+            "top": [[n[:90], round(v[0] / 1e6, 4), v[1], round(v[0] / max(total, 1e-9), 4)] for n, v in ranked]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workload", nargs="+", default=["prefill", "mix", "vllm"], choices=["prefill", "mix", "vllm"])
+    p.add_argument("--num-prompts", type=int, default=0, help="0: each workload's own count (512, 512, 200)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="None: the engine's default")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
+    p.add_argument("--profile", action="store_true", help="also profile the first --profile-prompts of each")
+    p.add_argument("--profile-prompts", type=int, default=64)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None, help="append the JSON lines here")
+    args = p.parse_args(argv)
+
+    from deepinfer_npu import LLM, SamplingParams
+
+    cfg = TINY if args.tiny else V2_LITE
+    device = "cuda" if args.backend == "cuda" else "cpu"
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    meta = row_meta(device)
+    peak = gemm_tflops(device)
+    log(f"hardware: {meta['hardware']}; bf16 GEMM {peak:.1f} TFLOP/s")
+    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    t0 = time.perf_counter()
+    llm = LLM(write_model_dir(cfg, "bench_throughput_"), load_format="dummy", backend=args.backend, dtype=args.dtype,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_graphs=bool(args.graphs),
+              seed=args.seed, **extra)
+    engine = llm.llm_engine
+    log(f"engine ready in {time.perf_counter() - t0:.1f}s; " + warmup_summary(engine))
+    cfg_engine = engine.config
+
+    def params_of(out_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
+
+    # warm-up: every prefill and decode shape class once (kernel configurations compiled lazily, cuBLAS plans)
+    warm = workload("mix", 2 * args.max_num_seqs if not args.tiny else 8, cfg["vocab_size"], args.seed + 1,
+                    args.tiny)
+    llm.generate([{"prompt_token_ids": p} for p, _ in warm], [params_of(min(o, 16)) for _, o in warm], use_tqdm=False)
+    rows = []
+    for name in args.workload:
+        reqs = workload(name, args.num_prompts, cfg["vocab_size"], args.seed, args.tiny)
+        for k in ("num_steps", "prefill_steps", "decode_steps", "prompt_tokens", "generation_tokens"):
+            engine.stats[k] = 0
+        for k in ("forward_ms", "model_ms", "step_ms", "host_wait_ms"):
+            engine.stats[k] = 0.0
+        sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [params_of(o) for _, o in reqs],
+                            use_tqdm=False)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+        prompt_toks = sum(len(p) for p, _ in reqs)
+        out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+        expected = sum(o for _, o in reqs)
+        flops = sum(request_flops(cfg, len(p), o) for p, o in reqs)
+        s = engine.stats
+        row = {"bench": "throughput", **meta, "workload": name, "requests": len(reqs),
+               "prompt_tokens": prompt_toks, "output_tokens": out_toks, "all_outputs_complete": out_toks == expected,
+               "elapsed_s": round(elapsed, 3), "req_s": round(len(reqs) / elapsed, 2),
+               "prompt_tok_s": round(prompt_toks / elapsed, 1), "output_tok_s": round(out_toks / elapsed, 1),
+               "total_tok_s": round((prompt_toks + out_toks) / elapsed, 1),
+               "model_tflops": round(flops / elapsed / 1e12, 2), "gemm_tflops": round(peak, 1),
+               "frac_of_tensor_core_roofline": round(flops / elapsed / 1e12 / peak, 4),
+               "steps": s["num_steps"], "prefill_steps": s["prefill_steps"], "decode_steps": s["decode_steps"],
+               "host_wait_frac": round(s["host_wait_ms"] / (1e3 * elapsed), 3),
+               "model": "tiny-v2-dummy" if args.tiny else "deepseek-v2-lite-shape-dummy", "dtype": args.dtype,
+               "max_num_seqs": cfg_engine.max_num_seqs, "max_num_batched_tokens": cfg_engine.max_num_batched_tokens,
+               "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,
+               "flops": "2 x linear (kv_b decompressed) + 4 x heads x (qk + v dims) per attended position + "
+                        "2 x hidden x vocab per logits row"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        log(f"{name}: {len(reqs)} requests in {elapsed:.2f}s = {row['req_s']} req/s, prompt "
+            f"{row['prompt_tok_s']} tok/s, output {row['output_tok_s']} tok/s, "
+            f"{row['frac_of_tensor_core_roofline']:.3f} of {peak:.0f} TFLOP/s")
+        if args.profile:
+            prof = profile_rows(llm, reqs[: args.profile_prompts], params_of, device, args.top)
+            prow = {"bench": "throughput_profile", **meta, "workload": name, "requests": args.profile_prompts,
+                    **prof}
+            rows.append(prow)
+            print(json.dumps(prow), flush=True)
+    append_jsonl(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
