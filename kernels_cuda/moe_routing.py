@@ -21,7 +21,8 @@ reference (backends/cpu/moe.py) as it runs on CUDA tensors, where it replaces ~2
    counts experts with shared-memory atomics, writes the token's k order entries and k copies of its row.
    No host reads: CUDA-graph capturable.
 3. ``unpermute``: expert_out [T*k, D], order, weights [T, k] fp32 -> [T, D]: the CTA of token t finds its k rows by
-   scanning ``order`` (its inverse is not stored in DispatchState), then per element ``sum_j w[t, j] *
+   scanning ``order`` (its inverse is not stored in DispatchState; above MAX_ASSIGN the ``by_position`` variant
+   reads the inverse, one scatter computes it), then per element ``sum_j w[t, j] *
    float(expert_out[pos_j])`` with products rounded to fp32 (``--fmad=false``: no FMA contraction) and summed in
    torch's reduction order for ``(x * w).sum(dim=1)`` over [T, k, D] (four interleaved accumulators,
    ``sum_order="torch_strided"``), then one cast: bit-exact with the reference on CUDA.
@@ -577,12 +578,13 @@ def build_route(
 @cached_prim_func
 def build_unpermute(
     hidden_size: int, top_k: int, dtype: str = "bfloat16", sum_order: str = "torch_strided", threads: int = 128,
-    with_addend: bool = False,
+    with_addend: bool = False, by_position: bool = False,
 ):
     """PrimFunc (expert_out [N, D], order [N] i64, weights [T, k] f32, out [T, D] out), N = T * k; ``with_addend``:
     (expert_out, order, weights, addend [T, D], out) and out = addend + the combine, added as torch adds two tensors
     of ``dtype`` (the combine rounded to ``dtype`` first, the sum in fp32, rounded once more): the MoE layer's
-    ``routed + shared`` without its own launch."""
+    ``routed + shared`` without its own launch. ``by_position``: the second argument is the inverse of the order,
+    positions [N] i32 (the row of assignment t*k + j), read directly instead of scanned for: O(N) work, any N."""
     assert tilelang is not None, "tilelang is not installed"
     D, K = hidden_size, top_k
     VEC = 16 // (2 if dtype == "bfloat16" else 4)
@@ -593,6 +595,7 @@ def build_unpermute(
     f32, i32, i64 = T.float32, T.int32, T.int64
     Tn = T.dynamic("num_tokens")
     Na = T.dynamic("num_assign")
+    index = i32 if by_position else i64  # positions (the inverse) or the order itself
 
     @T.macro
     def body(Y, Order, W, Add, Out, bx):
@@ -603,15 +606,20 @@ def build_unpermute(
         xb = T.alloc_local([K * VEC], dtype)
         ob = T.alloc_local([VEC], dtype)
 
-        for it in T.serial(T.ceildiv(Na, threads)):  # invert the order for this token's k assignments
-            if it * threads + tid < Na:
-                a = Order[it * threads + tid]
-                if (a >= T.Cast(i64, bx * K)) & (a < T.Cast(i64, bx * K + K)):
-                    s_pos[T.Cast(i32, a - T.Cast(i64, bx * K))] = it * threads + tid
-        T.sync_threads()
-        for j in T.unroll(K, explicit=True):
-            pos[j] = s_pos[j]
-            w[j] = W[bx, j]
+        if by_position:
+            for j in T.unroll(K, explicit=True):
+                pos[j] = Order[bx * K + j]
+                w[j] = W[bx, j]
+        else:
+            for it in T.serial(T.ceildiv(Na, threads)):  # invert the order for this token's k assignments
+                if it * threads + tid < Na:
+                    a = Order[it * threads + tid]
+                    if (a >= T.Cast(i64, bx * K)) & (a < T.Cast(i64, bx * K + K)):
+                        s_pos[T.Cast(i32, a - T.Cast(i64, bx * K))] = it * threads + tid
+            T.sync_threads()
+            for j in T.unroll(K, explicit=True):
+                pos[j] = s_pos[j]
+                w[j] = W[bx, j]
         for it in T.unroll(ITERS, explicit=True):
             if it * threads + tid < NV:
                 for j in T.unroll(K, explicit=True):
@@ -630,7 +638,7 @@ def build_unpermute(
         @T.prim_func
         def moe_unpermute_add(
             Y: T.Tensor([Na, D], dtype),
-            Order: T.Tensor([Na], i64),
+            Order: T.Tensor([Na], index),
             W: T.Tensor([Tn, K], f32),
             Add: T.Tensor([Tn, D], dtype),
             Out: T.Tensor([Tn, D], dtype),
@@ -645,7 +653,7 @@ def build_unpermute(
     @T.prim_func
     def moe_unpermute(
         Y: T.Tensor([Na, D], dtype),
-        Order: T.Tensor([Na], i64),
+        Order: T.Tensor([Na], index),
         W: T.Tensor([Tn, K], f32),
         Out: T.Tensor([Tn, D], dtype),
     ):
@@ -715,10 +723,17 @@ def get_route_kernel(hidden_size, top_k, num_experts, scoring_func, topk_method,
                                  norm_topk_prob, routed_scaling_factor, norm_order, has_bias, dtype))
 
 
-def get_unpermute_kernel(hidden_size, top_k, dtype, sum_order="torch_strided", with_addend=False):
-    if with_addend:  # the 6-item key: (..., threads, with_addend); the plain kernel keeps its 4-item key
-        return _get_kernel("unpermute", (hidden_size, top_k, dtype, sum_order, 128, True))
-    return _get_kernel("unpermute", (hidden_size, top_k, dtype, sum_order))
+def get_unpermute_kernel(hidden_size, top_k, dtype, sum_order="torch_strided", with_addend=False, by_position=False):
+    return _get_kernel("unpermute", unpermute_cfg(hidden_size, top_k, dtype, sum_order, with_addend, by_position))
+
+
+def unpermute_cfg(hidden_size, top_k, dtype, sum_order="torch_strided", with_addend=False, by_position=False):
+    """The ("unpermute", cfg) key: 4 items for the plain kernel, 6 with the addend, 7 by position."""
+    if by_position:
+        return (int(hidden_size), int(top_k), dtype, sum_order, 128, bool(with_addend), True)
+    if with_addend:
+        return (int(hidden_size), int(top_k), dtype, sum_order, 128, True)
+    return (int(hidden_size), int(top_k), dtype, sum_order)
 
 
 def gating_reason(router_logits, bias, params) -> str | None:
@@ -854,13 +869,15 @@ def route(router_logits, bias, params, hidden, num_experts):
     return weights, ids, sorted_hidden, counts, order, scan
 
 
-def unpermute_reason(expert_out, order, weights, num_tokens, top_k) -> str | None:
+def unpermute_reason(expert_out, order, weights, num_tokens, top_k, by_position=False) -> str | None:
+    """None when ``unpermute`` takes these arguments (host facts only); ``by_position``: the variant that reads the
+    order's inverse (no MAX_ASSIGN limit)."""
     n = order.numel()
     if n == 0 or num_tokens == 0:
         return "no tokens"
     if n != num_tokens * top_k or expert_out.shape[0] != n or tuple(weights.shape) != (num_tokens, top_k):
         return "shapes"
-    if n > MAX_ASSIGN:
+    if n > (2**31 - 1 if by_position else MAX_ASSIGN):
         return f"{n} assignments > {MAX_ASSIGN} (every CTA scans the order: decode sizes)"
     if top_k > MAX_TOP_K:
         return f"top_k {top_k} > {MAX_TOP_K}"
@@ -879,17 +896,28 @@ def addend_reason(expert_out, addend, num_tokens) -> str | None:
     return None
 
 
-def unpermute(expert_out, order, weights, num_tokens, top_k, sum_order="torch_strided", addend=None):
+def positions_of(order):
+    """The inverse of a dispatch order as int32: ``positions[order[i]] = i`` (one scatter; no host read)."""
+    n = order.numel()
+    positions = torch.empty(n, dtype=torch.int32, device=order.device)
+    positions.scatter_(0, order, torch.arange(n, dtype=torch.int32, device=order.device))
+    return positions
+
+
+def unpermute(expert_out, order, weights, num_tokens, top_k, sum_order="torch_strided", addend=None,
+              by_position=False):
     """[T, D] = sum_j weights[t, j] * expert_out[row of t*k+j], like ``backends.cpu.moe.moe_combine``; with
-    ``addend`` [T, D] (``addend_reason``): that sum rounded to the dtype, plus ``addend`` as torch adds them."""
+    ``addend`` [T, D] (``addend_reason``): that sum rounded to the dtype, plus ``addend`` as torch adds them.
+    ``by_position``: invert ``order`` first (``positions_of``) and take the O(T*k) kernel (prefill sizes)."""
     d = expert_out.shape[1]
     out = torch.empty(num_tokens, d, dtype=expert_out.dtype, device=expert_out.device)
     w = weights.float().contiguous()
-    kern = get_unpermute_kernel(d, int(top_k), DTYPES[expert_out.dtype], sum_order, addend is not None)
+    index = positions_of(order) if by_position else order.contiguous()
+    kern = get_unpermute_kernel(d, int(top_k), DTYPES[expert_out.dtype], sum_order, addend is not None, by_position)
     if addend is None:
-        kern(expert_out, order.contiguous(), w, out)
+        kern(expert_out, index, w, out)
     else:
-        kern(expert_out, order.contiguous(), w, addend, out)
+        kern(expert_out, index, w, addend, out)
     return out
 
 
@@ -901,6 +929,7 @@ CI_CONFIGS = [
     ("permute", (2048, 6, 64, "bfloat16", 128, True)),  # + moe_gemm's expert scan
     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),  # + the shared experts' output
+    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True, True)),  # by position (prefill sizes)
     ("route", (2048, 6, 64, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False, "bfloat16")),  # V2-Lite
     ("route", (7168, 8, 256, "sigmoid", "noaux_tc", 8, 4, True, 2.5, "torch_last", True, "bfloat16")),  # V3
 ]

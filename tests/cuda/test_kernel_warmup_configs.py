@@ -53,7 +53,9 @@ COMMON = {
                     # moe_route: the gating fused with the permute for decode sizes
                     ("route", (2048, 6, 64, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False, "bfloat16")),
                     ("unpermute", (2048, 6, "bfloat16", "torch_strided")),
-                    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True))],
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),
+                    # prefill steps of 4096 tokens: 24576 assignments > MAX_ASSIGN, the combine by position
+                    ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True, True))],
     "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
     # the worker samples every step through spec_verify (prefill rows too), speculation or not
     "spec_verify": [("argmax", (102400, False)), ("accept", ()), ("argmax", (102400, True))],

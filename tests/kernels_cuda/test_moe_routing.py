@@ -137,16 +137,18 @@ def check_route(name, t, kind="randn", seed=0, dtype=torch.bfloat16, graph=False
     return ok, st
 
 
-def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, sum_order="torch_strided", addend=False):
+def check_unpermute(t, k, e, d, dtype=torch.bfloat16, seed=0, sum_order="torch_strided", addend=False,
+                    by_position=False):
     """Exact (0 ulp) when the summation order matches torch's; must be within 1 ulp of the output dtype.
-    ``addend``: the fused ``+ shared`` variant against the reference combine followed by torch's add."""
+    ``addend``: the fused ``+ shared`` variant against the reference combine followed by torch's add;
+    ``by_position``: the variant reading the order's inverse (prefill sizes)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     ids = torch.rand(t, e, generator=g, device="cuda").argsort(-1)[:, :k]
     order = torch.argsort(ids.reshape(-1), stable=True)
     expert_out = (torch.randn(t * k, d, generator=g, device="cuda") * 3).to(dtype)
     weights = torch.rand(t, k, generator=g, device="cuda") * 2
     add = (torch.randn(t, d, generator=g, device="cuda") * 2).to(dtype) if addend else None
-    out = mr.unpermute(expert_out, order, weights, t, k, sum_order=sum_order, addend=add)
+    out = mr.unpermute(expert_out, order, weights, t, k, sum_order=sum_order, addend=add, by_position=by_position)
     want = unpermute_ref(expert_out, order, weights, t, k)
     if addend:
         want = want + add
@@ -401,6 +403,56 @@ def test_unpermute_with_addend_is_combine_then_torch_add_gpu(case, dtype):
     t, k, e, d = case
     ok, stats = check_unpermute(t, k, e, d, dtype=dtype, seed=t * k + 1, addend=True)
     assert ok and stats["exact"], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", [(5, 6, 64, 2048), (1366, 6, 64, 2048), (4096, 6, 64, 2048), (1100, 8, 256, 7168)],
+                         ids=lambda c: f"T{c[0]}-k{c[1]}-D{c[3]}")
+@pytest.mark.parametrize("addend", [False, True], ids=["plain", "addend"])
+def test_unpermute_by_position_matches_reference_gpu(case, addend):
+    """The variant reading the order's inverse (prefill steps, T*k above MAX_ASSIGN included): bit-exact with the
+    reference combine (and torch's add)."""
+    t, k, e, d = case
+    ok, stats = check_unpermute(t, k, e, d, seed=t + k, addend=addend, by_position=True)
+    assert ok and stats["exact"], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+def test_kernel_set_combine_at_prefill_sizes_gpu():
+    """A 2048-token V2-Lite step (12288 assignments > MAX_ASSIGN): dispatch composed in torch, the combine (with
+    and without the shared experts' addend) on the kernel by position, bit-exact with the reference."""
+    from deepinfer_npu.backends.cpu import moe as ref_moe
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    ks = CudaKernelSet()
+    params, t = GATINGS["v2lite"], 2048
+    e, d = params.num_experts, HIDDEN["v2lite"]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(t, e, generator=g, device="cuda")
+    hidden = torch.randn(t, d, generator=g, device="cuda").to(torch.bfloat16)
+    w, ids = ks.moe_gating_topk(logits, None, params)
+    sh, counts, state = ks.moe_dispatch(hidden, ids, e)
+    assert state.order.numel() > mr.MAX_ASSIGN
+    expert_out = (sh.float() * 1.5 + 0.25).to(torch.bfloat16)
+    ref = ref_moe.moe_combine(expert_out, state, w)
+    assert torch.equal(ks.moe_combine(expert_out, state, w), ref)
+    assert "by position" in ks.op_report()["moe_combine"]
+    shared = torch.randn(t, d, generator=g, device="cuda").to(torch.bfloat16)
+    assert torch.equal(ks.moe_combine_add(expert_out, state, w, shared), ref + shared)
+    assert "addend" in ks.op_report()["moe_combine"] and "by position" in ks.op_report()["moe_combine"]
+
+
+def test_unpermute_reason_by_position_lifts_the_assignment_limit():
+    t = mr.MAX_ASSIGN // 6 + 1
+    n = 6 * t
+    args = (torch.zeros(n, 2048, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.int64), torch.zeros(t, 6), t, 6)
+    assert "assignments" in mr.unpermute_reason(*args)
+    assert mr.unpermute_reason(*args, by_position=True) is None
+    assert mr.unpermute_cfg(2048, 6, "bfloat16", by_position=True) == (2048, 6, "bfloat16", "torch_strided", 128,
+                                                                      False, True)
+    assert mr.unpermute_cfg(2048, 6, "bfloat16") == (2048, 6, "bfloat16", "torch_strided")
 
 
 def test_moe_combine_add_on_host_tensors_is_combine_plus_add():

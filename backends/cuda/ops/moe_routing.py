@@ -22,8 +22,8 @@ class MoERouting(OpImpl):
         "else the reference (softmax/sigmoid + topk, sync-free)",
         "moe_dispatch": "kernels_cuda.moe_routing permute (counting sort, one kernel) for bf16 / fp32 with T*k <= "
         "8192; else composed torch (stable argsort + scatter_add); sync-free",
-        "moe_combine": "kernels_cuda.moe_routing unpermute (one kernel) for bf16 / fp32 with T*k <= 8192; else "
-        "composed torch (index_copy_ + weighted sum); sync-free",
+        "moe_combine": "kernels_cuda.moe_routing unpermute (one kernel) for bf16 / fp32, above T*k = 8192 after a "
+        "scatter inverting the order; else composed torch (index_copy_ + weighted sum); sync-free",
     }
     FALLBACK = {"moe_gating_topk": "reference op on CUDA tensors (softmax/sigmoid + topk) where "
                 "kernels_cuda.moe_routing does not apply; sync-free"}
@@ -88,16 +88,30 @@ class MoERouting(OpImpl):
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
         return sorted_hidden, counts, DispatchState(order=order, num_tokens=num_tokens, top_k=top_k)
 
+    def _unpermute_form(self, mod, expert_out, state: DispatchState, weights) -> tuple[bool, str | None]:
+        """(by_position, why not): the kernel that scans the order (decode sizes), else the one that reads its
+        inverse (one scatter computes it: prefill sizes, T*k > MAX_ASSIGN), else why neither applies."""
+        args = (expert_out, state.order, weights, state.num_tokens, state.top_k)
+        why = mod.unpermute_reason(*args)
+        if why is None or state.order.numel() <= mod.MAX_ASSIGN or not hasattr(mod, "positions_of"):
+            return False, why
+        return True, mod.unpermute_reason(*args, by_position=True)
+
     def moe_combine(self, expert_out, state: DispatchState, weights):
-        """The un-permute and the fp32 weighted sum in torch's summation order in one kernel; else the reference's
-        arithmetic with ``index_copy_`` for the un-permute. Both sync-free."""
+        """The un-permute and the fp32 weighted sum in torch's summation order in one kernel (at prefill sizes
+        after a scatter inverting the order); else the reference's arithmetic with ``index_copy_`` for the
+        un-permute. Both sync-free."""
         mod, why = self._module(expert_out)
+        by_position = False
         if mod is not None:
-            why = mod.unpermute_reason(expert_out, state.order, weights, state.num_tokens, state.top_k)
+            by_position, why = self._unpermute_form(mod, expert_out, state, weights)
         if why is None:
             dtype = str(expert_out.dtype).removeprefix("torch.")
-            self.note("moe_combine", f"kernels_cuda.moe_routing unpermute ({dtype}, k={state.top_k}), sync-free", True)
-            return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k)
+            form = ", by position" if by_position else ""
+            self.note("moe_combine", f"kernels_cuda.moe_routing unpermute ({dtype}, k={state.top_k}{form}), sync-free",
+                      True)
+            return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k,
+                                 by_position=by_position)
         self.note("moe_combine", f"composed torch (index_copy_ + weighted sum in fp32), sync-free ({why})", True)
         unsorted = torch.empty_like(expert_out, dtype=torch.float32)
         unsorted.index_copy_(0, state.order, expert_out.float())
@@ -108,13 +122,13 @@ class MoERouting(OpImpl):
         """The un-permute with the addend fused (the shared experts' output: one launch instead of the combine and
         an add; the same roundings) where the plain combine kernel applies; else the combine, then torch's add."""
         mod = self.use("moe_combine_add")[0] if expert_out.is_cuda else None
-        if mod is not None and (
-            mod.unpermute_reason(expert_out, state.order, weights, state.num_tokens, state.top_k) is None
-            and mod.addend_reason(expert_out, addend, state.num_tokens) is None
-        ):
+        by_position, why = self._unpermute_form(mod, expert_out, state, weights) if mod is not None else (False, "")
+        if why is None and mod.addend_reason(expert_out, addend, state.num_tokens) is None:
+            form = ", by position" if by_position else ""
             self.note("moe_combine", f"kernels_cuda.moe_routing unpermute + addend ({str(expert_out.dtype)[6:]}, "
-                      f"k={state.top_k}), sync-free", True)
-            return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k, addend=addend)
+                      f"k={state.top_k}{form}), sync-free", True)
+            return mod.unpermute(expert_out, state.order, weights, state.num_tokens, state.top_k, addend=addend,
+                                 by_position=by_position)
         return self.ks.moe_combine(expert_out, state, weights) + addend
 
     # ---- warm-up -------------------------------------------------------------------------------------------
@@ -141,7 +155,10 @@ class MoERouting(OpImpl):
                 items.append(("route", mr._route_cfg(g, d, dt, True)))  # the launch's own key (bias as for gating)
         if dt is not None and mr.unpermute_reason(meta(k, d, dtype=plan.dtype), meta(k),
                                                   meta(1, k, dtype=torch.float32), 1, k) is None:
-            items.append(("unpermute", (d, k, dt, "torch_strided")))
+            items.append(("unpermute", mr.unpermute_cfg(d, k, dt)))
             if self.wants("moe_combine_add"):
-                items.append(("unpermute", (d, k, dt, "torch_strided", 128, True)))
+                items.append(("unpermute", mr.unpermute_cfg(d, k, dt, with_addend=True)))
+            if plan.max_num_batched_tokens * k > mr.MAX_ASSIGN:  # prefill steps: the kernel reading the inverse
+                items.append(("unpermute", mr.unpermute_cfg(d, k, dt, with_addend=self.wants("moe_combine_add"),
+                                                            by_position=True)))
         return {"moe_routing": items}
