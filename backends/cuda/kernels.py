@@ -167,6 +167,12 @@ class CudaKernelSet(CpuKernelSet):
                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, slot_mapping)
 
+    def mla_forward(self, hidden, w, positions, rope, kv_cache, attn, softmax_scale):
+        out = self.impl("mla_prefill_mha").mla_forward(hidden, w, positions, rope, kv_cache, attn, softmax_scale)
+        if out is None:
+            return super().mla_forward(hidden, w, positions, rope, kv_cache, attn, softmax_scale)
+        return out
+
     def mla_attention(self, q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, cu_seqlens_q,
                       softmax_scale, host=None, max_seqlen_q: int | None = None,
                       is_prefill: bool | None = None) -> torch.Tensor:

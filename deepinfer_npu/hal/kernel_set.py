@@ -155,6 +155,21 @@ class KernelSet(abc.ABC):
     def mla_epilogue(self, out_latent: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         """MLA back half: ``out_latent`` [T, H, L] -> values (``w_uv`` [H, V, L]) -> ``o_proj`` -> [T, D]."""
 
+    def mla_forward(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
+                    kv_cache: torch.Tensor, attn, softmax_scale: float) -> torch.Tensor:
+        """Composite, not in :attr:`OPS`: one MLA layer, ``hidden`` [T, D] (input-normed) -> [T, D], writing this
+        step's latents into ``kv_cache``; ``attn`` is the step's ``AttentionMetadata``. Default: ``mla_prolog``,
+        ``mla_attention``, ``mla_epilogue`` (the absorbed form). A backend may run prefill steps another way with
+        the same result (CUDA: decompressed keys and flash attention)."""
+        q_latent, q_rope = self.mla_prolog(hidden, w, positions, rope, kv_cache, attn.slot_mapping)
+        out_latent = self.mla_attention(
+            q_latent, q_rope, kv_cache, attn.block_tables, attn.seqlens_q, attn.seqlens_k, attn.cu_seqlens_q,
+            softmax_scale, host=attn.host,
+            max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
+            is_prefill=attn.is_prefill,
+        )
+        return self.mla_epilogue(out_latent, w)
+
     # ---- MoE -----------------------------------------------------------------------------------------------
     @abc.abstractmethod
     def moe_gating_topk(

@@ -10,6 +10,7 @@ from .grouped_mlp import GroupedMLP
 from .linear import Linear
 from .mla_attention import MLAAttention
 from .mla_epilogue import MLAEpilogue
+from .mla_prefill_mha import MLAPrefillMHA
 from .mla_prolog import MLAProlog
 from .moe_routing import MoERouting
 from .norms import Norms
@@ -21,6 +22,7 @@ FAMILIES: dict[str, type[OpImpl]] = {
     "mla_prolog": MLAProlog,
     "mla_attention": MLAAttention,
     "mla_epilogue": MLAEpilogue,
+    "mla_prefill_mha": MLAPrefillMHA,
     "moe_routing": MoERouting,
     "grouped_mlp": GroupedMLP,
     "step": StepKernels,

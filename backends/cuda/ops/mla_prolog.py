@@ -30,9 +30,12 @@ class MLAProlog(OpImpl):
         return mla_dims_refusal(name, cfg) if name == "mla_rope_cache" else None
 
     def mla_prolog(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
-                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   kv_cache: torch.Tensor, slot_mapping: torch.Tensor, absorb: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """Padding rows (negative slots) write nothing: the kernel skips them; the composed cache write rewrites
-        slot 0 (block 0, the reserved padding block that no sequence owns) with its own current contents."""
+        slot 0 (block 0, the reserved padding block that no sequence owns) with its own current contents.
+        ``absorb=False``: the query's nope part [T, H, N] (a view) instead of ``q_latent`` (prefill on
+        decompressed keys, ``mla_prefill_mha.py``)."""
         ks = self.ks
         lin, apply_rope = ks.linear, ref("rope").rope
         num_tokens = hidden.shape[0]
@@ -45,7 +48,7 @@ class MLAProlog(OpImpl):
                 qa = lin(hidden, w.q_a_proj, w.q_a_bias) if first is None else first
                 q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), w.q_b_proj)
             q = q.view(num_tokens, w.num_heads, nope + rdim)
-            return q, self.absorb_q(q, w)
+            return q, (self.absorb_q(q, w) if absorb else q[..., :nope])
 
         fused = self.fused_a_proj(hidden, w)
         if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)

@@ -124,10 +124,8 @@ class MLAAttention(nn.Module):
         k = self.kernels
         scales = self.quant_scales() if self.quant is not None else None
         if scales is None:
-            q_latent, q_rope = k.mla_prolog(hidden, w, positions, self.rope, kv_cache, attn.slot_mapping)
-        else:
-            q_latent, q_rope = k.mla_prolog_quant(hidden, w, scales, positions, self.rope, kv_cache,
-                                                  attn.slot_mapping)
+            return k.mla_forward(hidden, w, positions, self.rope, kv_cache, attn, self.softmax_scale)
+        q_latent, q_rope = k.mla_prolog_quant(hidden, w, scales, positions, self.rope, kv_cache, attn.slot_mapping)
         out_latent = k.mla_attention(
             q_latent,
             q_rope,
@@ -141,7 +139,7 @@ class MLAAttention(nn.Module):
             max_seqlen_q=attn.max_seqlen_q,  # k + 1 after a device re-split (host None): keeps the decode kernel
             is_prefill=attn.is_prefill,
         )
-        return k.mla_epilogue(out_latent, w) if scales is None else k.mla_epilogue_quant(out_latent, w, scales)
+        return k.mla_epilogue_quant(out_latent, w, scales)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:

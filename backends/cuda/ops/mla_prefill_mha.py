@@ -1,0 +1,141 @@
+"""``mla_forward`` for prefill steps: the latents decompressed through kv_b and multi-head attention on torch's
+varlen flash attention, as DeepSeek's and vLLM's prefill do; decode and every other step keep the absorbed path.
+
+Absorbed MLA costs H x (2L + R) x 2 FLOPs a (query, key) pair (576-wide keys, 512-wide values: 34.8 kFLOP at V2-Lite's
+16 heads); decompressed it is H x (N + R + V) x 2 (10.2 kFLOP) plus one kv_b GEMM a key, so for prompts of hundreds
+of tokens and more the decompressed form does about a third of the work. The query keeps its nope part un-absorbed
+(``MLAProlog.mla_prolog(absorb=False)``: no W_UK), the keys are the cache rows of each request's whole context (its
+cached prefix and this step's tokens, gathered on the device: no host read), K = [c W_UK^T | k_rope] and V = c W_UV^T
+(two GEMMs), and the attention output goes straight to o_proj (no W_UV). FlashAttention-2 takes one head dim for
+q, k and v, so V is zero-padded to N + R and the padding columns dropped after.
+
+Same arithmetic as the reference up to bf16 roundings in another place (the keys and values rounded after kv_b
+instead of the query after W_UK and the output before W_UV), checked against the CPU reference in
+tests/cuda/test_mla_prefill_mha.py with bf16 tolerances.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_npu.hal.types import MLAWeights, RopeLike
+
+from .base import BF16, NOT_ON_DEVICE, OpImpl, logger
+
+MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dim
+
+
+def _varlen_attn():
+    """torch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.9) or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _causal_kwargs(fn) -> dict:
+    """Causal masking in either signature: ``is_causal=True`` (torch 2.9) or ``window_size=(-1, 0)`` (later),
+    aligned to the bottom right (query j of a chunk sees the prefix and keys up to its own position)."""
+    params = inspect.signature(fn).parameters
+    return {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+
+
+def context_slots(attn, page: int, total_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache rows of every request's keys 0 .. seqlens_k - 1, in request order [total_k] int64, cu_seqlens_k
+    [B + 1] int32), from the block tables on the device; ``total_k`` (a host int) sizes the outputs."""
+    lens = attn.seqlens_k.long()
+    dev = lens.device
+    req = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), lens, output_size=total_k)
+    starts = torch.cumsum(lens, 0) - lens
+    pos = torch.arange(total_k, device=dev) - starts[req]
+    blocks = attn.block_tables.long()[req, pos // page]
+    cu_k = F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32)
+    return blocks * page + pos % page, cu_k
+
+
+class MLAPrefillMHA(OpImpl):
+    PLANNED = {"mla_forward": "prefill steps (bf16 cache, host lengths exact): kv_b decompression + torch varlen "
+               "flash attention (FlashAttention-2) over N + R head dims; else mla_prolog + mla_attention + "
+               "mla_epilogue (the absorbed path)"}
+
+    #: the name that leaves this path out of a selection (``CudaKernelSet.SKIP``); it launches no TileLang kernel
+    NAME = "mla_prefill_mha"
+
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self._error: str | None = None  # a failed call turns the path off for good
+        self._skipped = False
+
+    def select(self, cfg) -> None:
+        super().select(cfg)
+        self._skipped = self.NAME in cfg.skip
+
+    def reason(self, hidden: torch.Tensor, w: MLAWeights, kv_cache: torch.Tensor, attn) -> str | None:
+        """Why a step keeps the absorbed path (host facts only), or None."""
+        if not attn.is_prefill:
+            return "not a prefill step"
+        if not hidden.is_cuda:
+            return NOT_ON_DEVICE
+        if self._skipped:
+            return f"{self.NAME} left out of the selection"
+        if self._error is not None:
+            return self._error
+        if _varlen_attn() is None:
+            return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+        host = attn.host
+        if host is None or not host.seqlens_k_exact:
+            return "context lengths not exact on the host"
+        if hidden.dtype != BF16 or kv_cache.dtype != BF16 or w.w_uk.dtype != BF16:
+            return f"{hidden.dtype} (cache {kv_cache.dtype}): bf16 only"
+        qk = w.qk_nope_head_dim + w.qk_rope_head_dim
+        if qk > MAX_HEAD_DIM or qk % 8 or w.v_head_dim > qk or w.v_head_dim % 8:
+            return f"head dims {qk} / {w.v_head_dim}: flash attention takes <= {MAX_HEAD_DIM}, multiples of 8"
+        if kv_cache.dim() != 3 or not kv_cache.is_contiguous():
+            return "cache is not contiguous [blocks, page, L + R]"
+        if attn.num_tokens == 0 or attn.num_tokens != sum(host.seqlens_q):
+            return f"{attn.num_tokens} rows for {sum(host.seqlens_q)} query tokens (padded or empty step)"
+        return None
+
+    def mla_forward(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
+                    kv_cache: torch.Tensor, attn, softmax_scale: float) -> torch.Tensor | None:
+        """The decompressed prefill, or None where :meth:`reason` refuses (the caller runs the absorbed path)."""
+        why = self.reason(hidden, w, kv_cache, attn)
+        if why is not None:
+            if attn.is_prefill:
+                self.note("mla_forward", f"absorbed (mla_prolog + mla_attention + mla_epilogue): {why}", False)
+            return None
+        ks = self.ks
+        h, nope, rdim, vdim, lrank = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim, \
+            w.kv_lora_rank
+        host = attn.host
+        q_nope, q_rope = ks.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, attn.slot_mapping,
+                                                          absorb=False)  # writes this step's rows first
+        num_tokens, page = hidden.shape[0], kv_cache.shape[1]
+        if tuple(host.seqlens_q) == tuple(host.seqlens_k):  # no cached prefix: the keys are this step's rows
+            slots, cu_k = attn.slot_mapping, attn.cu_seqlens_q.to(torch.int32)
+        else:
+            slots, cu_k = context_slots(attn, page, int(sum(host.seqlens_k)))
+        rows = kv_cache.view(-1, lrank + rdim).index_select(0, slots)
+        latent, k_rope = rows[:, :lrank], rows[:, lrank:]
+        tk = rows.shape[0]
+        k_nope = ks.linear(latent, w.w_uk.reshape(h * nope, lrank)).view(tk, h, nope)
+        values = ks.linear(latent, w.w_uv.reshape(h * vdim, lrank)).view(tk, h, vdim)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(tk, h, rdim)), dim=-1)
+        v = F.pad(values, (0, nope + rdim - vdim)) if vdim < nope + rdim else values
+        fn = _varlen_attn()
+        try:
+            out = fn(q, k, v, attn.cu_seqlens_q.to(torch.int32), cu_k, int(host.max_seqlen_q),
+                     int(host.max_seqlen_k), scale=float(softmax_scale), **_causal_kwargs(fn))
+        except Exception as e:  # noqa: BLE001 - off for good; this step and the next take the absorbed path
+            self._error = f"varlen flash attention failed: {type(e).__name__}: {str(e)[:160]}"
+            logger.warning("cuda backend: %s; prefill takes the absorbed MLA path", self._error)
+            return None
+        self.note("mla_forward", f"prefill: kv_b decompression + torch varlen flash attention (H={h}, head dim "
+                  f"{nope + rdim}, values {vdim} padded)", True)
+        out = out[..., :vdim].reshape(num_tokens, h * vdim)
+        return ks.linear(out, w.o_proj, w.o_bias)

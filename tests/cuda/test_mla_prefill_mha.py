@@ -1,0 +1,138 @@
+"""Prefill on decompressed keys (``backends/cuda/ops/mla_prefill_mha.py``): one MLA layer's prefill through
+``CudaKernelSet.mla_forward`` against the CPU reference kernel set in fp32 (the absorbed form), for a step of
+plain prompts and a chunk over a cached prefix (keys gathered from the block tables), and the engine's tokens with
+the path on against the absorbed path (logprobs-close rule). bf16 tolerances: cosine >= 0.999 and max |error| <=
+3 % of the reference's largest value (bf16 keeps 8 bits; the two forms round in different places).
+
+The selection and refusal checks run anywhere; the rest needs CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_npu.backends.cuda.ops.mla_prefill_mha import MLAPrefillMHA, context_slots
+from deepinfer_npu.hal.types import MLAWeights
+from deepinfer_npu.model_executor.attention_metadata import build_attention_metadata
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+H, N, R, V, L, D, PAGE = 16, 128, 64, 128, 512, 1024, 64
+
+
+def _weights(device, dtype, seed=0) -> MLAWeights:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    return MLAWeights(num_heads=H, qk_nope_head_dim=N, qk_rope_head_dim=R, v_head_dim=V, kv_lora_rank=L,
+                      kv_a_proj=r(L + R, D), kv_a_layernorm=(torch.rand(L, generator=g) + 0.5).to(dtype).to(device),
+                      w_uk=r(H, N, L), w_uv=r(H, V, L), o_proj=r(D, H * V), q_proj=r(H * (N + R), D))
+
+
+class _Rope:
+    def __init__(self, device, max_pos=4096):
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, R, 2, dtype=torch.float32) / R))
+        freqs = torch.arange(max_pos, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        self.interleaved = True
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> dict:
+    g, w = got.float().cpu().flatten(), want.float().cpu().flatten()
+    cos = torch.nn.functional.cosine_similarity(g, w, dim=0).item()
+    rel = ((g - w).abs().max() / w.abs().max()).item()
+    return {"cos": cos, "rel": rel, "ok": cos >= 0.999 and rel <= 0.03}
+
+
+def _steps():
+    """(seqlens_q, seqlens_k) of two prefill steps: request 0's 300-token prompt and the first 200 tokens of
+    request 1's, then request 1's last 60 over its cached prefix (keys gathered from the block tables)."""
+    return [((300, 200), (300, 200)), ((60,), (260,))]
+
+
+def _run(ks, w, rope, device, dtype, hidden_steps):
+    cache = torch.zeros(16, PAGE, L + R, dtype=dtype, device=device)
+    tables = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
+    outs = []
+    (q0, k0), (q1, k1) = _steps()
+    attn = build_attention_metadata(q0, k0, tables, PAGE, device=device, is_prefill=True)
+    scale = (N + R) ** -0.5
+    outs.append(ks.mla_forward(hidden_steps[0].to(device, dtype), w, attn.positions, rope, cache, attn, scale))
+    attn = build_attention_metadata(q1, k1, tables[1:], PAGE, device=device, is_prefill=True)
+    outs.append(ks.mla_forward(hidden_steps[1].to(device, dtype), w, attn.positions, rope, cache, attn, scale))
+    return outs
+
+
+def test_refusals_name_the_reason():
+    mha = MLAPrefillMHA(ks=None)
+    w = _weights("cpu", torch.bfloat16)
+    cache = torch.zeros(4, PAGE, L + R, dtype=torch.bfloat16)
+    hidden = torch.zeros(3, D, dtype=torch.bfloat16)
+    decode = build_attention_metadata([1], [5], [[1]], PAGE, is_prefill=False)
+    assert mha.reason(hidden, w, cache, decode) == "not a prefill step"
+    prefill = build_attention_metadata([3], [3], [[1]], PAGE, is_prefill=True)
+    assert "CUDA" in mha.reason(hidden, w, cache, prefill)
+
+
+def test_context_slots_follow_the_block_tables():
+    attn = build_attention_metadata([2, 3], [66, 3], [[4, 7], [9, 0]], PAGE, is_prefill=True)
+    slots, cu_k = context_slots(attn, PAGE, 69)
+    want = [4 * PAGE + p for p in range(64)] + [7 * PAGE, 7 * PAGE + 1] + [9 * PAGE + p for p in range(3)]
+    assert slots.tolist() == want and cu_k.tolist() == [0, 66, 69]
+
+
+@gpu
+@pytest.mark.gpu
+def test_prefill_on_decompressed_keys_matches_the_fp32_reference():
+    from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    g = torch.Generator().manual_seed(1)
+    hidden = [torch.randn(500, D, generator=g), torch.randn(60, D, generator=g)]
+    ks = CudaKernelSet()
+    got = _run(ks, _weights("cuda", torch.bfloat16), _Rope("cuda"), "cuda", torch.bfloat16, hidden)
+    report = ks.op_report()["mla_forward"]
+    assert "varlen flash attention" in report, report
+    want = _run(CpuKernelSet(), _weights("cpu", torch.float32), _Rope("cpu"), "cpu", torch.float32, hidden)
+    for step, (a, b) in enumerate(zip(got, want)):
+        stats = _close(a, b)
+        assert stats["ok"], (step, stats)
+
+
+@gpu
+@pytest.mark.gpu
+def test_absorbed_path_when_left_out(monkeypatch):
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    monkeypatch.setattr(CudaKernelSet, "SKIP", frozenset({"mla_prefill_mha"}))
+    ks = CudaKernelSet()
+    g = torch.Generator().manual_seed(1)
+    hidden = [torch.randn(500, D, generator=g), torch.randn(60, D, generator=g)]
+    _run(ks, _weights("cuda", torch.bfloat16), _Rope("cuda"), "cuda", torch.bfloat16, hidden)
+    assert "left out of the selection" in ks.op_report()["mla_forward"]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.tilelang
+def test_engine_tokens_follow_the_absorbed_path(monkeypatch, deepseek_dims_model, assert_logprobs_close):
+    """DeepSeek dims (random weights), prompts of 100-700 tokens, chunked prefill of 256 tokens: greedy tokens with
+    the decompressed prefill against the absorbed one by the logprobs-close rule of conftest."""
+    from deepinfer_npu import LLM, SamplingParams
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+
+    model = deepseek_dims_model()
+    prompts = [{"prompt_token_ids": [(7 * i + 31 * b) % 4000 + 3 for i in range(n)]}
+               for b, n in enumerate((100, 333, 700))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    runs = {}
+    for name, skip in (("absorbed", {"mla_prefill_mha"}), ("decompressed", set())):
+        monkeypatch.setattr(CudaKernelSet, "SKIP", frozenset(skip))
+        llm = LLM(model, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
+                  max_num_seqs=4, max_num_batched_tokens=256, enable_chunked_prefill=True, seed=0)
+        runs[name] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        report = llm.llm_engine.backend.op_report()["mla_forward"]
+        assert ("varlen flash attention" in report) == (name == "decompressed"), report
+        del llm
+    assert_logprobs_close(runs["absorbed"], runs["decompressed"])
