@@ -55,7 +55,8 @@ class MLAAttention(OpImpl):
     PLANNED = {
         "mla_attention": "kernels_cuda.mla_decode for bf16, kv_lora 512 + rope 64, page 64, max q <= 16 (64-row "
         "tiles on sm_90 through kernels_cuda.mla_decode_ws, warp-specialized); "
-        "else decode (max q <= 16) in composed torch (dense, sync-free); "
+        "else decode (max q <= 16) in composed torch (dense, sync-free); prefill steps on a bf16 cache with exact "
+        "host lengths: kv_b decompression + torch varlen flash attention (mla_prefill_mha.py); "
         "prefill (max q > 16) on kernels_cuda.mla_decode.mla_prefill (causal tile bound) for the same shapes, "
         "else on the host's exact lengths (the reference loop, sync-free); else the reference (syncs)",
     }
