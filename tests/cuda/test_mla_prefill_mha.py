@@ -82,6 +82,50 @@ def test_context_slots_follow_the_block_tables():
     assert slots.tolist() == want and cu_k.tolist() == [0, 66, 69]
 
 
+def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size=None, is_causal=None):
+    """Flash attention's varlen contract in fp32 torch: per request, causal aligned to the bottom right (query i
+    of Lq sees keys j <= i + Lk - Lq), ``scale`` on the scores."""
+    assert window_size == (-1, 0) or is_causal
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype)
+    for b in range(cu_q.numel() - 1):
+        qs, qe, ks_, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        assert qe - qs <= max_q and ke - ks_ <= max_k
+        s = torch.einsum("qhd,khd->hqk", q[qs:qe].float(), k[ks_:ke].float()) * scale
+        lq, lk = qe - qs, ke - ks_
+        mask = torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + (lk - lq)
+        p_ = s.masked_fill(mask, float("-inf")).softmax(-1)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", p_, v[ks_:ke].float()).to(q.dtype)
+    return out
+
+
+def test_composition_matches_the_fp32_reference_on_cpu(monkeypatch):
+    """The path's own arithmetic (un-absorbed query, keys gathered from the block tables over a cached prefix,
+    kv_b GEMMs, padded values, o_proj) on CPU bf16 tensors with flash attention's contract in fp32 torch in its
+    place: within the bf16 tolerances of the fp32 absorbed reference."""
+    from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.backends.cuda.ops import mla_prefill_mha
+
+    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda: _reference_varlen_attn)
+    monkeypatch.setattr(MLAPrefillMHA, "on_device", staticmethod(lambda x: True))
+    g = torch.Generator().manual_seed(2)
+    hidden = [torch.randn(500, D, generator=g), torch.randn(60, D, generator=g)]
+    ks = CudaKernelSet()
+    got = _run(ks, _weights("cpu", torch.bfloat16), _Rope("cpu"), "cpu", torch.bfloat16, hidden)
+    assert "varlen flash attention" in ks.op_report()["mla_attention"]
+    want = _run(CpuKernelSet(), _weights("cpu", torch.float32), _Rope("cpu"), "cpu", torch.float32, hidden)
+    for step, (a, b) in enumerate(zip(got, want)):
+        stats = _close(a, b)
+        assert stats["ok"], (step, stats)
+    # the control: with the mask aligned to the top left instead, the prefix chunk is wrong
+    def top_left(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+        return _reference_varlen_attn(q, k[: q.shape[0]], v[: q.shape[0]], cu_q, cu_q, max_q, max_q, **kw)
+
+    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda: top_left)
+    bad = _run(CudaKernelSet(), _weights("cpu", torch.bfloat16), _Rope("cpu"), "cpu", torch.bfloat16, hidden)
+    assert not _close(bad[1], want[1])["ok"]
+
+
 @gpu
 @pytest.mark.gpu
 def test_prefill_on_decompressed_keys_matches_the_fp32_reference():

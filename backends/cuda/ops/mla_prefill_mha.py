@@ -66,6 +66,11 @@ class MLAPrefillMHA(OpImpl):
     #: the name that leaves this path out of a selection (``CudaKernelSet.SKIP``); it launches no TileLang kernel
     NAME = "mla_prefill_mha"
 
+    @staticmethod
+    def on_device(x: torch.Tensor) -> bool:
+        """Where the path runs (CUDA; the CPU test of the composition replaces this and the attention)."""
+        return x.is_cuda
+
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self._error: str | None = None  # a failed call turns the path off for good
@@ -79,7 +84,7 @@ class MLAPrefillMHA(OpImpl):
         """Why a step keeps the absorbed path (host facts only), or None."""
         if not attn.is_prefill:
             return "not a prefill step"
-        if not hidden.is_cuda:
+        if not self.on_device(hidden):
             return NOT_ON_DEVICE
         if self._skipped:
             return f"{self.NAME} left out of the selection"
