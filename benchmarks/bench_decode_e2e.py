@@ -34,8 +34,10 @@ from benchmarks.decode_workload import (
     TINY,
     V2_LITE,
     append_jsonl,
+    mla_projection_params,
     pdl_enabled,
     prompts_for,
+    stamped_logger,
     sync,
     warmup_summary,
     write_model_dir,
@@ -116,16 +118,13 @@ def bytes_per_step(cfg: dict, batch: int, context: float, itemsize: int = 2, fp8
     e4m3 (1 byte a weight, plus a 4-byte scale per 128 x 128 block); the absorbed kv_b, router and lm_head stay in
     ``itemsize``. ``kv_fp8``: the cache rows are packed FP8 (L e4m3 bytes, 4 per 128 of them, 2 per RoPE value),
     else L + R values of ``itemsize``."""
-    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
-    nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    d = cfg["hidden_size"]
+    rope, lrank = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
     layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     e, k, mi = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
-    if cfg.get("q_lora_rank"):
-        q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
-    else:
-        q = h * (nope + rope) * d
-    attn_q = q + (lrank + rope) * d + d * h * v  # the quantisable projections
-    attn_kvb = h * (nope + v) * lrank  # absorbed into w_uk / w_uv, model dtype
+    mla = mla_projection_params(cfg)
+    attn_q = mla["q"] + mla["kv_a"] + mla["o"]  # the quantisable projections
+    attn_kvb = mla["kv_b"]  # absorbed into w_uk / w_uv, model dtype
     dense = 3 * d * cfg["intermediate_size"]
     hit = e * (1.0 - (1.0 - k / e) ** batch)
     experts = 3 * d * mi * cfg["n_shared_experts"] + hit * 3 * d * mi
@@ -301,10 +300,7 @@ def main(argv=None) -> int:
 
     cfg = TINY if args.tiny else V2_LITE
     device = "cuda" if args.backend == "cuda" else "cpu"
-    t_start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+    log = stamped_logger()
 
     meta = row_meta(device)
     bw = copy_bandwidth(device)

@@ -26,12 +26,21 @@ CPU rehearsal:  python -m benchmarks.bench_throughput --backend cpu --tiny --num
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import random
 import time
 
-from benchmarks.decode_workload import TINY, V2_LITE, append_jsonl, sync, warmup_summary, write_model_dir
+from benchmarks.decode_workload import (
+    TINY,
+    V2_LITE,
+    append_jsonl,
+    mla_projection_params,
+    stamped_logger,
+    sync,
+    warmup_summary,
+    write_model_dir,
+)
+from benchmarks.profiling import kernel_events, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -52,14 +61,10 @@ def workload(name: str, num_prompts: int, vocab: int, seed: int, tiny: bool) -> 
 def token_flops(cfg: dict) -> tuple[float, float, float]:
     """(FLOPs of a token's linear layers, FLOPs per attended position of a token, FLOPs of one token's logits)."""
     d, h = cfg["hidden_size"], cfg["num_attention_heads"]
-    nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     layers, dense_layers = cfg["num_hidden_layers"], cfg["first_k_dense_replace"]
     e, k, mi = cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]
-    if cfg.get("q_lora_rank"):
-        q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
-    else:
-        q = h * (nope + rope) * d
-    attn = q + (lrank + rope) * d + lrank * h * (nope + v) + h * v * d
+    attn = sum(mla_projection_params(cfg).values())
     moe = e * d + 3 * d * mi * (cfg["n_shared_experts"] + k)
     linear = layers * attn + dense_layers * 3 * d * cfg["intermediate_size"] + (layers - dense_layers) * moe
     per_position = layers * 2 * h * (nope + rope + v)
@@ -97,7 +102,6 @@ def gemm_tflops(device: str) -> float:
 
 def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
     """Device time by kernel name over one ``generate`` of ``reqs`` (CPU: operator self time)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -107,19 +111,11 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
         llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [params_of(o) for _, o in reqs], use_tqdm=False)
         sync(device)
         wall = time.perf_counter() - t0
-    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    total = 0.0
-    for ev in prof.events():
-        if device == "cuda" and ev.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        us = (ev.device_time if hasattr(ev, "device_time") else ev.cuda_time) if device == "cuda" else \
-            ev.self_cpu_time_total
-        per_name[ev.name][0] += us
-        per_name[ev.name][1] += 1
-        total += us
-    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    events = kernel_events(prof, device, cpu_ops=True)
+    total = sum(us for _t, _n, us in events)
     return {"wall_s": round(wall, 3), "kernel_s": round(total / 1e6, 3),
-            "top": [[n[:90], round(v[0] / 1e6, 4), v[1], round(v[0] / max(total, 1e-9), 4)] for n, v in ranked]}
+            "top": [[n[:90], round(us / 1e6, 4), calls, round(us / max(total, 1e-9), 4)]
+                    for n, us, calls in totals_by_name(events)[:top]]}
 
 
 def main(argv=None) -> int:
@@ -144,10 +140,7 @@ def main(argv=None) -> int:
 
     cfg = TINY if args.tiny else V2_LITE
     device = "cuda" if args.backend == "cuda" else "cpu"
-    t_start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+    log = stamped_logger()
 
     meta = row_meta(device)
     peak = gemm_tflops(device)

@@ -29,7 +29,16 @@ import json
 import statistics
 import time
 
-from benchmarks.decode_workload import TINY, V2_LITE, append_jsonl, prompts_for, sync, warmup_summary, write_model_dir
+from benchmarks.decode_workload import (
+    TINY,
+    V2_LITE,
+    append_jsonl,
+    prompts_for,
+    stamped_logger,
+    sync,
+    warmup_summary,
+    write_model_dir,
+)
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -108,10 +117,7 @@ def main(argv=None) -> int:
     import torch
 
     cfg = TINY if args.tiny else V2_LITE
-    t_start = time.time()
-
-    def log(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+    log = stamped_logger()
 
     meta = row_meta("cuda" if args.backend == "cuda" else "cpu")
     tmp = write_model_dir(cfg, "bench_zos_")

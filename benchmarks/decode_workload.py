@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -63,3 +64,25 @@ def pdl_enabled() -> bool:
     from deepinfer_npu.kernels_cuda._pdl import pdl_enabled as enabled
 
     return enabled()
+
+
+def stamped_logger():
+    """-> log(msg): prints msg after the seconds since this call, flushed (the benchmarks' progress lines)."""
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    return log
+
+
+def mla_projection_params(cfg: dict) -> dict[str, int]:
+    """Weights a layer's MLA projections hold, by part: ``q`` (q_proj, or q_a_proj + q_b_proj with a q-LoRA),
+    ``kv_a``, ``kv_b`` (W_UK and W_UV) and ``o``."""
+    d, h = cfg["hidden_size"], cfg["num_attention_heads"]
+    nope, rope, v, lrank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
+    if cfg.get("q_lora_rank"):
+        q = cfg["q_lora_rank"] * d + h * (nope + rope) * cfg["q_lora_rank"]
+    else:
+        q = h * (nope + rope) * d
+    return {"q": q, "kv_a": (lrank + rope) * d, "kv_b": h * (nope + v) * lrank, "o": d * h * v}

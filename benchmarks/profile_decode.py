@@ -14,11 +14,11 @@ CPU rehearsal:  python -m benchmarks.profile_decode --backend cpu --tiny --batch
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import time
 
 from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
+from benchmarks.profiling import kernel_events, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -35,7 +35,6 @@ def main(argv=None) -> int:
     p.add_argument("--zos", type=int, default=1)
     p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels in time order")
     args = p.parse_args(argv)
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer_npu import LLM, SamplingParams
@@ -72,20 +71,9 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
         while engine.has_unfinished_requests():
             engine.step()
-        per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-        total, count = 0.0, 0
-        kernels = []
-        for ev in prof.events():
-            is_kernel = dev == "cuda" and ev.device_type == torch.autograd.DeviceType.CUDA
-            if not is_kernel:
-                continue
-            us = ev.device_time if hasattr(ev, "device_time") else ev.cuda_time
-            per_name[ev.name][0] += us
-            per_name[ev.name][1] += 1
-            kernels.append((ev.time_range.start, ev.name, us))
-            total += us
-            count += 1
-        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[: args.top]
+        kernels = kernel_events(prof, dev)
+        total, count = sum(us for _t, _n, us in kernels), len(kernels)
+        top = totals_by_name(kernels)[: args.top]
         cpu_top = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()),
                          key=lambda t: -t[1])[:15]
         row = {"bench": "profile_decode", **meta, "batch": batch, "graphs": args.graphs,
@@ -94,8 +82,9 @@ def main(argv=None) -> int:
                "kernels_per_step": round(count / args.steps, 1),
                # kernels_cuda/_pdl.py: with PDL a kernel is placed early and waits, so its span includes the wait
                "pdl": pdl_enabled(),
-               "sequence": [[n[:70], round(us, 2)] for _t, n, us in sorted(kernels)[: args.sequence]],
-               "top": [[n[:90], round(v[0] / 1e3 / args.steps, 4), round(v[1] / args.steps, 1)] for n, v in top],
+               "sequence": [[n[:70], round(us, 2)] for _t, n, us in kernels[: args.sequence]],
+               "top": [[n[:90], round(us / 1e3 / args.steps, 4), round(calls / args.steps, 1)]
+                       for n, us, calls in top],
                "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]
                                 for k, t, c in cpu_top]}
         print(json.dumps(row), flush=True)
