@@ -52,7 +52,9 @@ def _timed(fn, device, iters: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def _rank_main(rank: int, args, port: int, queue) -> None:
+def init_rank(rank: int, args, port: int):
+    """In a rank process of ``spawn_ranks``: one thread, this rank's device (one GPU a rank with ``--backend
+    cuda``) and its process groups (NCCL, else gloo) -> (device, groups)."""
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}") if args.backend == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -60,6 +62,25 @@ def _rank_main(rank: int, args, port: int, queue) -> None:
     groups = init_process_groups(DistributedConfig(rank=rank, world_size=args.world, local_rank=rank,
                                                    master_port=port, timeout_s=args.timeout),
                                  "nccl" if device.type == "cuda" else "gloo")
+    return device, groups
+
+
+def spawn_ranks(rank_main, args) -> list[dict]:
+    """Run ``rank_main(rank, args, port, queue)`` in ``args.world`` spawned processes on a free local port;
+    -> the rows they put on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(rank_main, args=(args, port, queue), nprocs=args.world, join=True, start_method="spawn")
+    rows = []
+    while not queue.empty():
+        rows.append(queue.get())
+    return rows
+
+
+def _rank_main(rank: int, args, port: int, queue) -> None:
+    device, groups = init_rank(rank, args, port)
     dtype = getattr(torch, args.dtype)
     try:
         placement = ExpertPlacement.contiguous(args.experts, args.world)
@@ -181,15 +202,9 @@ def main() -> None:
         for row in memory_rows(args):
             print(json.dumps(row), flush=True)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(_rank_main, args=(args, port, queue), nprocs=args.world, join=True, start_method="spawn")
+    rows = spawn_ranks(_rank_main, args)
     meta = row_meta("cuda:0" if args.backend == "cuda" else None)  # the parent's command line, not a child's
-    while not queue.empty():
-        row = queue.get()
+    for row in rows:
         print(json.dumps({"bench": row.pop("bench"), **meta, **row}), flush=True)
 
 

@@ -15,27 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.bench_ep import _timed
+from benchmarks.bench_ep import _timed, init_rank, spawn_ranks
 from deepinfer_npu.backends.cpu.ep_comm import ep_combine, ep_dispatch
 from deepinfer_npu.benchmark_meta import row_meta
 from deepinfer_npu.distributed.ep_fixed_capacity import ep_combine_fixed, ep_dispatch_fixed
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
-from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
+from deepinfer_npu.distributed.parallel_state import destroy_process_groups
 
 
 def _rank_main(rank: int, args, port: int, queue) -> None:
-    torch.set_num_threads(1)
-    device = torch.device(f"cuda:{rank}") if args.backend == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    groups = init_process_groups(DistributedConfig(rank=rank, world_size=args.world, local_rank=rank,
-                                                   master_port=port, timeout_s=args.timeout),
-                                 "nccl" if device.type == "cuda" else "gloo")
+    device, groups = init_rank(rank, args, port)
     group, dtype = groups.device_group, getattr(torch, args.dtype)
     try:
         placement = ExpertPlacement.contiguous(args.experts, args.world)
@@ -87,14 +79,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank_main, args=(args, port, queue), nprocs=args.world, join=True, start_method="spawn")
+    rows = spawn_ranks(_rank_main, args)
     meta = row_meta("cuda:0" if args.backend == "cuda" else None)
-    while not queue.empty():
-        row = queue.get()
+    for row in rows:
         print(json.dumps({"bench": "ep_fixed_vs_variable", **meta, "backend": args.backend, "world": args.world,
                           "hidden": args.hidden, "top_k": args.top_k, "experts": args.experts, "dtype": args.dtype,
                           **row}), flush=True)
