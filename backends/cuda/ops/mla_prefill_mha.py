@@ -16,6 +16,7 @@ tests/cuda/test_mla_prefill_mha.py with bf16 tolerances.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -37,6 +38,7 @@ def _varlen_attn():
     return varlen_attn
 
 
+@functools.cache
 def _causal_kwargs(fn) -> dict:
     """Causal masking in either signature: ``is_causal=True`` (torch 2.9) or ``window_size=(-1, 0)`` (later),
     aligned to the bottom right (query j of a chunk sees the prefix and keys up to its own position)."""
@@ -75,6 +77,8 @@ class MLAPrefillMHA(OpImpl):
         super().__init__(ks)
         self._error: str | None = None  # a failed call turns the path off for good
         self._skipped = False
+        # (the step's AttentionMetadata, key rows, cu_seqlens_k): every layer of a step reads the same rows
+        self._step_keys: tuple | None = None
 
     def select(self, cfg) -> None:
         super().select(cfg)
@@ -106,6 +110,18 @@ class MLAPrefillMHA(OpImpl):
             return f"{attn.num_tokens} rows for {sum(host.seqlens_q)} query tokens (padded or empty step)"
         return None
 
+    def key_rows(self, attn, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache rows of the step's keys, cu_seqlens_k), computed at the step's first layer."""
+        if self._step_keys is not None and self._step_keys[0] is attn:
+            return self._step_keys[1], self._step_keys[2]
+        host = attn.host
+        if tuple(host.seqlens_q) == tuple(host.seqlens_k):  # no cached prefix: the keys are this step's rows
+            slots, cu_k = attn.slot_mapping, attn.cu_seqlens_q.to(torch.int32)
+        else:
+            slots, cu_k = context_slots(attn, page, int(sum(host.seqlens_k)))
+        self._step_keys = (attn, slots, cu_k)
+        return slots, cu_k
+
     def mla_forward(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
                     kv_cache: torch.Tensor, attn, softmax_scale: float) -> torch.Tensor | None:
         """The decompressed prefill, or None where :meth:`reason` refuses (the caller runs the absorbed path)."""
@@ -118,10 +134,7 @@ class MLAPrefillMHA(OpImpl):
         q_nope, q_rope = ks.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, attn.slot_mapping,
                                                           absorb=False)  # writes this step's rows first
         num_tokens, page = hidden.shape[0], kv_cache.shape[1]
-        if tuple(host.seqlens_q) == tuple(host.seqlens_k):  # no cached prefix: the keys are this step's rows
-            slots, cu_k = attn.slot_mapping, attn.cu_seqlens_q.to(torch.int32)
-        else:
-            slots, cu_k = context_slots(attn, page, int(sum(host.seqlens_k)))
+        slots, cu_k = self.key_rows(attn, page)
         rows = kv_cache.view(-1, lrank + rdim).index_select(0, slots)
         latent, k_rope = rows[:, :lrank], rows[:, lrank:]
         tk = rows.shape[0]
