@@ -877,7 +877,9 @@ def unpermute_reason(expert_out, order, weights, num_tokens, top_k, by_position=
         return "no tokens"
     if n != num_tokens * top_k or expert_out.shape[0] != n or tuple(weights.shape) != (num_tokens, top_k):
         return "shapes"
-    if n > (2**31 - 1 if by_position else MAX_ASSIGN):
+    if by_position and n >= 2**31:
+        return f"{n} assignments: int32 positions"
+    if not by_position and n > MAX_ASSIGN:
         return f"{n} assignments > {MAX_ASSIGN} (every CTA scans the order: decode sizes)"
     if top_k > MAX_TOP_K:
         return f"top_k {top_k} > {MAX_TOP_K}"

@@ -93,7 +93,7 @@ class MoERouting(OpImpl):
         inverse (one scatter computes it: prefill sizes, T*k > MAX_ASSIGN), else why neither applies."""
         args = (expert_out, state.order, weights, state.num_tokens, state.top_k)
         why = mod.unpermute_reason(*args)
-        if why is None or state.order.numel() <= mod.MAX_ASSIGN or not hasattr(mod, "positions_of"):
+        if why is None or state.order.numel() <= mod.MAX_ASSIGN:
             return False, why
         return True, mod.unpermute_reason(*args, by_position=True)
 
