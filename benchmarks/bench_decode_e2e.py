@@ -227,14 +227,15 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: st
     return out
 
 
-def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
+def build_hf_model(cfg: dict, dtype_name: str, device: str):
+    """transformers' DeepseekV2ForCausalLM for a V2-shaped config with random weights (the peer of the runs)."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     hf_cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype",
                                                        "rope_scaling", "scoring_func", "moe_layer_freq")}
     config = DeepseekV2Config(**hf_cfg)
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float32
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -242,7 +243,13 @@ def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
             model = DeepseekV2ForCausalLM(config)
     finally:
         torch.set_default_dtype(prev)
-    model = model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
+    import torch
+
+    model = build_hf_model(cfg, args.dtype, device)
     log(f"transformers model built ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params)")
     for batch in args.batch:
         ids = torch.tensor(prompts_for(batch, args.prompt_len, cfg["vocab_size"]), device=device)

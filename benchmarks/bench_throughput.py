@@ -9,12 +9,17 @@ DeepSeek-V2-Lite shape with random bf16 weights (``load_format="dummy"``), rando
 - ``vllm``: vLLM's published DeepSeek-V2-Lite throughput workload: 200 prompts of 1000 tokens, 100 out.
 
 The model FLOPs of a token: 2 x (the attention projections with kv_b decompressed, the dense MLP or the router,
-the shared and top-k routed experts) + 4 x heads x (qk + v head dims) x the positions it attends to (causal), and
-2 x hidden x vocabulary for each token whose logits are computed (the last prompt token and every output).
+the shared and top-k routed experts) + 2 x heads x (qk + v head dims) a layer for each position it attends to
+(causal), and 2 x hidden x vocabulary for each token whose logits are computed (the last prompt token and every
+output).
 One JSON line per workload::
 
     {"bench": "throughput", "workload": ..., "req_s": ..., "prompt_tok_s": ..., "output_tok_s": ...,
      "total_tok_s": ..., "model_tflops": ..., "frac_of_tensor_core_roofline": ..., "gemm_tflops": ..., ...}
+
+The peer: transformers' DeepseekV2ForCausalLM at the same shape prefills the first ``--peer-prompts`` prompts of
+the prefill workload, one a forward, before the engine starts; the prefill row carries its rate and
+``over_peer_flop_rate`` (model FLOP rates, as the peer ran fewer prompts).
 
 ``--profile``: the first ``--profile-prompts`` prompts of each workload once more under torch.profiler; a row
 ``throughput_profile`` names the kernels that took the device's time.
@@ -67,8 +72,8 @@ def token_flops(cfg: dict) -> tuple[float, float, float]:
     attn = sum(mla_projection_params(cfg).values())
     moe = e * d + 3 * d * mi * (cfg["n_shared_experts"] + k)
     linear = layers * attn + dense_layers * 3 * d * cfg["intermediate_size"] + (layers - dense_layers) * moe
-    per_position = layers * 2 * h * (nope + rope + v)
-    return 2.0 * linear, 2.0 * per_position, 2.0 * d * cfg["vocab_size"]
+    per_position = layers * 2 * h * (nope + rope + v)  # q.k over N + R dims and p.v over V, 2 FLOPs a product
+    return 2.0 * linear, float(per_position), 2.0 * d * cfg["vocab_size"]
 
 
 def request_flops(cfg: dict, prompt: int, output: int) -> float:
@@ -98,6 +103,38 @@ def gemm_tflops(device: str) -> float:
         sync(device)
         times.append((time.perf_counter() - t0) / 5)
     return 2 * n**3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def peer_prefill(cfg: dict, dtype: str, device: str, reqs, log) -> dict | None:
+    """transformers (DeepseekV2ForCausalLM, the same shape, random weights) prefilling ``reqs``' prompts one at a
+    time (no padding, logits of the last position only): prompt tok/s and model TFLOP/s, or None without it."""
+    try:
+        import torch
+
+        from benchmarks.bench_decode_e2e import build_hf_model
+
+        model = build_hf_model(cfg, dtype, device)
+    except Exception as e:  # noqa: BLE001 - the engine's rows still come
+        log(f"transformers peer unavailable: {type(e).__name__}: {e}")
+        return None
+    ids = [torch.tensor([p], device=device) for p, _ in reqs]
+    with torch.inference_mode():
+        model(ids[0], logits_to_keep=1)  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        for x in ids:
+            model(x, logits_to_keep=1)
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    tokens = sum(len(p) for p, _ in reqs)
+    flops = sum(request_flops(cfg, len(p), 1) for p, _ in reqs)
+    log(f"transformers: {len(reqs)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s)")
+    return {"peer": "transformers DeepseekV2ForCausalLM, one prompt a forward (logits_to_keep=1)",
+            "peer_prompts": len(reqs), "peer_prompt_tok_s": round(tokens / elapsed, 1),
+            "peer_model_tflops": float(f"{flops / elapsed / 1e12:.4g}")}
 
 
 def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
@@ -130,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
+    p.add_argument("--peer-prompts", type=int, default=16,
+                   help="prefill: transformers on this many of the prompts first (0: no peer)")
     p.add_argument("--profile", action="store_true", help="also profile the first --profile-prompts of each")
     p.add_argument("--profile-prompts", type=int, default=64)
     p.add_argument("--top", type=int, default=25)
@@ -145,6 +184,10 @@ def main(argv=None) -> int:
     meta = row_meta(device)
     peak = gemm_tflops(device)
     log(f"hardware: {meta['hardware']}; bf16 GEMM {peak:.1f} TFLOP/s")
+    peer = None
+    if "prefill" in args.workload and args.peer_prompts:  # before the engine holds the device's memory
+        prefill_reqs = workload("prefill", args.num_prompts, cfg["vocab_size"], args.seed, args.tiny)
+        peer = peer_prefill(cfg, args.dtype, device, prefill_reqs[: args.peer_prompts], log)
     extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     t0 = time.perf_counter()
     llm = LLM(write_model_dir(cfg, "bench_throughput_"), load_format="dummy", backend=args.backend, dtype=args.dtype,
@@ -191,8 +234,10 @@ def main(argv=None) -> int:
                "model": "tiny-v2-dummy" if args.tiny else "deepseek-v2-lite-shape-dummy", "dtype": args.dtype,
                "max_num_seqs": cfg_engine.max_num_seqs, "max_num_batched_tokens": cfg_engine.max_num_batched_tokens,
                "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,
-               "flops": "2 x linear (kv_b decompressed) + 4 x heads x (qk + v dims) per attended position + "
+               "flops": "2 x linear (kv_b decompressed) + 2 x heads x (qk + v dims) a layer per attended position + "
                         "2 x hidden x vocab per logits row"}
+        if name == "prefill" and peer is not None:  # the FLOP rates compare: the peer ran the first prompts only
+            row.update(peer, over_peer_flop_rate=round(flops / elapsed / 1e12 / peer["peer_model_tflops"], 2))
         rows.append(row)
         print(json.dumps(row), flush=True)
         log(f"{name}: {len(reqs)} requests in {elapsed:.2f}s = {row['req_s']} req/s, prompt "

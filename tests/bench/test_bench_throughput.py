@@ -1,0 +1,38 @@
+"""benchmarks/bench_throughput.py: the model FLOPs it divides by, and a CPU rehearsal whose rows count every token
+of every request and carry the transformers peer's rate."""
+
+import json
+
+from benchmarks import bench_throughput as bench
+from benchmarks.decode_workload import V2_LITE
+
+
+def test_linear_flops_are_two_per_active_weight_of_v2_lite():
+    """27 MLA layers (q 16 x 192 x 2048, kv_a 576 x 2048, kv_b 512 x 16 x 256, o 2048 x 2048), one dense MLP of
+    10944 and 26 MoE layers (router 64 x 2048, 2 shared + 6 routed experts of 3 x 2048 x 1408)."""
+    attn = 16 * 192 * 2048 + 576 * 2048 + 512 * 16 * 256 + 2048 * 2048
+    active = 27 * attn + 3 * 2048 * 10944 + 26 * (64 * 2048 + 8 * 3 * 2048 * 1408)
+    linear, per_position, logits = bench.token_flops(V2_LITE)
+    assert linear == 2 * active and per_position == 27 * 2 * 16 * (192 + 128) and logits == 2 * 2048 * 102400
+
+
+def test_request_flops_count_causal_positions_and_one_logits_row_a_token():
+    linear, per_pos, logits = bench.token_flops(V2_LITE)
+    # 3 prompt tokens + 2 outputs: 4 tokens through the layers (the last output is never fed back), attending to
+    # 1 + 2 + 3 + 4 positions, and 2 logits rows
+    assert bench.request_flops(V2_LITE, 3, 2) == 4 * linear + 10 * per_pos + 2 * logits
+
+
+def test_cpu_rehearsal_rows(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    bench.main(["--backend", "cpu", "--tiny", "--num-prompts", "6", "--peer-prompts", "2", "--max-num-seqs", "4",
+                "--max-model-len", "256", "--workload", "prefill", "mix", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["workload"] for r in rows] == ["prefill", "mix"]
+    for r in rows:
+        assert r["requests"] == 6 and r["all_outputs_complete"], r
+        assert r["prompt_tok_s"] > 0 and r["frac_of_tensor_core_roofline"] > 0
+    prefill, mix = rows
+    assert prefill["output_tokens"] == 6 and mix["output_tokens"] > 6
+    assert prefill["peer_prompts"] == 2 and prefill["peer_prompt_tok_s"] > 0 and prefill["over_peer_flop_rate"] > 0
+    assert "peer" not in mix
