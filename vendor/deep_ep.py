@@ -2,8 +2,8 @@
 
 Detects the ``deep_ep`` package (``Buffer``). :class:`ExpertDispatch` wraps one ``deep_ep.Buffer`` (normal mode,
 sized by DeepEP's own config hints) and speaks the engine's MoE layout: ``ids`` [T, k] int32 expert ids and
-``weights`` [T, k] fp32 from ``moe_gating_topk``, hidden states [T, D] bf16. Fallback: none is needed on one rank
-(each rank serves its own requests with every expert: the local ``moe_dispatch`` / ``moe_combine`` ops).
+``weights`` [T, k] fp32 from ``moe_gating_topk``, hidden states [T, D] bf16. Used by the CUDA kernel set's
+``ep_dispatch`` / ``ep_combine`` (``backends/cuda/ep_deepep.py``); fallback: the all-to-all with variable splits.
 """
 
 from __future__ import annotations

@@ -363,9 +363,9 @@ class AscendKernelSet(CpuKernelSet):
             self._mc2_comms[id(group)] = entry
         return entry[1]
 
-    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+    def ep_dispatch(self, hidden, slots, placement, group, weights=None) -> EPDispatched:
         if not self._ep_decision(hidden, slots, placement, group).native:
-            return super().ep_dispatch(hidden, slots, placement, group)
+            return super().ep_dispatch(hidden, slots, placement, group, weights)
         return ops_ep.dispatch(hidden, slots, placement.num_slots, placement.slots_per_rank,
                                self._mc2_comm(group, hidden.device), self._ep_token_bound())
 

@@ -30,7 +30,7 @@ class VariableSplitEP:
     """Expert parallelism's reference: all_to_all_single with variable splits (ep_comm.py; one allowed host sync a
     layer), then this rank's own routing ops."""
 
-    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+    def ep_dispatch(self, hidden, slots, placement, group, weights=None) -> EPDispatched:
         rows, local_slot, handle = _ep_comm.ep_dispatch(hidden, slots, placement, group)
         sorted_rows, counts, state = self.moe_dispatch(rows, local_slot.view(-1, 1).to(torch.int32),
                                                        placement.slots_per_rank)

@@ -20,6 +20,7 @@ from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPlan, MLAWeights, RopeLike
 
 from .branches import ParallelBranches
+from .ep_deepep import DeepEPNormalMode
 from .ops import FAMILIES, OpConfig, OpImpl
 from .ops.base import KernelModules, PathLog, current_device_is_sm90, tilelang_importable
 from .ops.mla_quant import MLAQuant
@@ -44,11 +45,12 @@ _DEFAULT_FALLBACK = "reference op on CUDA tensors"
 _FAMILIES = {**FAMILIES, "quant": QuantOps, "mla_quant": MLAQuant}
 
 
-class CudaKernelSet(CpuKernelSet):
+class CudaKernelSet(DeepEPNormalMode, CpuKernelSet):
     """Expert parallelism (``FixedCapacityAtDecode``, from the reference kernel set): ``ep_dispatch`` /
     ``ep_combine`` run the fixed-capacity all-to-all over NCCL (equal splits, no host read, capturable) for a step
-    whose agreed token count is declared and at most ``ep_fixed_max_tokens``; else the reference's variable splits
-    (one allowed host sync a layer)."""
+    whose agreed token count is declared and at most ``ep_fixed_max_tokens``; else DeepEP's normal kernels where
+    ``deep_ep`` is built (``ep_deepep.py``), else the reference's variable splits (one allowed host sync a
+    layer)."""
 
     #: implementations left out of every selection, by kernel name (e.g. ``{"mla_absorb"}``): tests that compare a
     #: kernel with the path it replaces set it on the class before an engine is built

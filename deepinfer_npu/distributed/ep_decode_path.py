@@ -67,10 +67,10 @@ class FixedCapacityAtDecode:
             return None
         return agreed * top_k
 
-    def ep_dispatch(self, hidden, slots, placement, group) -> EPDispatched:
+    def ep_dispatch(self, hidden, slots, placement, group, weights=None) -> EPDispatched:
         capacity = self.ep_capacity(slots.shape[1])
         if capacity is None:
-            return super().ep_dispatch(hidden, slots, placement, group)
+            return super().ep_dispatch(hidden, slots, placement, group, weights)
         rows, tokens_per_slot, handle = ep_dispatch_fixed(hidden, slots, placement, group, capacity)
         return EPDispatched(rows, tokens_per_slot, handle)
 

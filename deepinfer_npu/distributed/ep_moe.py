@@ -110,7 +110,7 @@ def ep_moe_forward(moe, hidden: torch.Tensor, ep: EPGroup) -> torch.Tensor:
         placement, slots = ep.placement, ep.placement.route(ids, ep.rank)
     else:  # replicas spread by token index, shifted per rank and step so one-token decode batches spread too
         placement, slots = layer.placement, layer.table.route(ids, ep.rank + ep.steps)
-    dispatched = k.ep_dispatch(hidden, slots, placement, ep.group)
+    dispatched = k.ep_dispatch(hidden, slots, placement, ep.group, weights)
     if layer is not None:
         layer.load.add_(dispatched.tokens_per_slot)  # the routing op's per-slot counts, accumulated on the device
         ep.forwards += 1

@@ -21,10 +21,15 @@ def ep_dispatch_report(backend) -> dict[str, str]:
     if backend.name == "cuda":
         from deepinfer_npu.vendor import deep_ep
 
+        from deepinfer_npu.backends.cuda.ep_deepep import DEEPEP_WORLD_SIZES
+
         status = deep_ep.probe()
-        why = ("DeepEP found but not wired into the dispatch yet" if status.available
-               else f"DeepEP not used: {status.reason}")
-        path += f"; {why}"
+        if status.available:
+            path = (f"DeepEP's normal kernels (version {status.version or 'unknown'}) for prefill and undeclared "
+                    f"steps in bf16 at EP world sizes {DEEPEP_WORLD_SIZES} (backends/cuda/ep_deepep.py; DeepEP "
+                    f"returns its receive counts to the host); otherwise: {path}")
+        else:
+            path += f"; DeepEP not used: {status.reason}"
     elif backend.name == "ascend" and hasattr(kernels, "ep_path_report"):
         mc2 = kernels.ep_path_report()
         return {"ep_dispatch": f"{mc2['ep_dispatch']}; otherwise: {path}",

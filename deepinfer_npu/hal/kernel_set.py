@@ -225,13 +225,16 @@ class KernelSet(abc.ABC):
 
     # ---- expert parallelism (not in OPS: distributed/ep_report.py reports their path) ---------------------------
     @abc.abstractmethod
-    def ep_dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, placement: Any, group: Any) -> EPDispatched:
+    def ep_dispatch(self, hidden: torch.Tensor, slots: torch.Tensor, placement: Any, group: Any,
+                    weights: torch.Tensor | None = None) -> EPDispatched:
         """Send each (token, choice) row to the rank owning its physical expert slot; -> this rank's received rows
         sorted by local slot, with ``tokens_per_slot`` [slots_per_rank] int64 on the device.
 
         ``hidden`` [T, D] (T may be 0), ``slots`` [T, k] physical slot ids (``ExpertPlacement.route``),
         ``placement`` the layer's ``ExpertPlacement`` (``slots_per_rank`` consecutive slots a rank), ``group`` the
-        EP process group. Every rank of the group calls it in the same order (a collective)."""
+        EP process group. ``weights`` [T, k] fp32: the router weights ``ep_combine`` will get, for a path whose
+        dispatch carries them (DeepEP weights the outputs on the expert's rank); None where the caller has none
+        yet (such a path then steps aside). Every rank of the group calls it in the same order (a collective)."""
 
     @abc.abstractmethod
     def ep_combine(self, expert_out: torch.Tensor, dispatched: EPDispatched, weights: torch.Tensor,

@@ -115,7 +115,7 @@ class MoERouting(OpImpl):
         self.note("moe_combine", f"composed torch (index_copy_ + weighted sum in fp32), sync-free ({why})", True)
         unsorted = torch.empty_like(expert_out, dtype=torch.float32)
         unsorted.index_copy_(0, state.order, expert_out.float())
-        per_token = unsorted.view(state.num_tokens, state.top_k, -1)
+        per_token = unsorted.view(state.num_tokens, state.top_k, expert_out.shape[-1])  # also for 0 tokens
         return (per_token * weights.float().unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
 
     def moe_combine_add(self, expert_out, state: DispatchState, weights, addend):
