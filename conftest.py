@@ -2,12 +2,17 @@
 
 A marked test is skipped, with the missing requirement named, on a machine that lacks it, so device tests live
 beside the CPU ones without per-file ``skipif`` copies. ``pytest -m gpu`` selects the GPU tier on a GPU host.
+
+Under pytest-xdist on a GPU host (``pytest -m gpu -n 8``), each worker process gets an equal share of the GPU's
+memory (``torch.cuda.set_per_process_memory_fraction``; the CUDA backend sizes KV caches from that share), so that
+one worker's engine does not take the memory the others need.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import shutil
 
 import pytest
@@ -36,3 +41,11 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker(marker) is not None and (why := _missing(marker)):
                 item.add_marker(pytest.mark.skip(reason=why))
                 break
+
+
+def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER") and _missing("gpu") is None:
+        import torch
+
+        torch.cuda.set_per_process_memory_fraction(0.95 / workers)

@@ -1,4 +1,8 @@
-"""End-to-end decode on the DeepSeek-V2-Lite shape: the engine vs Hugging Face transformers vs the roofline.
+"""End-to-end decode on a DeepSeek shape: the engine vs Hugging Face transformers vs the roofline.
+
+``--shape``: ``v2-lite`` (DeepSeek-V2-Lite, the default), ``v3-4l`` (DeepSeek-V3's dims at 4 layers, 1 dense +
+3 MoE; transformers is left out there: its random init of 39 B parameters takes longer than the engine's run) or
+``tiny`` (the same structure as v2-lite at tiny sizes, the CPU rehearsal; ``--tiny`` says the same).
 
 Random bf16 weights (the engine's ``load_format="dummy"``; transformers' own init), prompt ``--prompt-len``,
 greedy, ``--gen`` decode tokens per request timed after the prefill, at each ``--batch`` (``--repeat`` windows,
@@ -18,6 +22,7 @@ by side; each row carries its ratio to the first (``over_baseline_engine``). Out
      "frac_of_roofline": f, ..., "date": ..., "commit": ..., "hardware": ..., "command": ...}
 
 GPU:  python -m benchmarks.bench_decode_e2e --backend cuda --out benchmarks/results/h200_decode_e2e.jsonl
+V3:   python -m benchmarks.bench_decode_e2e --backend cuda --shape v3-4l --graphs --quantization none fp8
 CPU rehearsal (tiny shapes):  python -m benchmarks.bench_decode_e2e --backend cpu --tiny
 """
 
@@ -31,8 +36,7 @@ import time
 import traceback
 
 from benchmarks.decode_workload import (
-    TINY,
-    V2_LITE,
+    SHAPES,
     append_jsonl,
     mla_projection_params,
     pdl_enabled,
@@ -291,7 +295,8 @@ def main(argv=None) -> int:
                    "(odd counts: the middle one)")
     p.add_argument("--gpu-state", action="store_true",
                    help="after each timed window, record the GPU's clocks / power / clock-event reasons (nvidia-smi)")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
+    p.add_argument("--shape", default="v2-lite", choices=sorted(SHAPES), help="the model's dims (module docstring)")
+    p.add_argument("--tiny", action="store_true", help="--shape tiny: the CPU rehearsal")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-engine", action="store_true", help="skip the engine")
     p.add_argument("--graphs", action="store_true", help="engine with enable_graphs=True (captured decode graphs)")
@@ -305,7 +310,11 @@ def main(argv=None) -> int:
 
     import torch
 
-    cfg = TINY if args.tiny else V2_LITE
+    if args.tiny:
+        args.shape = "tiny"
+    cfg, model_name = SHAPES[args.shape]
+    if args.shape == "v3-4l":
+        args.no_hf = True
     device = "cuda" if args.backend == "cuda" else "cpu"
     log = stamped_logger()
 
@@ -364,7 +373,7 @@ def main(argv=None) -> int:
                 "pure_decode_window": eng.get(batch, {}).get("pure_decode_window"),
                 "bytes_per_step": int(by["total"]), "kv_bytes_per_step": int(by["kv"]),
                 "experts_hit": round(by["experts_hit"], 2), "copy_GBps": round(bw / 1e9, 1),
-                "model": "deepseek-v2-lite-shape-dummy" if not args.tiny else "tiny-v2-dummy",
+                "model": model_name,
                 "dtype": args.dtype, "quantization": None if q == "none" else q, "kv_cache_dtype": kv,
                 "prompt_len": args.prompt_len, "decode_tokens": args.gen,
                 "backend": args.backend, "torch": torch.__version__,

@@ -19,11 +19,23 @@ V2_LITE = {
     "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
     "bos_token_id": 100000, "eos_token_id": 100001, "torch_dtype": "bfloat16", "initializer_range": 0.02,
 }
+# DeepSeek-V3's dims (hidden 7168, 128 heads, q-LoRA 1536, 256 routed experts, 8 active, 1 shared, sigmoid scores
+# with grouped noaux_tc routing) at 4 layers: 1 dense + 3 MoE (the real model: 3 dense + 58 MoE), so that most of the
+# measured step is the MoE path. MTP layers are left out (num_nextn_predict_layers 0): plain decode.
+V3_4L = dict(V2_LITE, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=129280,
+             hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=4,
+             num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, n_routed_experts=256,
+             num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=1,
+             routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+             max_position_embeddings=16384, num_nextn_predict_layers=0, bos_token_id=0, eos_token_id=1)
 # Same structure, tiny sizes: the CPU rehearsal of every code path (engine, transformers, roofline).
 TINY = dict(V2_LITE, vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
             qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
             n_shared_experts=1, max_position_embeddings=1024, bos_token_id=0, eos_token_id=1)
+#: the shapes a benchmark's --shape chooses from, and the name its rows give the model
+SHAPES = {"v2-lite": (V2_LITE, "deepseek-v2-lite-shape-dummy"), "v3-4l": (V3_4L, "deepseek-v3-shape-4l-dummy"),
+          "tiny": (TINY, "tiny-v2-dummy")}
 
 
 def write_model_dir(cfg: dict, prefix: str) -> str:

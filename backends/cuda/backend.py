@@ -93,7 +93,13 @@ class CudaBackend(Backend):
         return CudaGraphRunner(self.device_index)
 
     def memory_info(self) -> MemoryInfo:
+        """The device's free memory, capped by this process's share when one is set
+        (``torch.cuda.set_per_process_memory_fraction``: processes sharing a GPU size their KV caches from their
+        share, not from whatever the others left free)."""
         free, total = torch.cuda.mem_get_info(self.device_index)
+        share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _i: 1.0)(self.device_index)
+        if share < 1.0:
+            free = min(free, max(0, int(share * total) - torch.cuda.memory_reserved(self.device_index)))
         return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
 
     # ---- sync guard ----------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
-#   tests     GPU tests: python -m pytest -m gpu $TESTS (default tests/kernels_cuda tests/cuda)
+#   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
+#             pytest-xdist workers (default 8; each gets an equal share of the GPU's memory, conftest.py) when the
+#             wheels phase installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
 #   e2e       benchmarks/bench_decode_e2e.py with graphs, batch 1 16 64 (E2E_REPEAT timed windows a batch, default
@@ -46,8 +48,9 @@ for phase in "$@"; do
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
-    tests) timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests/kernels_cuda tests/cuda} -q -rs -p no:cacheprovider 2>&1 \
-             | filt > "$OUT/tests.log"; tail -30 "$OUT/tests.log" ;;
+    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-8} --dist load"
+             timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
+             | filt > "$OUT/tests.log"; tail -45 "$OUT/tests.log" ;;
     kernels) for k in ${KERNELS:-all}; do echo "== $k"
              timeout $LIM python3 -m deepinfer_npu.kernels_cuda.bench $k ${BENCH_ARGS:-} --out "$OUT/h200_kernels.jsonl" 2>&1 \
              | filt | grep -v '^{' | tail -8; done

@@ -46,3 +46,24 @@ def test_repeat_windows_and_host_wait_in_the_row(tmp_path):
     assert abs(row["engine_tok_s"] - sorted(row["engine_tok_s_windows"])[1]) <= 0.06  # the median window
     assert len(row["host_wait_frac_windows"]) == 3 and all(0 <= f <= 1 for f in row["host_wait_frac_windows"])
     assert row["gpu_state_windows"] == [None, None, None]  # the CPU backend has no GPU to read
+
+
+def test_every_shape_is_a_config_the_engine_accepts_and_v3_counts_its_q_lora():
+    """--shape's configs parse as the engine's model config; the V3 shape's roofline bytes count the q-LoRA pair
+    (q_a + q_b), 3 MoE layers of 8 active experts each, and its 129280-row lm_head."""
+    from benchmarks.decode_workload import SHAPES, V3_4L
+    from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+
+    for name, (cfg, _model) in SHAPES.items():
+        mc = DeepseekModelConfig.from_dict(cfg, source=name)
+        assert mc.kv_cache_dim == cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    v3 = DeepseekModelConfig.from_dict(V3_4L)
+    assert v3.num_attention_heads == 128 and v3.q_lora_rank == 1536
+    assert [v3.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+    by = bench.bytes_per_step(V3_4L, 1, 512.0)
+    d, mi = 7168, 2048
+    q = 1536 * d + 128 * 192 * 1536
+    attn = q + 576 * d + d * 128 * 128 + 128 * 256 * 512
+    experts_b1 = 3 * (3 * d * mi * (1 + 8) + 256 * d)  # shared + 8 hit experts + the router, per MoE layer
+    want = 2 * (4 * attn + 3 * d * 18432 + experts_b1 + 129280 * d) + 4 * 512 * 576 * 2
+    assert abs(by["total"] - want) / want < 1e-6, (by["total"], want)

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from benchmarks import bench_zos
-from benchmarks.bench_decode_e2e import TINY
+from benchmarks.decode_workload import TINY
 
 
 def test_step_ms_is_wall_time_per_decode_step_with_zos(tmp_path):

@@ -64,6 +64,23 @@ def test_backend_hooks(cuda_backend):
 
 
 @pytest.mark.gpu
+def test_free_memory_is_capped_by_the_process_share(cuda_backend):
+    """Processes sharing a GPU (pytest-xdist workers, several engines) size their KV caches from their share."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get is None:
+        pytest.skip("torch.cuda.get_per_process_memory_fraction is missing in this torch")
+    before = get(0)
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.05, 0)
+        free, total = cuda_backend.memory_info()
+        assert free <= max(0, int(0.05 * total) - torch.cuda.memory_reserved(0)), (free, total)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, 0)
+    free, total = cuda_backend.memory_info()
+    assert free > 0.05 * total * before  # the share restored
+
+
+@pytest.mark.gpu
 def test_worker_style_pageable_h2d_copy_is_a_sync_for_torch():
     """Documents the engine change "error" mode needs: a blocking pageable H2D copy trips torch's checker."""
     import numpy as np
