@@ -5,7 +5,8 @@ beside the CPU ones without per-file ``skipif`` copies. ``pytest -m gpu`` select
 
 Under pytest-xdist on a GPU host (``pytest -m gpu -n 8``), each worker process gets an equal share of the GPU's
 memory (``torch.cuda.set_per_process_memory_fraction``; the CUDA backend sizes KV caches from that share), so that
-one worker's engine does not take the memory the others need.
+one worker's engine does not take the memory the others need. ``TEST_FAILURE_LOG=path`` appends each
+failure's report to ``path`` as it happens (a run cut off by a time limit still says what failed and why).
 """
 
 from __future__ import annotations
@@ -49,3 +50,10 @@ def pytest_configure(config):
         import torch
 
         torch.cuda.set_per_process_memory_fraction(0.95 / workers)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("TEST_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")

@@ -99,7 +99,8 @@ class CudaBackend(Backend):
         free, total = torch.cuda.mem_get_info(self.device_index)
         share = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _i: 1.0)(self.device_index)
         if share < 1.0:
-            free = min(free, max(0, int(share * total) - torch.cuda.memory_reserved(self.device_index)))
+            # allocated, not reserved: the allocator reuses its cached blocks (and frees them at the share's limit)
+            free = min(free, max(0, int(share * total) - torch.cuda.memory_allocated(self.device_index)))
         return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
 
     # ---- sync guard ----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
-#             pytest-xdist workers (default 8; each gets an equal share of the GPU's memory, conftest.py) when the
+#             pytest-xdist workers (default 14; each gets an equal share of the GPU's memory, conftest.py) when the
 #             wheels phase installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
@@ -48,9 +48,11 @@ for phase in "$@"; do
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
-    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-8} --dist load"
+    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist load"
+             rm -f "$OUT/test_failures.log"; export TEST_FAILURE_LOG="$OUT/test_failures.log"  # conftest.py
              timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
-             | filt > "$OUT/tests.log"; tail -45 "$OUT/tests.log" ;;
+             | filt | grep -v "PytestBenchmarkWarning\|warner(" > "$OUT/tests.log"; tail -40 "$OUT/tests.log"
+             [ -f "$OUT/test_failures.log" ] && grep "^==== FAILED" "$OUT/test_failures.log" | head -40 ;;
     kernels) for k in ${KERNELS:-all}; do echo "== $k"
              timeout $LIM python3 -m deepinfer_npu.kernels_cuda.bench $k ${BENCH_ARGS:-} --out "$OUT/h200_kernels.jsonl" 2>&1 \
              | filt | grep -v '^{' | tail -8; done

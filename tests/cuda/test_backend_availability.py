@@ -73,7 +73,7 @@ def test_free_memory_is_capped_by_the_process_share(cuda_backend):
     try:
         torch.cuda.set_per_process_memory_fraction(0.05, 0)
         free, total = cuda_backend.memory_info()
-        assert free <= max(0, int(0.05 * total) - torch.cuda.memory_reserved(0)), (free, total)
+        assert free <= max(0, int(0.05 * total) - torch.cuda.memory_allocated(0)), (free, total)
     finally:
         torch.cuda.set_per_process_memory_fraction(before, 0)
     free, total = cuda_backend.memory_info()
