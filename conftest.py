@@ -3,9 +3,8 @@
 A marked test is skipped, with the missing requirement named, on a machine that lacks it, so device tests live
 beside the CPU ones without per-file ``skipif`` copies. ``pytest -m gpu`` selects the GPU tier on a GPU host.
 
-Under pytest-xdist on a GPU host (``pytest -m gpu -n 8``), each worker process gets an equal share of the GPU's
-memory (``torch.cuda.set_per_process_memory_fraction``; the CUDA backend sizes KV caches from that share), so that
-one worker's engine does not take the memory the others need. ``TEST_FAILURE_LOG=path`` appends each
+Under pytest-xdist on a GPU host (``pytest -m gpu -n 14``), engines built by a worker size their KV caches from an
+equal share of the GPU's memory, so that one worker's engine does not take the memory the others need. ``TEST_FAILURE_LOG=path`` appends each
 failure's report to ``path`` as it happens (a run cut off by a time limit still says what failed and why).
 """
 
@@ -44,12 +43,36 @@ def pytest_collection_modifyitems(config, items):
                 break
 
 
-def pytest_configure(config):
+@functools.cache
+def _gpu_worker_share() -> float | None:
+    """The share of the GPU's memory a pytest-xdist worker sizes engines' KV caches from, or None (one process,
+    or no GPU)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER") and _missing("gpu") is None:
+        return 0.9 / workers
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _kv_cache_share_of_the_gpu(monkeypatch):
+    """Engines built by a GPU worker see free memory capped at the worker's share (a soft cap: other tensors may
+    use more, which kernel tests of V3 shapes need), as they would under ``set_per_process_memory_fraction``."""
+    share = _gpu_worker_share()
+    if share is not None:
         import torch
 
-        torch.cuda.set_per_process_memory_fraction(0.95 / workers)
+        from deepinfer_npu.backends.cuda.backend import CudaBackend
+        from deepinfer_npu.hal.backend import MemoryInfo
+
+        device_info = CudaBackend.memory_info
+
+        def memory_info(self):
+            info = device_info(self)
+            cap = max(0, int(share * info.total_bytes) - torch.cuda.memory_allocated(self.device_index))
+            return MemoryInfo(free_bytes=min(info.free_bytes, cap), total_bytes=info.total_bytes)
+
+        monkeypatch.setattr(CudaBackend, "memory_info", memory_info)
+    yield
 
 
 def pytest_runtest_logreport(report):

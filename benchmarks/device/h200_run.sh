@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
-#             pytest-xdist workers (default 14; each gets an equal share of the GPU's memory, conftest.py) when the
-#             wheels phase installed pytest-xdist, else in one process
+#             pytest-xdist workers (default 14; engines size their KV caches from an equal share of the memory,
+#             conftest.py) when the wheels phase installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
 #   e2e       benchmarks/bench_decode_e2e.py with graphs, batch 1 16 64 (E2E_REPEAT timed windows a batch, default

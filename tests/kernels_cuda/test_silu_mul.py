@@ -122,10 +122,14 @@ def test_backend_silu_and_mul_selection_gpu():
 def test_grouped_mlp_activation_goes_through_the_kernel_gpu():
     from deepinfer_npu.backends.cpu import moe as ref_moe
     from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.backends.cuda.ops.grouped_mlp import MOE_GEMM_MAX_ROWS
 
     ks = CudaKernelSet()
     g = torch.Generator(device="cuda").manual_seed(0)
-    E, D, inter, T, k = 8, 256, 128, 37, 3
+    # 2100 rows: above moe_gemm's limit (MOE_GEMM_MAX_ROWS), where torch._grouped_mm runs and the activation
+    # is a separate kernel
+    E, D, inter, T, k = 8, 256, 128, 700, 3
+    assert T * k > MOE_GEMM_MAX_ROWS
     hidden = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.randint(0, E, (T, k), device="cuda", generator=g).to(torch.int32)
     w13 = (torch.randn(E, 2 * inter, D, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
