@@ -4,8 +4,10 @@ A marked test is skipped, with the missing requirement named, on a machine that 
 beside the CPU ones without per-file ``skipif`` copies. ``pytest -m gpu`` selects the GPU tier on a GPU host.
 
 Under pytest-xdist on a GPU host (``pytest -m gpu -n 14``), engines built by a worker size their KV caches from an
-equal share of the GPU's memory, so that one worker's engine does not take the memory the others need. ``TEST_FAILURE_LOG=path`` appends each
-failure's report to ``path`` as it happens (a run cut off by a time limit still says what failed and why).
+equal share of the GPU's memory, so that one worker's engine does not take the memory the others need, and build
+their kernels in a few processes each (``DEEPINFER_COMPILE_WORKERS``). ``TEST_FAILURE_LOG=path`` appends each
+failure's report to ``path`` as it happens (a run cut off by a time limit still says what failed and why);
+``TEST_DURATION_LOG=path`` appends each test's call time, outcome and id (where a cut-off run spent its time).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ def _gpu_worker_share() -> float | None:
     return None
 
 
+def pytest_configure(config):
+    """A GPU worker's engines build their kernels in a few processes, not one per core each (14 workers on a
+    16-core host would otherwise start ~200 compile processes at once)."""
+    if _gpu_worker_share() is not None:
+        workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+        os.environ.setdefault("DEEPINFER_COMPILE_WORKERS", str(max(2, (os.cpu_count() or 1) // workers)))
+
+
 @pytest.fixture(autouse=True)
 def _kv_cache_share_of_the_gpu(monkeypatch):
     """Engines built by a GPU worker see free memory capped at the worker's share (a soft cap: other tensors may
@@ -76,7 +86,13 @@ def _kv_cache_share_of_the_gpu(monkeypatch):
 
 
 def pytest_runtest_logreport(report):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what its workers report
+        return
     path = os.environ.get("TEST_FAILURE_LOG")
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+    path = os.environ.get("TEST_DURATION_LOG")
+    if path and report.when == "call":
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f} {report.outcome} {report.nodeid}\n")

@@ -48,6 +48,15 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _count_or_auto(name: str, raw: str) -> int | None:
+    value = raw.strip().lower()
+    if value == "auto":
+        return None
+    if not value.isdigit():
+        raise ValueError(f"{name}={raw!r}: expected auto or a count >= 0")
+    return int(value)
+
+
 def _path(name: str, raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -72,6 +81,9 @@ _VARS: dict[str, EnvVar] = {
                "empty: asked from git."),
         EnvVar("DEEPINFER_CPU_THREADS", "1", _positive_int,
                "Intra-op threads of the CPU backend (one is fastest for reference-sized models)."),
+        EnvVar("DEEPINFER_COMPILE_WORKERS", "auto", _count_or_auto,
+               "Processes the CUDA kernel warm-up builds in at start-up: auto (the usable cores less one, at most "
+               "16) or a count (0 or 1: one at a time, e.g. several engines starting on one host)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )

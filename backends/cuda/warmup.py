@@ -28,6 +28,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,26 @@ def _fill_one(name: str, cfg: tuple, softmax_scale: float) -> None:
 
 
 def fill_worker_main() -> None:
-    """A worker of :func:`fill_disk_cache`: ``repr`` of ``(softmax_scale, [(module, config), ...])`` as its
-    argument; a ``FAILED_MARK`` line per configuration that failed on stdout."""
-    softmax_scale, jobs = ast.literal_eval(sys.argv[1])
-    for name, cfg in jobs:
+    """A worker of :func:`fill_disk_cache`: ``repr`` of ``(softmax_scale, claims directory, [(module, config),
+    ...])`` as its argument. It builds each job it claims first (a file created exclusively in the claims directory),
+    so the workers share the list as a queue; a ``FAILED_MARK`` line per configuration that failed on stdout."""
+    softmax_scale, claims, jobs = ast.literal_eval(sys.argv[1])
+    for i, (name, cfg) in enumerate(jobs):
+        if not claim(claims, i):
+            continue
         try:
             _fill_one(name, cfg, softmax_scale)
         except Exception as e:  # noqa: BLE001 - reported; the serial pass compiles it again
             print(f"{FAILED_MARK}{name} {cfg}: {type(e).__name__}: {str(e).strip()[:200]}", flush=True)
+
+
+def claim(claims: str, job: int) -> bool:
+    """True for the one process that creates ``claims/<job>`` (O_EXCL: atomic between processes)."""
+    try:
+        os.close(os.open(os.path.join(claims, str(job)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
 
 
 def compiled_marker(name: str, cfg: tuple) -> Path:
@@ -122,43 +135,55 @@ def mark_compiled(name: str, cfg: tuple) -> None:
         logger.debug("kernel warm-up: could not mark %s %s compiled (%s)", name, cfg, e)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. a container's or a test worker's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def compile_workers(num_jobs: int) -> int:
-    """Worker processes for :func:`fill_disk_cache`: one core left to the caller, 0 (no workers) when the disk
-    cache is off (the workers' kernels could not reach this process) or fewer than two would run."""
+    """Worker processes for :func:`fill_disk_cache`: ``DEEPINFER_COMPILE_WORKERS``, or by default one core left to
+    the caller (at most ``MAX_COMPILE_WORKERS``); 0 (no workers) when the disk cache is off (the workers' kernels
+    could not reach this process) or fewer than two would run."""
     import tilelang
+
+    from deepinfer_npu import envs
 
     if not tilelang.env.is_cache_enabled():
         return 0
-    workers = min(num_jobs, (os.cpu_count() or 1) - 1, MAX_COMPILE_WORKERS)
+    wanted = envs.COMPILE_WORKERS
+    workers = min(num_jobs, usable_cores() - 1 if wanted is None else wanted, MAX_COMPILE_WORKERS)
     return workers if workers >= 2 else 0
 
 
 def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, workers: int) -> list[str]:
     """Lower and compile every configuration of ``configs`` into TileLang's disk cache in ``workers`` Python
-    subprocesses (not multiprocessing: a user script without a ``__main__`` guard must not be re-run), the MLA
-    kernels (the slowest to lower) dealt out first -> the failures the workers reported. A configuration a worker
-    did not build is left to the serial pass, which compiles it again and reports its error."""
+    subprocesses (not multiprocessing: a user script without a ``__main__`` guard must not be re-run) -> the
+    failures the workers reported. The workers take jobs from one shared list, the MLA kernels (the slowest to
+    lower) first, each job claimed by one worker as it frees up: a worker that drew slow jobs does not hold up the
+    others' (a fixed share each did). A configuration a worker did not build is left to the serial pass, which
+    compiles it again and reports its error."""
     jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
     jobs.sort(key=lambda job: job[0] != "mla_decode")  # stable: the rest in compile order
-    shares = [jobs[i::workers] for i in range(workers)]
     code = "from deepinfer_npu.backends.cuda.warmup import fill_worker_main; fill_worker_main()"
-    procs = []
-    for share in shares:
-        procs.append(subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, share))],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      text=True))
     failures: list[str] = []
-    deadline = time.monotonic() + WORKER_TIMEOUT_S
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            failures += [line[len(FAILED_MARK):] for line in out.splitlines() if line.startswith(FAILED_MARK)]
-            if proc.returncode:
-                failures.append(f"a worker exited with {proc.returncode}")
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
+    with tempfile.TemporaryDirectory(prefix="deepinfer-warmup-claims-") as claims:
+        procs = [subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, claims, jobs))],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  text=True) for _ in range(workers)]
+        deadline = time.monotonic() + WORKER_TIMEOUT_S
+        for proc in procs:
+            try:
+                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                failures += [line[len(FAILED_MARK):] for line in out.splitlines() if line.startswith(FAILED_MARK)]
+                if proc.returncode:
+                    failures.append(f"a worker exited with {proc.returncode}")
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
     return failures
 
 

@@ -49,10 +49,13 @@ for phase in "$@"; do
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
     tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist load"
-             rm -f "$OUT/test_failures.log"; export TEST_FAILURE_LOG="$OUT/test_failures.log"  # conftest.py
+             rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
+             export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
              timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
              | filt | grep -v "PytestBenchmarkWarning\|warner(" > "$OUT/tests.log"; tail -40 "$OUT/tests.log"
-             [ -f "$OUT/test_failures.log" ] && grep "^==== FAILED" "$OUT/test_failures.log" | head -40 ;;
+             [ -f "$OUT/test_failures.log" ] && grep "^==== FAILED" "$OUT/test_failures.log" | sort -u | head -40
+             [ -f "$OUT/test_durations.log" ] && { echo "slowest:"; sort -rn "$OUT/test_durations.log" | head -15
+               awk '{n[$2]++} END {for (k in n) printf "%s %d  ", k, n[k]; print ""}' "$OUT/test_durations.log"; } ;;
     kernels) for k in ${KERNELS:-all}; do echo "== $k"
              timeout $LIM python3 -m deepinfer_npu.kernels_cuda.bench $k ${BENCH_ARGS:-} --out "$OUT/h200_kernels.jsonl" 2>&1 \
              | filt | grep -v '^{' | tail -8; done

@@ -42,13 +42,31 @@ def test_a_configuration_a_worker_cannot_build_is_named(tmp_path, monkeypatch):
 def test_no_workers_without_the_disk_cache_or_spare_cores(monkeypatch):
     from deepinfer_npu.backends.cuda import warmup
 
-    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("DEEPINFER_COMPILE_WORKERS", raising=False)
+    monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
     assert warmup.compile_workers(40) == 15 and warmup.compile_workers(3) == 3
-    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("DEEPINFER_COMPILE_WORKERS", "4")  # several engines starting on one host
+    assert warmup.compile_workers(40) == 4
+    monkeypatch.setenv("DEEPINFER_COMPILE_WORKERS", "1")
     assert warmup.compile_workers(40) == 0
-    monkeypatch.setattr(warmup.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("DEEPINFER_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="DEEPINFER_COMPILE_WORKERS='many': expected auto or a count"):
+        warmup.compile_workers(40)
+    monkeypatch.delenv("DEEPINFER_COMPILE_WORKERS")
+    monkeypatch.setattr(warmup, "usable_cores", lambda: 2)
+    assert warmup.compile_workers(40) == 0
+    monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
     assert warmup.compile_workers(40) == 0
+
+
+def test_each_job_is_claimed_by_one_worker(tmp_path):
+    """The workers share one job list: a job goes to the first process that claims it, whatever it drew before."""
+    from deepinfer_npu.backends.cuda import warmup
+
+    assert warmup.claim(str(tmp_path), 0) and not warmup.claim(str(tmp_path), 0)
+    assert warmup.claim(str(tmp_path), 1)
+    assert 1 <= warmup.usable_cores() <= (__import__("os").cpu_count() or 1)
 
 
 def test_compiled_configurations_take_no_worker(tmp_path, monkeypatch):
