@@ -31,6 +31,7 @@ CPU rehearsal:  python -m benchmarks.bench_throughput --backend cpu --tiny --num
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -155,40 +156,13 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
                     for n, us, calls in totals_by_name(events)[:top]]}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--backend", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--workload", nargs="+", default=["prefill", "mix", "vllm"], choices=["prefill", "mix", "vllm"])
-    p.add_argument("--num-prompts", type=int, default=0, help="0: each workload's own count (512, 512, 200)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="None: the engine's default")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
-    p.add_argument("--peer-prompts", type=int, default=16,
-                   help="prefill: transformers on this many of the prompts first (0: no peer)")
-    p.add_argument("--profile", action="store_true", help="also profile the first --profile-prompts of each")
-    p.add_argument("--profile-prompts", type=int, default=64)
-    p.add_argument("--top", type=int, default=25)
-    p.add_argument("--out", default=None, help="append the JSON lines here")
-    args = p.parse_args(argv)
-
+def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict, peak: float, log,
+               first: dict[str, float]) -> list[dict]:
+    """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default) through every workload -> rows."""
     from deepinfer_npu import LLM, SamplingParams
 
-    cfg = TINY if args.tiny else V2_LITE
     device = "cuda" if args.backend == "cuda" else "cpu"
-    log = stamped_logger()
-
-    meta = row_meta(device)
-    peak = gemm_tflops(device)
-    log(f"hardware: {meta['hardware']}; bf16 GEMM {peak:.1f} TFLOP/s")
-    peer = None
-    if "prefill" in args.workload and args.peer_prompts:  # before the engine holds the device's memory
-        prefill_reqs = workload("prefill", args.num_prompts, cfg["vocab_size"], args.seed, args.tiny)
-        peer = peer_prefill(cfg, args.dtype, device, prefill_reqs[: args.peer_prompts], log)
-    extra = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    extra = {} if mnbt is None else {"max_num_batched_tokens": mnbt}
     t0 = time.perf_counter()
     llm = LLM(write_model_dir(cfg, "bench_throughput_"), load_format="dummy", backend=args.backend, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_graphs=bool(args.graphs),
@@ -231,24 +205,78 @@ def main(argv=None) -> int:
                "frac_of_tensor_core_roofline": round(flops / elapsed / 1e12 / peak, 4),
                "steps": s["num_steps"], "prefill_steps": s["prefill_steps"], "decode_steps": s["decode_steps"],
                "host_wait_frac": round(s["host_wait_ms"] / (1e3 * elapsed), 3),
+               # wall ms a step, and the host's ms a step in engine.step (launches included): a host-bound run has
+               # host_step_ms close to step_ms and host_wait_frac near 0
+               "step_ms": round(1e3 * elapsed / max(s["num_steps"], 1), 2),
+               "host_step_ms": round(s["step_ms"] / max(s["num_steps"], 1), 2),
                "model": "tiny-v2-dummy" if args.tiny else "deepseek-v2-lite-shape-dummy", "dtype": args.dtype,
                "max_num_seqs": cfg_engine.max_num_seqs, "max_num_batched_tokens": cfg_engine.max_num_batched_tokens,
                "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,
                "flops": "2 x linear (kv_b decompressed) + 2 x heads x (qk + v dims) a layer per attended position + "
                         "2 x hidden x vocab per logits row"}
+        first.setdefault(name, row["req_s"])
+        row["over_first_engine"] = round(row["req_s"] / first[name], 4)
         if name == "prefill" and peer is not None:  # the FLOP rates compare: the peer ran the first prompts only
             row.update(peer, over_peer_flop_rate=round(flops / elapsed / 1e12 / peer["peer_model_tflops"], 2))
         rows.append(row)
         print(json.dumps(row), flush=True)
-        log(f"{name}: {len(reqs)} requests in {elapsed:.2f}s = {row['req_s']} req/s, prompt "
+        log(f"{name} (max_num_batched_tokens {cfg_engine.max_num_batched_tokens}): {len(reqs)} requests in "
+            f"{elapsed:.2f}s = {row['req_s']} req/s, prompt "
             f"{row['prompt_tok_s']} tok/s, output {row['output_tok_s']} tok/s, "
-            f"{row['frac_of_tensor_core_roofline']:.3f} of {peak:.0f} TFLOP/s")
+            f"{row['frac_of_tensor_core_roofline']:.3f} of {peak:.0f} TFLOP/s; host {row['host_step_ms']} of "
+            f"{row['step_ms']} ms a step")
         if args.profile:
             prof = profile_rows(llm, reqs[: args.profile_prompts], params_of, device, args.top)
             prow = {"bench": "throughput_profile", **meta, "workload": name, "requests": args.profile_prompts,
-                    **prof}
+                    "max_num_batched_tokens": cfg_engine.max_num_batched_tokens, **prof}
             rows.append(prow)
             print(json.dumps(prow), flush=True)
+    del llm, engine
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--workload", nargs="+", default=["prefill", "mix", "vllm"], choices=["prefill", "mix", "vllm"])
+    p.add_argument("--num-prompts", type=int, default=0, help="0: each workload's own count (512, 512, 200)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, nargs="*", default=None,
+                   help="one engine each, in this order, side by side in this run (rows carry their req/s over the "
+                   "first's); none given: the engine's default")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes with the same structure (CPU rehearsal)")
+    p.add_argument("--peer-prompts", type=int, default=16,
+                   help="prefill: transformers on this many of the prompts first (0: no peer)")
+    p.add_argument("--profile", action="store_true", help="also profile the first --profile-prompts of each")
+    p.add_argument("--profile-prompts", type=int, default=64)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--out", default=None, help="append the JSON lines here")
+    args = p.parse_args(argv)
+
+    cfg = TINY if args.tiny else V2_LITE
+    device = "cuda" if args.backend == "cuda" else "cpu"
+    log = stamped_logger()
+
+    meta = row_meta(device)
+    peak = gemm_tflops(device)
+    log(f"hardware: {meta['hardware']}; bf16 GEMM {peak:.1f} TFLOP/s")
+    peer = None
+    if "prefill" in args.workload and args.peer_prompts:  # before the engine holds the device's memory
+        prefill_reqs = workload("prefill", args.num_prompts, cfg["vocab_size"], args.seed, args.tiny)
+        peer = peer_prefill(cfg, args.dtype, device, prefill_reqs[: args.peer_prompts], log)
+    rows: list[dict] = []
+    first: dict[str, float] = {}  # workload -> the first engine's req/s (the others' rows carry their ratio)
+    for mnbt in args.max_num_batched_tokens or [None]:
+        rows += run_engine(args, cfg, mnbt, peer, meta, peak, log, first)
     append_jsonl(args.out, rows)
     return 0
 

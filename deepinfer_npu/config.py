@@ -63,7 +63,9 @@ class EngineConfig:
     replay captured graphs (``worker/decode_graphs.py``) on backends whose ``graph_runner()`` gives a
     ``hal.graph_runner.GraphRunner``; ``None`` takes the backend's default (``Backend.graphs_by_default``: on for
     CUDA), ``False`` forces eager decode. ``kernel_warmup``: compile every kernel variant the steps can reach at
-    start-up (``KernelSet.warmup``), not at its first use.
+    start-up (``KernelSet.warmup``), not at its first use. ``max_num_batched_tokens=None`` takes the backend's
+    default (``Backend.default_max_num_batched_tokens``: 16384 on CUDA, where 4096-token prefill steps were bound
+    by the host's launches, 4096 elsewhere); the engine writes the value it took back here.
     """
 
     model: str | os.PathLike | None = None
@@ -79,7 +81,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model dtype
     max_model_len: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None  # None: the backend's (Backend.default_max_num_batched_tokens)
     max_num_prompts: int = 0  # 0: same as max_num_seqs
     prefill_max_sum_seqlen_k: int = 0  # 0: unlimited
     block_size: int = 64
@@ -140,9 +142,11 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "prefill_attempt_interval",
+        for name in ("max_num_seqs", "block_size", "prefill_attempt_interval",
                      "prefill_any_attempt_interval", "kv_cache_memory_bytes", "data_parallel_size"):
             positive(name)
+        if self.max_num_batched_tokens is not None:
+            positive("max_num_batched_tokens")
         for name in ("max_num_prompts", "prefill_max_sum_seqlen_k", "seed"):
             non_negative(name)
         if self.max_model_len is not None:

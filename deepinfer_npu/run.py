@@ -56,7 +56,8 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
     e = p.add_argument_group("engine")
     e.add_argument("--max-model-len", type=int, default=None, help="None: the model's max_position_embeddings")
     e.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in a step")
-    e.add_argument("--max-num-batched-tokens", type=int, default=4096, help="most tokens in a prefill step")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in a step; default: the backend's (16384 on CUDA, else 4096)")
     e.add_argument("--max-num-prompts", type=int, default=0, help="most prompts in a prefill step; 0: max-num-seqs")
     e.add_argument("--prefill-max-sum-seqlen-k", type=int, default=0,
                    help="most attended tokens in a prefill step; 0: unlimited")

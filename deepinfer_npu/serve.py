@@ -36,6 +36,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: a server's default step size at most: a prefill step delays every running request's next token (vLLM's server
+#: default on GPUs of the H100 class; its offline default is 16384, as is the CUDA backend's)
+SERVING_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def serving_step_tokens(config) -> int | None:
+    """``config.max_num_batched_tokens``, or when unset the backend's default capped at
+    SERVING_MAX_NUM_BATCHED_TOKENS (None where the backend cannot be resolved: the engine reports why)."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    from deepinfer_npu.hal.registry import backend_class
+
+    try:
+        default = backend_class(config.backend).default_max_num_batched_tokens
+    except (RuntimeError, ValueError):
+        return None
+    return min(SERVING_MAX_NUM_BATCHED_TOKENS, default)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean shutdown; 2 bad arguments, model or port."""
     args = build_parser().parse_args(argv)
@@ -56,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return _error(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
     try:
         config = EngineConfig(model=args.model, **engine_kwargs(args))
+        config.max_num_batched_tokens = serving_step_tokens(config)
         chat_template = load_chat_template(config.model_dir, args.chat_template)
         headless = run_headless_node(config)  # a node > 0 (or torchrun rank > 0) serves its ranks, no HTTP
     except (ValueError, FileNotFoundError, ChatTemplateError) as e:

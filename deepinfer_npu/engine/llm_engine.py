@@ -49,6 +49,8 @@ class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
         self.config = config
         config.check_model_dir()
         self.backend = get_backend(config.backend)
+        if config.max_num_batched_tokens is None:  # the backend's own step size (hal/backend.py)
+            config.max_num_batched_tokens = self.backend.default_max_num_batched_tokens
         self.model_config = DeepseekModelConfig.from_pretrained(config.model_dir)
         config.check_weights()  # before the runner allocates weights and KV cache
         self.generation_defaults = load_generation_defaults(config.model_dir)

@@ -39,6 +39,10 @@ class Backend:
     #: Whether decode graphs may capture the drafter's device-only main-forward hook (DFlash's ring write:
     #: scatter-reduce + index writes). Ascend says False until that capture is checked on an NPU.
     drafter_hook_in_graphs: ClassVar[bool] = True
+    #: ``EngineConfig.max_num_batched_tokens`` when it is None: the most tokens in a step. A step's host work
+    #: (every layer's launches) is about the same at any token count, so a backend whose host bounds prefill steps
+    #: of this size takes more.
+    default_max_num_batched_tokens: ClassVar[int] = 4096
     #: Why ``kv_cache_dtype="fp8"`` (packed FP8 latent rows, ``quantization/kv_fp8.py``) cannot run here, or None
     #: when the backend's attention reads that cache. Checked once at start-up.
     fp8_kv_cache_unsupported: ClassVar[str | None] = "no attention path of this backend reads a packed FP8 cache yet"

@@ -41,6 +41,20 @@ def _load_class(name: str) -> type[Backend]:
     return getattr(importlib.import_module(module_path), cls_name)
 
 
+def backend_class(name: str = "auto") -> type[Backend]:
+    """The class ``get_backend(name)`` would build (``"auto"`` detected the same way), without building it."""
+    if name in _instances:
+        return type(_instances[name])
+    if name == "auto":
+        for candidate in registered_backends():
+            if _load_class(candidate).unavailable_reason() is None:
+                return _load_class(candidate)
+        return type(get_backend("auto"))  # raises, naming every backend's reason
+    if name not in _REGISTRY:
+        get_backend(name)  # raises, listing the registered ones
+    return _load_class(name)
+
+
 def get_backend(name: str = "auto") -> Backend:
     """The backend instance for ``name`` (resolved once, then cached).
 

@@ -26,13 +26,19 @@ def test_request_flops_count_causal_positions_and_one_logits_row_a_token():
 def test_cpu_rehearsal_rows(tmp_path):
     out = tmp_path / "rows.jsonl"
     bench.main(["--backend", "cpu", "--tiny", "--num-prompts", "6", "--peer-prompts", "2", "--max-num-seqs", "4",
-                "--max-model-len", "256", "--workload", "prefill", "mix", "--out", str(out)])
+                "--max-model-len", "256", "--workload", "prefill", "mix", "--max-num-batched-tokens", "256", "64",
+                "--out", str(out)])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["workload"] for r in rows] == ["prefill", "mix"]
+    assert [(r["workload"], r["max_num_batched_tokens"]) for r in rows] == [
+        ("prefill", 256), ("mix", 256), ("prefill", 64), ("mix", 64)]  # one engine each, side by side
     for r in rows:
         assert r["requests"] == 6 and r["all_outputs_complete"], r
         assert r["prompt_tok_s"] > 0 and r["frac_of_tensor_core_roofline"] > 0
-    prefill, mix = rows
+        assert 0 < r["host_step_ms"] and 0 < r["step_ms"]
+    assert rows[0]["over_first_engine"] == 1.0 and rows[2]["over_first_engine"] == round(
+        rows[2]["req_s"] / rows[0]["req_s"], 4)
+    assert rows[2]["prefill_steps"] > rows[0]["prefill_steps"]  # smaller steps: more of them
+    prefill, mix = rows[:2]
     assert prefill["output_tokens"] == 6 and mix["output_tokens"] > 6
     assert prefill["peer_prompts"] == 2 and prefill["peer_prompt_tok_s"] > 0 and prefill["over_peer_flop_rate"] > 0
     assert "peer" not in mix
