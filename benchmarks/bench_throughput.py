@@ -46,7 +46,7 @@ from benchmarks.decode_workload import (
     warmup_summary,
     write_model_dir,
 )
-from benchmarks.profiling import kernel_events, totals_by_name
+from benchmarks.profiling import host_ops, kernel_events, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -139,7 +139,8 @@ def peer_prefill(cfg: dict, dtype: str, device: str, reqs, log) -> dict | None:
 
 
 def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
-    """Device time by kernel name over one ``generate`` of ``reqs`` (CPU: operator self time)."""
+    """Device time by kernel name over one ``generate`` of ``reqs`` (CPU: operator self time), and the host's
+    operators by self time."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -153,7 +154,9 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
     total = sum(us for _t, _n, us in events)
     return {"wall_s": round(wall, 3), "kernel_s": round(total / 1e6, 3),
             "top": [[n[:90], round(us / 1e6, 4), calls, round(us / max(total, 1e-9), 4)]
-                    for n, us, calls in totals_by_name(events)[:top]]}
+                    for n, us, calls in totals_by_name(events)[:top]],
+            # the host's side: operators and runtime calls by self time (syncs show up here)
+            "host_top": [[n[:70], round(us / 1e6, 4), calls] for n, us, calls in host_ops(prof, top)]}
 
 
 def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict, peak: float, log,

@@ -18,7 +18,7 @@ import json
 import time
 
 from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
-from benchmarks.profiling import kernel_events, totals_by_name
+from benchmarks.profiling import host_ops, kernel_events, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -74,8 +74,7 @@ def main(argv=None) -> int:
         kernels = kernel_events(prof, dev)
         total, count = sum(us for _t, _n, us in kernels), len(kernels)
         top = totals_by_name(kernels)[: args.top]
-        cpu_top = sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()),
-                         key=lambda t: -t[1])[:15]
+        cpu_top = host_ops(prof, 15)
         row = {"bench": "profile_decode", **meta, "batch": batch, "graphs": args.graphs,
                "zos": bool(args.zos), "steps": args.steps, "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),

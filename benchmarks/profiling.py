@@ -1,4 +1,5 @@
-"""Device time by kernel from a ``torch.profiler`` run, shared by the benchmarks that print where time went."""
+"""Device time by kernel, and host time by operator, from a ``torch.profiler`` run, shared by the benchmarks that
+print where time went."""
 
 from __future__ import annotations
 
@@ -31,3 +32,9 @@ def totals_by_name(events: list[tuple[int, str, float]]) -> list[tuple[str, floa
         per_name[name][0] += us
         per_name[name][1] += 1
     return sorted(((n, v[0], v[1]) for n, v in per_name.items()), key=lambda t: -t[1])
+
+
+def host_ops(prof, top: int) -> list[tuple[str, float, int]]:
+    """(name, self CPU us, calls) of the host's operators and runtime calls, the largest first: where a host-bound
+    run spends its time (``aten::_local_scalar_dense`` or ``cudaStreamSynchronize`` near the top: a sync)."""
+    return sorted(((e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()), key=lambda t: -t[1])[:top]

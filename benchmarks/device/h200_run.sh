@@ -104,6 +104,11 @@ for l in open('$OUT/h200_throughput.jsonl'):
     r = json.loads(l)
     if r['bench'] == 'throughput_profile':
         print(r['workload'], 'wall', r['wall_s'], 'kernel', r['kernel_s']); [print('   ', t) for t in r['top']]
+        [print('    host', t) for t in r.get('host_top', [])[:10]]
+    else:
+        print({k: r.get(k) for k in ('workload', 'max_num_batched_tokens', 'req_s', 'prompt_tok_s', 'steps',
+                                     'step_ms', 'host_step_ms', 'host_wait_frac', 'frac_of_tensor_core_roofline',
+                                     'over_first_engine')})
 " ;;
     startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
              --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4 ;;

@@ -42,3 +42,16 @@ def test_cpu_rehearsal_rows(tmp_path):
     assert prefill["output_tokens"] == 6 and mix["output_tokens"] > 6
     assert prefill["peer_prompts"] == 2 and prefill["peer_prompt_tok_s"] > 0 and prefill["over_peer_flop_rate"] > 0
     assert "peer" not in mix
+
+
+def test_cpu_rehearsal_profile_names_device_and_host_time(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    bench.main(["--backend", "cpu", "--tiny", "--num-prompts", "3", "--peer-prompts", "0", "--max-num-seqs", "4",
+                "--max-model-len", "256", "--workload", "prefill", "--profile", "--profile-prompts", "2", "--top", "5",
+                "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["bench"] for r in rows] == ["throughput", "throughput_profile"]
+    prof = rows[1]
+    assert prof["max_num_batched_tokens"] == 4096 and prof["wall_s"] > 0
+    assert 0 < len(prof["top"]) <= 5 and 0 < len(prof["host_top"]) <= 5
+    assert all(isinstance(n, str) and s >= 0 and c >= 1 for n, s, c in prof["host_top"])
