@@ -56,33 +56,28 @@ def _gpu_worker_share() -> float | None:
 
 
 def pytest_configure(config):
-    """A GPU worker's engines build their kernels in a few processes, not one per core each (14 workers on a
-    16-core host would otherwise start ~200 compile processes at once)."""
-    if _gpu_worker_share() is not None:
-        workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-        os.environ.setdefault("DEEPINFER_COMPILE_WORKERS", str(max(2, (os.cpu_count() or 1) // workers)))
-
-
-@pytest.fixture(autouse=True)
-def _kv_cache_share_of_the_gpu(monkeypatch):
-    """Engines built by a GPU worker see free memory capped at the worker's share (a soft cap: other tensors may
-    use more, which kernel tests of V3 shapes need), as they would under ``set_per_process_memory_fraction``."""
+    """A GPU worker's engines size their KV caches from the worker's share of the GPU's memory (a soft cap: other
+    tensors may use more, which kernel tests of V3 shapes need), set here for the whole session so that engines of
+    module-scoped fixtures are covered too; and they build their kernels in a few processes, not one per core each
+    (14 workers on a 16-core host would otherwise start ~200 compile processes at once)."""
     share = _gpu_worker_share()
-    if share is not None:
-        import torch
+    if share is None:
+        return
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("DEEPINFER_COMPILE_WORKERS", str(max(2, (os.cpu_count() or 1) // workers)))
+    import torch
 
-        from deepinfer_npu.backends.cuda.backend import CudaBackend
-        from deepinfer_npu.hal.backend import MemoryInfo
+    from deepinfer_npu.backends.cuda.backend import CudaBackend
+    from deepinfer_npu.hal.backend import MemoryInfo
 
-        device_info = CudaBackend.memory_info
+    device_info = CudaBackend.memory_info
 
-        def memory_info(self):
-            info = device_info(self)
-            cap = max(0, int(share * info.total_bytes) - torch.cuda.memory_allocated(self.device_index))
-            return MemoryInfo(free_bytes=min(info.free_bytes, cap), total_bytes=info.total_bytes)
+    def memory_info(self):
+        info = device_info(self)
+        cap = max(0, int(share * info.total_bytes) - torch.cuda.memory_allocated(self.device_index))
+        return MemoryInfo(free_bytes=min(info.free_bytes, cap), total_bytes=info.total_bytes)
 
-        monkeypatch.setattr(CudaBackend, "memory_info", memory_info)
-    yield
+    CudaBackend.memory_info = memory_info
 
 
 def pytest_runtest_logreport(report):

@@ -1,7 +1,7 @@
 """End-to-end decode on a DeepSeek shape: the engine vs Hugging Face transformers vs the roofline.
 
 ``--shape``: ``v2-lite`` (DeepSeek-V2-Lite, the default), ``v3-4l`` (DeepSeek-V3's dims at 4 layers, 1 dense +
-3 MoE; transformers is left out there: its random init of 39 B parameters takes longer than the engine's run) or
+3 MoE; transformers is left out there: its random init of 37 B parameters takes longer than the engine's run) or
 ``tiny`` (the same structure as v2-lite at tiny sizes, the CPU rehearsal; ``--tiny`` says the same).
 
 Random bf16 weights (the engine's ``load_format="dummy"``; transformers' own init), prompt ``--prompt-len``,

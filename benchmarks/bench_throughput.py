@@ -208,10 +208,10 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
                "frac_of_tensor_core_roofline": round(flops / elapsed / 1e12 / peak, 4),
                "steps": s["num_steps"], "prefill_steps": s["prefill_steps"], "decode_steps": s["decode_steps"],
                "host_wait_frac": round(s["host_wait_ms"] / (1e3 * elapsed), 3),
-               # wall ms a step, and the host's ms a step in engine.step (launches included): a host-bound run has
-               # host_step_ms close to step_ms and host_wait_frac near 0
+               # wall ms a step, and the host's busy ms a step (engine.step less its wait on the device's results,
+               # launches included): a host-bound run has host_step_ms close to step_ms and host_wait_frac near 0
                "step_ms": round(1e3 * elapsed / max(s["num_steps"], 1), 2),
-               "host_step_ms": round(s["step_ms"] / max(s["num_steps"], 1), 2),
+               "host_step_ms": round((s["step_ms"] - s["host_wait_ms"]) / max(s["num_steps"], 1), 2),
                "model": "tiny-v2-dummy" if args.tiny else "deepseek-v2-lite-shape-dummy", "dtype": args.dtype,
                "max_num_seqs": cfg_engine.max_num_seqs, "max_num_batched_tokens": cfg_engine.max_num_batched_tokens,
                "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,

@@ -170,20 +170,28 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
     code = "from deepinfer_npu.backends.cuda.warmup import fill_worker_main; fill_worker_main()"
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="deepinfer-warmup-claims-") as claims:
-        procs = [subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, claims, jobs))],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                  text=True) for _ in range(workers)]
-        deadline = time.monotonic() + WORKER_TIMEOUT_S
-        for proc in procs:
-            try:
-                out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                failures += [line[len(FAILED_MARK):] for line in out.splitlines() if line.startswith(FAILED_MARK)]
-                if proc.returncode:
-                    failures.append(f"a worker exited with {proc.returncode}")
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
+        procs: list[subprocess.Popen] = []
+        try:
+            for _ in range(workers):
+                procs.append(subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, claims, jobs))],
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, text=True))
+            deadline = time.monotonic() + WORKER_TIMEOUT_S
+            for proc in procs:
+                try:
+                    out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                    failures += [ln[len(FAILED_MARK):] for ln in out.splitlines() if ln.startswith(FAILED_MARK)]
+                    if proc.returncode:
+                        failures.append(f"a worker exited with {proc.returncode}")
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate()
+                    failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
+        finally:  # an error or an interrupt here: no worker outlives the call (nor its claims directory)
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return failures
 
 
