@@ -11,7 +11,8 @@ summary (configurations and their seconds) comes along. One JSON line per run::
      "kernel_warmup_s": w, "token_ids": [...], "date": ..., "commit": ..., "hardware": ..., "command": ...}
 
 A run after the first also says whether its greedy tokens equal the first run's (``same_tokens_as_first_run``:
-kernels loaded from the caches compute what the freshly built ones did).
+kernels loaded from the caches compute what the freshly built ones did). Each run logs at INFO; the row counts the
+lines (``log_lines``) and names any line written more than once (``repeated_log_lines``).
 
 GPU:  python -m benchmarks.bench_startup --backend cuda --out benchmarks/results/h200_startup.jsonl
 CPU rehearsal (tiny shapes):  python -m benchmarks.bench_startup --backend cpu --tiny
@@ -34,7 +35,8 @@ from deepinfer_npu.benchmark_meta import row_meta
 #: what one run executes in its own process; prints one JSON line (RESULT_MARK + dict)
 RESULT_MARK = "STARTUP_RESULT "
 CHILD = r"""
-import json, sys, time
+import json, logging, sys, time
+logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stderr)
 t0 = time.perf_counter()
 import deepinfer_npu
 from deepinfer_npu import LLM, SamplingParams
@@ -60,6 +62,18 @@ def warmup_seconds(summary: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def log_repeats(stderr: str) -> dict:
+    """How many log lines a start-up wrote (INFO and up, with warnings and library messages) and which of them came
+    more than once: ``{"log_lines": n, "repeated_log_lines": [[line, count], ...]}`` (every message should come
+    once)."""
+    counts: dict[str, int] = {}
+    for line in stderr.splitlines():
+        if line.strip():
+            counts[line] = counts.get(line, 0) + 1
+    repeated = sorted(([line[:200], n] for line, n in counts.items() if n > 1), key=lambda t: -t[1])
+    return {"log_lines": sum(counts.values()), "repeated_log_lines": repeated}
+
+
 def run_once(engine_kwargs: dict, cache_dir: str, timeout_s: float) -> dict:
     """One start-up in a new process with the TileLang and engine caches under ``cache_dir``."""
     env = dict(os.environ, TILELANG_CACHE_DIR=os.path.join(cache_dir, "tilelang"),
@@ -74,6 +88,7 @@ def run_once(engine_kwargs: dict, cache_dir: str, timeout_s: float) -> dict:
         raise RuntimeError(f"start-up run failed (exit {proc.returncode}):\n" + "\n".join(tail))
     result = json.loads(lines[-1][len(RESULT_MARK):])
     result["process_s"] = wall
+    result.update(log_repeats(proc.stderr))
     result["kernel_warmup_s"] = warmup_seconds(result.get("kernel_warmup"))
     return result
 
