@@ -111,7 +111,13 @@ for l in open('$OUT/h200_throughput.jsonl'):
                                      'over_first_engine')})
 " ;;
     startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
-             --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4 ;;
+             --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4
+             python3 -c "
+import json
+for l in open('$OUT/h200_startup.jsonl'):
+    r = json.loads(l); print(r['run'], 'ready', r['ready_s'], 'warm-up', r.get('kernel_warmup_s'), 'log lines',
+                             r.get('log_lines'), 'repeated', r.get('repeated_log_lines', [])[:5])
+" ;;
     savecache) (set -o pipefail; tar -cf - -C /tmp/tlcache . | xz -9e > "$OUT/tlcache.tar.xz") \
              || { echo "savecache FAILED"; rm -f "$OUT/tlcache.tar.xz"; }; du -sh /tmp/tlcache "$OUT/tlcache.tar.xz" ;;
     *) echo "unknown phase $phase" ;;
