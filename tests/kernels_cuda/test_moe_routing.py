@@ -256,6 +256,28 @@ def test_host_tensors_take_the_reference_with_a_reason():
     assert "(tensor not on a CUDA device)" in rep["moe_combine"], rep["moe_combine"]
 
 
+@pytest.mark.parametrize("experts", [8, 64, 255, 256, 384, 40000])
+def test_composed_dispatch_sorts_narrow_keys_into_the_reference_order(experts):
+    """The composed dispatch (past the permute kernel's limits) sorts the expert ids as the narrowest integer that
+    holds them (fewer radix passes on CUDA): the stable order, counts and rows are the reference's, a sink slot
+    (id == E) and heavy ties included."""
+    from deepinfer_npu.backends.cpu import moe as ref_moe
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.backends.cuda.ops.moe_routing import sort_key_dtype
+
+    assert sort_key_dtype(experts) == (torch.uint8 if experts <= 255 else torch.int16 if experts <= 32767
+                                       else torch.int32)
+    g = torch.Generator().manual_seed(experts)
+    t, k = 1500, 6
+    ids = torch.randint(0, min(experts, 12), (t, k), generator=g)  # few distinct ids: long runs of ties
+    ids[::7, 0] = experts  # the bound itself (a sink slot)
+    ids[1::5, 1] = experts - 1
+    hidden = torch.randn(t, 16, generator=g).to(torch.bfloat16)
+    sh, counts, state = CudaKernelSet().moe_dispatch(hidden, ids, experts + 1)
+    rsh, rcounts, rstate = ref_moe.moe_dispatch(hidden, ids, experts + 1)
+    assert torch.equal(state.order, rstate.order) and torch.equal(counts, rcounts) and torch.equal(sh, rsh)
+
+
 # ---- the fused route (gating + permute with the expert scan, decode batches) --------------------------------------
 class _FakeCuda:
     """Stands in for a CUDA tensor in route_reason (host facts only: shape, dtype, device, layout)."""
@@ -421,8 +443,9 @@ def test_unpermute_by_position_matches_reference_gpu(case, addend):
 @pytest.mark.gpu
 @pytest.mark.tilelang
 def test_kernel_set_combine_at_prefill_sizes_gpu():
-    """A 2048-token V2-Lite step (12288 assignments > MAX_ASSIGN): dispatch composed in torch, the combine (with
-    and without the shared experts' addend) on the kernel by position, bit-exact with the reference."""
+    """A 2048-token V2-Lite step (12288 assignments > MAX_ASSIGN): dispatch composed in torch (the reference's
+    order from a sort of uint8 keys), the combine (with and without the shared experts' addend) on the kernel by
+    position, bit-exact with the reference."""
     from deepinfer_npu.backends.cpu import moe as ref_moe
     from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 
@@ -435,6 +458,8 @@ def test_kernel_set_combine_at_prefill_sizes_gpu():
     w, ids = ks.moe_gating_topk(logits, None, params)
     sh, counts, state = ks.moe_dispatch(hidden, ids, e)
     assert state.order.numel() > mr.MAX_ASSIGN
+    _rsh, rcounts, rstate = ref_moe.moe_dispatch(hidden.cpu(), ids.cpu(), e)  # the sort on uint8 keys on CUDA
+    assert torch.equal(state.order.cpu(), rstate.order) and torch.equal(counts.cpu(), rcounts)
     expert_out = (sh.float() * 1.5 + 0.25).to(torch.bfloat16)
     ref = ref_moe.moe_combine(expert_out, state, w)
     assert torch.equal(ks.moe_combine(expert_out, state, w), ref)

@@ -14,6 +14,15 @@ from deepinfer_npu.hal.types import DispatchState, GatingParams, KernelWarmupPla
 from .base import NOT_ON_DEVICE, OpImpl, kernel_module, meta, ref
 
 
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest dtype for expert ids in [0, num_experts]: the bound itself included (a sink slot)."""
+    if num_experts <= torch.iinfo(torch.uint8).max:
+        return torch.uint8
+    if num_experts <= torch.iinfo(torch.int16).max:
+        return torch.int16
+    return torch.int32 if num_experts <= torch.iinfo(torch.int32).max else torch.int64
+
+
 class MoERouting(OpImpl):
     KERNELS = ("moe_routing", "moe_route", "moe_dispatch_scan", "moe_combine_add")
     PRIMARY = {"moe_gating_topk": "moe_routing", "moe_dispatch": "moe_routing", "moe_combine": "moe_routing"}
@@ -82,7 +91,9 @@ class MoERouting(OpImpl):
         self.note("moe_dispatch", f"composed torch (stable argsort + scatter_add counts), sync-free ({why})", True)
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1).long()
-        order = torch.argsort(flat_ids, stable=True)
+        # the narrowest key that holds every expert id: CUB's radix sort makes one pass per 8 key bits (8 on int64
+        # keys, 1 on uint8), and a stable sort of the same values gives the same order in any key dtype
+        order = torch.argsort(flat_ids.to(sort_key_dtype(num_experts)), stable=True)
         sorted_hidden = hidden.index_select(0, order // top_k)
         counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
