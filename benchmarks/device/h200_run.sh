@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
-#             pytest-xdist workers (default 14; engines size their KV caches from an equal share of the memory,
-#             conftest.py) when the wheels phase installed pytest-xdist, else in one process
+#             pytest-xdist workers (default 14, --dist worksteal: an idle worker takes queued tests from a busy one;
+#             engines size their KV caches from an equal share of the memory, conftest.py) when the wheels phase
+#             installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
 #   e2e       benchmarks/bench_decode_e2e.py with graphs, batch 1 16 64 (E2E_REPEAT timed windows a batch, default
@@ -48,7 +49,7 @@ for phase in "$@"; do
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
-    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist load"
+    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist worksteal"
              rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
              export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
              timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
