@@ -14,7 +14,8 @@
 #             its predecessor (PDL), so a kernel's span includes that wait
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
-#   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, ... absent on the host)
+#   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, openai, pytest-xdist ...,
+#             absent on the host; benchmarks/device/carry_wheels.sh downloads them here)
 #   structured  benchmarks/bench_structured.py on the reference model and on V2-Lite dims, concurrency 1 and 32
 #   serving   benchmarks/bench_serving.py against `python -m deepinfer_npu.serve --backend cuda` (reference model)
 #   throughput  benchmarks/bench_throughput.py: prefill, mixed and vLLM's V2-Lite workloads through LLM.generate
