@@ -29,7 +29,6 @@ CPU rehearsal (tiny shapes):  python -m benchmarks.bench_decode_e2e --backend cp
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
@@ -41,6 +40,7 @@ from benchmarks.decode_workload import (
     mla_projection_params,
     pdl_enabled,
     prompts_for,
+    release_device_memory,
     stamped_logger,
     sync,
     warmup_summary,
@@ -223,11 +223,7 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: st
             f"captured {stats.get('graphs_captured')}, disabled: {stats.get('graphs_disabled')})")
     out["op_report"] = engine.backend.op_report()
     del llm, engine
-    gc.collect()
-    if dev == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
+    release_device_memory(dev)
     return out
 
 
@@ -277,9 +273,7 @@ def run_hf(args, cfg: dict, device: str, log, out: dict) -> dict:
         log(f"transformers batch={batch}: decode {args.gen} steps in {decode:.3f}s "
             f"({batch * args.gen / decode:.1f} tok/s; prefill+1 {t_short:.3f}s)")
     del model
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     return out
 
 

@@ -31,7 +31,6 @@ CPU rehearsal:  python -m benchmarks.bench_throughput --backend cpu --tiny --num
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import time
@@ -41,6 +40,7 @@ from benchmarks.decode_workload import (
     V2_LITE,
     append_jsonl,
     mla_projection_params,
+    release_device_memory,
     stamped_logger,
     sync,
     warmup_summary,
@@ -128,8 +128,7 @@ def peer_prefill(cfg: dict, dtype: str, device: str, reqs, log) -> dict | None:
         sync(device)
         elapsed = time.perf_counter() - t0
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     tokens = sum(len(p) for p, _ in reqs)
     flops = sum(request_flops(cfg, len(p), 1) for p, _ in reqs)
     log(f"transformers: {len(reqs)} prompts, {tokens} tokens in {elapsed:.2f}s ({tokens / elapsed:.1f} tok/s)")
@@ -235,11 +234,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
             rows.append(prow)
             print(json.dumps(prow), flush=True)
     del llm, engine
-    gc.collect()
-    if device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
+    release_device_memory(device)
     return rows
 
 

@@ -24,7 +24,6 @@ CPU rehearsal (tiny shapes; host events, so "idle" is host time between steps):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import time
@@ -34,6 +33,7 @@ from benchmarks.decode_workload import (
     V2_LITE,
     append_jsonl,
     prompts_for,
+    release_device_memory,
     stamped_logger,
     sync,
     warmup_summary,
@@ -95,11 +95,7 @@ def run_config(args, model_dir: str, cfg: dict, batch: int, zos: bool, log) -> d
             "graph_steps": engine.get_stats().get("graph_steps"),
         }
     del llm, engine, worker
-    gc.collect()
-    if dev == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
+    release_device_memory(dev)
     return results
 
 

@@ -57,6 +57,18 @@ def sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
+def release_device_memory(device_type: str) -> None:
+    """After a benchmark dropped its engine or model: collect it and return the device's cached blocks, so the
+    next engine of the run starts from the same free memory."""
+    import gc
+
+    gc.collect()
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def append_jsonl(path: str | None, rows: list[dict]) -> None:
     """Append the rows to ``path`` as JSON lines (``--out``); nothing without a path."""
     if path:
