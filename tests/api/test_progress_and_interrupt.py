@@ -53,6 +53,21 @@ def test_progress_bar_shows_tokens_before_any_request_finishes(llm, monkeypatch)
     assert "150 tok" in _RecordingBar.draws[-1][1]
 
 
+def _terminal_sigint() -> None:
+    """In the child before exec: SIGINT handled and unblocked, as a terminal's foreground job has it (a test
+    runner's process may ignore or block it, and a child inherits both)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_masks(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+    except OSError:
+        return "no /proc"
+
+
 def test_ctrl_c_keeps_finished_completions_and_exits_130():
     env = dict(os.environ, DEEPINFER_CPU_THREADS="1", PYTHONUNBUFFERED="1")
     # six prompts one at a time: after the first finishes, seconds of work remain for the signal to interrupt even
@@ -60,7 +75,8 @@ def test_ctrl_c_keeps_finished_completions_and_exits_130():
     prompts = ["def f(x):\n", "class A:\n", "import os\n", "def g(y):\n", "class B:\n", "import re\n"]
     cmd = [sys.executable, "-m", "deepinfer_npu.run", "--max-num-seqs", "1", "--max-tokens", "150",
            "--temperature", "0", *[arg for p in prompts for arg in ("--prompt", p)]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env,
+                            preexec_fn=_terminal_sigint)
     err_chunks: list[bytes] = []
 
     def read_stderr():
@@ -73,12 +89,13 @@ def test_ctrl_c_keeps_finished_completions_and_exits_130():
     while b"1/6" not in b"".join(err_chunks):
         assert proc.poll() is None and time.monotonic() < deadline, b"".join(err_chunks)[-800:]
         time.sleep(0.05)
+    masks = _signal_masks(proc.pid)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)  # stdout (a few completions) fits the pipe; the reader thread drains stderr
     reader.join(30)
     err = b"".join(err_chunks).decode()
     out = proc.stdout.read().decode()
-    assert proc.returncode == 130, err[-800:]
+    assert proc.returncode == 130, (masks, err[-800:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "=== completion 0 (150 tokens, finish: length)" in out
     assert "=== completion 5" not in out
