@@ -69,11 +69,19 @@ def _generate(method, zos, **kw):
     return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+def _generate_fixed_drafts(method, zos, **kw):
+    """Every step verifies all drafts: varlen verification sizes drafts from measured times, so two runs of the
+    same prompts on a loaded machine take different schedules and draft from different positions."""
+    llm = LLM(speculative_method=method, num_speculative_tokens=4, zero_overhead_scheduling=zos,
+              varlen_verification=False, **SMALL_KV, **kw)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("method,zos", list(itertools.product(METHODS, [True, False])))
 def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
-    eager_llm, eager = _generate(method, zos)
+    eager_llm, eager = _generate_fixed_drafts(method, zos)
     assert not graph_runners  # enable_graphs off: the worker never asks for a runner
-    llm, graphed = _generate(method, zos, enable_graphs=True)
+    llm, graphed = _generate_fixed_drafts(method, zos, enable_graphs=True)
     assert graphed == eager
     worker = llm.llm_engine.worker
     runner = graph_runners[-1]
@@ -89,19 +97,19 @@ def test_graph_replay_matches_eager(graph_runners, padding_audit, method, zos):
         pg = worker.drafter.propose_graphs
         assert pg is not None and pg.disabled is None and pg.replays > 0
         assert pg.graphs is not runner and pg.graphs.num_replays == pg.replays
-    # Acceptance is compared at the first draft position: varlen verification sizes each step's drafts from
-    # measured times, so how many drafts are verified (and the overall rate, which mixes positions) differs between
-    # two runs of the same prompts on a loaded machine; whether a step's first draft is accepted does not.
+    # Both runs verify every draft, so they draft from the same positions: acceptance may differ only where a
+    # padded graph's arithmetic flips a near-tie in a draft (not in the target's tokens, compared above).
     if method is not None:
-        got, want = (x.get_stats()["per_position_acceptance"][0] for x in (llm, eager_llm))
+        got, want = (x.get_stats()["per_position_acceptance"] for x in (llm, eager_llm))
+        assert len(got) == len(want)
     if method == "mtp":  # chain graphs on padded rows and wider tables draft as well as the eager chain
-        assert got >= want - 0.1, (got, want)
+        assert all(g >= w - 0.05 for g, w in zip(got, want)), (got, want)
     if method == "dflash":
         # and its ring write (DFlash.capture) runs inside the decode graph, after the main forward
         assert worker.graphs.drafter_hook is not None
         assert padding_audit["hook_replays"] == worker.graph_steps
         # drafts from the in-graph ring write are as good as from the eager one (a wrong write loses acceptance)
-        assert got >= want - 0.1, (got, want)
+        assert all(g >= w - 0.05 for g, w in zip(got, want)), (got, want)
 
 
 @pytest.mark.parametrize("method", METHODS)
