@@ -158,6 +158,14 @@ def compile_workers(num_jobs: int) -> int:
     return workers if workers >= 2 else 0
 
 
+def warmup_job_order(configs: dict[str, list[tuple]]) -> list[tuple[str, tuple]]:
+    """The ``(module, config)`` jobs of :func:`fill_disk_cache` in the order workers claim them: the MLA kernels
+    (the slowest to lower) first, the rest in compile order."""
+    jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
+    jobs.sort(key=lambda job: job[0] != "mla_decode")  # stable
+    return jobs
+
+
 def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, workers: int) -> list[str]:
     """Lower and compile every configuration of ``configs`` into TileLang's disk cache in ``workers`` Python
     subprocesses (not multiprocessing: a user script without a ``__main__`` guard must not be re-run) -> the
@@ -165,8 +173,7 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
     lower) first, each job claimed by one worker as it frees up: a worker that drew slow jobs does not hold up the
     others' (a fixed share each did). A configuration a worker did not build is left to the serial pass, which
     compiles it again and reports its error."""
-    jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
-    jobs.sort(key=lambda job: job[0] != "mla_decode")  # stable: the rest in compile order
+    jobs = warmup_job_order(configs)
     code = "from deepinfer_npu.backends.cuda.warmup import fill_worker_main; fill_worker_main()"
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="deepinfer-warmup-claims-") as claims:
