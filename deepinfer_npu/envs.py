@@ -82,7 +82,7 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_CPU_THREADS", "1", _positive_int,
                "Intra-op threads of the CPU backend (one is fastest for reference-sized models)."),
         EnvVar("DEEPINFER_COMPILE_WORKERS", "auto", _count_or_auto,
-               "Processes the CUDA kernel warm-up builds in at start-up: auto (the usable cores less one, at most "
+               "Processes the CUDA kernel warm-up builds in at start-up: auto (one a usable core, at most "
                "16) or a count (0 or 1: one at a time, e.g. several engines starting on one host)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),

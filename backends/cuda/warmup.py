@@ -144,9 +144,9 @@ def usable_cores() -> int:
 
 
 def compile_workers(num_jobs: int) -> int:
-    """Worker processes for :func:`fill_disk_cache`: ``DEEPINFER_COMPILE_WORKERS``, or by default one core left to
-    the caller (at most ``MAX_COMPILE_WORKERS``); 0 (no workers) when the disk cache is off (the workers' kernels
-    could not reach this process) or fewer than two would run."""
+    """Worker processes for :func:`fill_disk_cache`: ``DEEPINFER_COMPILE_WORKERS``, or by default one a usable core
+    (the caller only waits while they build), at most ``MAX_COMPILE_WORKERS``; 0 (no workers) when the disk cache is
+    off (the workers' kernels could not reach this process) or fewer than two would run."""
     import tilelang
 
     from deepinfer_npu import envs
@@ -154,15 +154,42 @@ def compile_workers(num_jobs: int) -> int:
     if not tilelang.env.is_cache_enabled():
         return 0
     wanted = envs.COMPILE_WORKERS
-    workers = min(num_jobs, usable_cores() - 1 if wanted is None else wanted, MAX_COMPILE_WORKERS)
+    workers = min(num_jobs, usable_cores() if wanted is None else wanted, MAX_COMPILE_WORKERS)
     return workers if workers >= 2 else 0
 
 
+#: seconds to lower and compile one configuration on one core, by module or ``module:kind`` (configurations whose
+#: first item names a kernel kind), measured by ``benchmarks/bench_kernel_builds.py`` on the V2-Lite shape's
+#: configurations (``benchmarks/results/cpu_kernel_builds.jsonl``); only their order matters (the queue's)
+EXPECTED_BUILD_S = {
+    "mla_decode": 10.5, "mla_decode:prefill": 9.0, "mla_decode:prefill_short": 14.0, "mla_decode:ws": 100.0,
+    "moe_routing:route": 11.0, "spec_verify:accept": 10.0, "fp8_grouped_gemm": 10.0, "fp8_gemm": 9.0,
+    "moe_gemm:gemm": 8.5, "skinny_gemm": 7.5, "moe_gemm_swap": 7.5, "moe_routing:permute": 7.5,
+    "spec_verify:argmax": 6.0, "decode_inputs": 6.0, "moe_gemm:expert_scan": 0.0,
+}
+DEFAULT_BUILD_S = 4.0  # the elementwise and norm kernels: nvcc's fixed cost of TileLang's headers, most of it
+
+
+def expected_build_s(name: str, cfg: tuple) -> float:
+    """:data:`EXPECTED_BUILD_S` of one configuration (``DEFAULT_BUILD_S`` for a module it does not name)."""
+    key = name
+    if cfg and isinstance(cfg[0], str):
+        key = f"{name}:{cfg[0]}"
+    elif name == "mla_decode" and len(cfg) > 5 and cfg[5]:
+        key = "mla_decode:ws"  # the warp-specialized kernel (128 heads): minutes of lowering
+    elif name == "mla_decode" and len(cfg) > 3 and cfg[3] is True:  # the causal prefill variant, (h, m_tiles, s, True)
+        key = "mla_decode:prefill_short" if cfg[1] <= 16 else "mla_decode:prefill"
+    return EXPECTED_BUILD_S.get(key, EXPECTED_BUILD_S.get(name, DEFAULT_BUILD_S))
+
+
 def warmup_job_order(configs: dict[str, list[tuple]]) -> list[tuple[str, tuple]]:
-    """The ``(module, config)`` jobs of :func:`fill_disk_cache` in the order workers claim them: the MLA kernels
-    (the slowest to lower) first, the rest in compile order."""
+    """The ``(module, config)`` jobs of :func:`fill_disk_cache` in the order workers claim them: the longest
+    expected builds first (:func:`expected_build_s`), ties in compile order. Workers take the next job as they
+    free up, so a long build that starts last would end last: on the V2-Lite shape's 50 configurations, measured
+    one at a time and replayed for 16 workers, this order ends in 24.6 s where the MLA kernels first and the rest
+    in compile order ended in 27.0 s."""
     jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
-    jobs.sort(key=lambda job: job[0] != "mla_decode")  # stable
+    jobs.sort(key=lambda job: -expected_build_s(*job))  # stable
     return jobs
 
 

@@ -31,12 +31,15 @@ def test_v2_lite_plan_is_the_engines():
 
 
 def test_job_list_is_the_warm_ups():
-    from deepinfer_npu.backends.cuda.warmup import warmup_job_order
+    """The warm-up's queue: every reachable configuration once, the longest expected builds first."""
+    from deepinfer_npu.backends.cuda.warmup import expected_build_s, warmup_job_order
 
     plan = bench.warmup_plan("v2-lite", max_num_seqs=64, max_model_len=4096, max_num_batched_tokens=4096,
                              block_size=64, graphs=True)
-    jobs = warmup_job_order(bench.reachable(plan, 132, sm90=False))
-    first_other = next(i for i, (name, _cfg) in enumerate(jobs) if name != "mla_decode")
-    assert first_other > 0 and all(name != "mla_decode" for name, _cfg in jobs[first_other:])
-    assert {name for name, _cfg in jobs} >= {"rms_norm", "mla_decode", "moe_routing", "moe_gemm", "silu_mul"}
-    assert len(jobs) == len(set(jobs))
+    configs = bench.reachable(plan, 132, sm90=False)
+    jobs = warmup_job_order(configs)
+    assert sorted(map(repr, jobs)) == sorted(repr((n, c)) for n, cfgs in configs.items() for c in cfgs)
+    costs = [expected_build_s(*job) for job in jobs]
+    assert costs == sorted(costs, reverse=True) and costs[0] > costs[-1]
+    assert jobs[0][0] == "mla_decode" and {name for name, _cfg in jobs} >= {"rms_norm", "moe_routing", "moe_gemm"}
+    assert jobs[-1] == ("moe_gemm", ("expert_scan", (64,)))  # compiles at its first launch: nothing to build

@@ -44,7 +44,7 @@ def test_no_workers_without_the_disk_cache_or_spare_cores(monkeypatch):
 
     monkeypatch.delenv("DEEPINFER_COMPILE_WORKERS", raising=False)
     monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
-    assert warmup.compile_workers(40) == 15 and warmup.compile_workers(3) == 3
+    assert warmup.compile_workers(40) == 16 and warmup.compile_workers(3) == 3  # the caller only waits on them
     monkeypatch.setenv("DEEPINFER_COMPILE_WORKERS", "4")  # several engines starting on one host
     assert warmup.compile_workers(40) == 4
     monkeypatch.setenv("DEEPINFER_COMPILE_WORKERS", "1")
@@ -54,6 +54,8 @@ def test_no_workers_without_the_disk_cache_or_spare_cores(monkeypatch):
         warmup.compile_workers(40)
     monkeypatch.delenv("DEEPINFER_COMPILE_WORKERS")
     monkeypatch.setattr(warmup, "usable_cores", lambda: 2)
+    assert warmup.compile_workers(40) == 2
+    monkeypatch.setattr(warmup, "usable_cores", lambda: 1)
     assert warmup.compile_workers(40) == 0
     monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
     monkeypatch.setenv("TILELANG_DISABLE_CACHE", "1")
@@ -82,3 +84,19 @@ def test_compiled_configurations_take_no_worker(tmp_path, monkeypatch):
     assert warmup.compiled_marker(*done).exists() and not warmup.compiled_marker(*todo).exists()
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "another"))  # another kernel cache: not compiled there
     assert not warmup.compiled_marker(*done).exists()
+
+
+def test_the_queue_starts_with_the_longest_builds():
+    """A long build claimed last would end last: the warm-up's queue is ordered by expected build seconds."""
+    from deepinfer_npu.backends.cuda import warmup
+
+    configs = {"rms_norm": [(2048, False, 1e-6)], "mla_decode": [(16, 1, 2, False, 16), (16, 8, 1, True),
+                                                                   (16, 256, 1, True), (128, 2, 1, False, 64, True)],
+               "moe_routing": [("unpermute", (2048, 6, "bfloat16", "torch_strided")), ("route", (2048, 6, 64))],
+               "moe_gemm": [("expert_scan", (64,))]}
+    order = warmup.warmup_job_order(configs)
+    assert order[0] == ("mla_decode", (128, 2, 1, False, 64, True))  # the warp-specialized kernel: minutes
+    assert order[1] == ("mla_decode", (16, 8, 1, True))  # the causal variant at short query tiles
+    assert order.index(("moe_routing", ("route", (2048, 6, 64)))) < order.index(("rms_norm", (2048, False, 1e-6)))
+    assert order[-1] == ("moe_gemm", ("expert_scan", (64,)))
+    assert len(order) == 8 and warmup.expected_build_s("no_such_module", (1,)) == warmup.DEFAULT_BUILD_S
