@@ -6,16 +6,17 @@ built by the worker's own ``build_kernel_warmup_plan`` from the model's modules 
 device at two layers: the plan needs its shapes, not its depth), with the decode graphs the engine captures. Each
 configuration is built as a warm-up worker builds it (``backends/cuda/warmup._fill_one``) into an empty TileLang
 cache, one after another in one child process. From those seconds the benchmark replays the warm-up's schedule
-(``fill_disk_cache``: the jobs in its order, each claimed by the next worker to free up) for a few worker counts.
+(``fill_disk_cache``: the jobs in its order, each claimed by the next worker to free up) for a few worker counts, in
+the queue's order and in its earlier one (the MLA kernels first, the rest in compile order).
 One JSON line per configuration and one per worker count::
 
     {"bench": "kernel_build", "module": "mla_decode", "config": "...", "build_s": x, ...}
-    {"bench": "kernel_build_schedule", "workers": 15, "makespan_s": y, "critical_job": "...", "sum_s": z, ...}
+    {"bench": "kernel_build_schedule", "order": "longest_expected_first", "workers": 15, "makespan_s": y, ...}
 
 ``makespan_s`` leaves out each worker's start (importing torch and TileLang: ``worker_start_s``, measured here) and
 the serial pass that loads the built kernels; it is this machine's CPU, not the GPU host's.
 
-python -m benchmarks.bench_kernel_builds --shape v2-lite --max-num-seqs 256 --out benchmarks/results/cpu_kernel_builds.jsonl
+python -m benchmarks.bench_kernel_builds --max-num-seqs 256 --out benchmarks/results/cpu_kernel_builds.jsonl
 """
 
 from __future__ import annotations
@@ -120,6 +121,13 @@ def schedule(durations: list[float], workers: int) -> tuple[float, int]:
     return end, last
 
 
+def mla_first_order(configs: dict[str, list[tuple]]) -> list[tuple[str, tuple]]:
+    """The queue's earlier order, for comparison: the MLA kernels first, the rest in compile order (``configs`` is
+    ``reachable``'s, in compile order)."""
+    jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
+    return sorted(jobs, key=lambda job: job[0] != "mla_decode")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="v2-lite")
@@ -144,7 +152,8 @@ def main(argv=None) -> int:
     plan = warmup_plan(args.shape, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                        graphs=not args.no_graphs)
-    jobs = warmup_job_order(reachable(plan, args.num_sms, not args.no_sm90))
+    configs = reachable(plan, args.num_sms, not args.no_sm90)
+    jobs = warmup_job_order(configs)
     if args.limit:
         jobs = jobs[:args.limit]
     print(f"building {len(jobs)} configurations one at a time ...", file=sys.stderr, flush=True)
@@ -154,13 +163,18 @@ def main(argv=None) -> int:
                 max_num_batched_tokens=plan.max_num_batched_tokens, num_sms=args.num_sms, sm90=not args.no_sm90,
                 graphs=not args.no_graphs)
     rows = [dict(bench="kernel_build", **r, **meta) for r in built]
-    durations = [r["build_s"] for r in built]
-    for w in args.workers:
-        makespan, last = schedule(durations, w)
-        rows.append(dict(bench="kernel_build_schedule", workers=w, configs=len(jobs), makespan_s=round(makespan, 2),
-                         critical_job=f"{built[last]['module']} {built[last]['config']}", sum_s=round(sum(durations), 2),
-                         longest_s=round(max(durations), 2), worker_start_s=round(start_s, 2),
-                         errors=sum(r["error"] is not None for r in built), **meta))
+    seconds = {(r["module"], r["config"]): r["build_s"] for r in built}
+    durations = list(seconds.values())
+    orders = {"longest_expected_first": jobs, "mla_first": [job for job in mla_first_order(configs) if job in jobs]}
+    for order, queue in orders.items():
+        for w in args.workers:
+            queue_s = [seconds[(name, repr(cfg))] for name, cfg in queue]
+            makespan, last = schedule(queue_s, w)
+            rows.append(dict(bench="kernel_build_schedule", order=order, workers=w, configs=len(jobs),
+                             makespan_s=round(makespan, 2), critical_job=f"{queue[last][0]} {queue[last][1]!r}",
+                             sum_s=round(sum(durations), 2), longest_s=round(max(durations), 2),
+                             worker_start_s=round(start_s, 2), errors=sum(r["error"] is not None for r in built),
+                             **meta))
     for r in rows:
         print(json.dumps(r), flush=True)
     print(f"built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
