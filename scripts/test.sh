@@ -4,7 +4,8 @@
 # `--dist loadgroup` keeps each `xdist_group` on one worker (tests sharing a compile pool or recordings).
 # Extra arguments go to pytest after these, so `bash scripts/test.sh -n 0` runs in one process and
 # `bash scripts/test.sh -n 4` uses four workers; `pytest tests/foo.py` alone stays in one process.
+# The 15 slowest tests are listed at the end (where the suite's time goes, in every CI log).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q -n 2 --dist loadgroup "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations 15 "$@"
