@@ -65,6 +65,7 @@ def warmup_plan(shape: str, *, max_num_seqs: int, max_model_len: int, max_num_ba
     from deepinfer_npu.hal.graph_sizes import graph_sizes
     from deepinfer_npu.model_executor import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
     from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+    from deepinfer_npu.worker.decode_graphs import graph_table_width
     from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
 
     raw, _name = SHAPES[shape]
@@ -79,7 +80,7 @@ def warmup_plan(shape: str, *, max_num_seqs: int, max_model_len: int, max_num_ba
     decode_graphs = None
     if graphs:  # worker._build_graphs: total_q up to min(step tokens, max_num_seqs) at k = 0
         sizes = graph_sizes(min(mnbt, max_num_seqs))
-        decode_graphs = SimpleNamespace(sizes=sizes, width=-(-max_model_len // block_size) + 1)
+        decode_graphs = SimpleNamespace(sizes=sizes, width=graph_table_width(max_model_len, block_size))
     return build_kernel_warmup_plan(runner, k=0, varlen=False, graphs=decode_graphs)
 
 

@@ -41,18 +41,30 @@ def _load_class(name: str) -> type[Backend]:
     return getattr(importlib.import_module(module_path), cls_name)
 
 
+def _resolve(name: str) -> str:
+    """The registered name ``name`` stands for (``"auto"``: the first available of the detection order). Raises
+    ``ValueError`` for an unknown name (listing the registered ones), ``RuntimeError`` when ``auto`` finds none
+    (naming every backend's reason)."""
+    if name == "auto":
+        reasons = []
+        for candidate in registered_backends():
+            reason = _load_class(candidate).unavailable_reason()
+            if reason is None:
+                return candidate
+            reasons.append(f"{candidate}: {reason}")
+        raise RuntimeError("no backend is available: " + "; ".join(reasons))
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown backend {name!r}; registered backends: {', '.join(registered_backends())} (or 'auto')"
+        )
+    return name
+
+
 def backend_class(name: str = "auto") -> type[Backend]:
     """The class ``get_backend(name)`` would build (``"auto"`` detected the same way), without building it."""
     if name in _instances:
         return type(_instances[name])
-    if name == "auto":
-        for candidate in registered_backends():
-            if _load_class(candidate).unavailable_reason() is None:
-                return _load_class(candidate)
-        return type(get_backend("auto"))  # raises, naming every backend's reason
-    if name not in _REGISTRY:
-        get_backend(name)  # raises, listing the registered ones
-    return _load_class(name)
+    return _load_class(_resolve(name))
 
 
 def get_backend(name: str = "auto") -> Backend:
@@ -65,19 +77,9 @@ def get_backend(name: str = "auto") -> Backend:
     if name in _instances:
         return _instances[name]
     if name == "auto":
-        reasons = []
-        for candidate in registered_backends():
-            reason = _load_class(candidate).unavailable_reason()
-            if reason is None:
-                _instances["auto"] = get_backend(candidate)
-                return _instances["auto"]
-            reasons.append(f"{candidate}: {reason}")
-        raise RuntimeError("no backend is available: " + "; ".join(reasons))
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown backend {name!r}; registered backends: {', '.join(registered_backends())} (or 'auto')"
-        )
-    cls = _load_class(name)
+        _instances["auto"] = get_backend(_resolve("auto"))
+        return _instances["auto"]
+    cls = _load_class(_resolve(name))
     reason = cls.unavailable_reason()
     if reason is not None:
         available = [n for n in registered_backends() if n != name and _load_class(n).is_available()]

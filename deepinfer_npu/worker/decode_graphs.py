@@ -66,6 +66,12 @@ def _main_ep_layers(model) -> int:
     return sum(getattr(m, "ep_layer", None) is not None for layer in layers for m in layer.modules())
 
 
+def graph_table_width(max_model_len: int, block_size: int, extra_width: int = 0) -> int:
+    """Block-table width of the decode graphs: room for every key a decode step can hold, ``max_model_len`` plus
+    the ``extra_width`` drafts a re-split may add."""
+    return math.ceil((max_model_len + extra_width) / block_size) + 1
+
+
 class DecodeGraphs:
     """Pads a decode step into static buffers and replays (capturing at first use, or all at start-up)."""
 
@@ -90,8 +96,7 @@ class DecodeGraphs:
         # (captured, positions, slots_per_token) -> None, captured after the forward; needs the captured layers
         self.drafter_hook = drafter_hook if self.capture_layer_ids else None
         bs = runner.block_size
-        # Room for every key a decode step can hold: max_model_len plus the drafts a re-split may add.
-        self.width = math.ceil((runner.max_model_len + extra_width) / bs) + 1
+        self.width = graph_table_width(runner.max_model_len, bs, extra_width)
         self.max_seqlen_q = k + 1
         self.max_seqlen_k = self.width * bs
         s, dev = self.sizes[-1], runner.device
