@@ -222,6 +222,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
             row.update(peer, over_peer_flop_rate=round(flops / elapsed / 1e12 / peer["peer_model_tflops"], 2))
         rows.append(row)
         print(json.dumps(row), flush=True)
+        append_jsonl(args.out, [row])  # as measured: a run stopped by a time limit keeps its finished rows
         log(f"{name} (max_num_batched_tokens {cfg_engine.max_num_batched_tokens}): {len(reqs)} requests in "
             f"{elapsed:.2f}s = {row['req_s']} req/s, prompt "
             f"{row['prompt_tok_s']} tok/s, output {row['output_tok_s']} tok/s, "
@@ -233,6 +234,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
                     "max_num_batched_tokens": cfg_engine.max_num_batched_tokens, **prof}
             rows.append(prow)
             print(json.dumps(prow), flush=True)
+            append_jsonl(args.out, [prow])
     del llm, engine
     release_device_memory(device)
     return rows
@@ -275,7 +277,6 @@ def main(argv=None) -> int:
     first: dict[str, float] = {}  # workload -> the first engine's req/s (the others' rows carry their ratio)
     for mnbt in args.max_num_batched_tokens or [None]:
         rows += run_engine(args, cfg, mnbt, peer, meta, peak, log, first)
-    append_jsonl(args.out, rows)
     return 0
 
 
