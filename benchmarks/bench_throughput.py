@@ -31,6 +31,7 @@ CPU rehearsal:  python -m benchmarks.bench_throughput --backend cpu --tiny --num
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import random
 import time
@@ -46,7 +47,7 @@ from benchmarks.decode_workload import (
     warmup_summary,
     write_model_dir,
 )
-from benchmarks.profiling import host_ops, kernel_events, totals_by_name
+from benchmarks.profiling import host_ops, kernel_events, python_functions, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
 
@@ -139,7 +140,8 @@ def peer_prefill(cfg: dict, dtype: str, device: str, reqs, log) -> dict | None:
 
 def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
     """Device time by kernel name over one ``generate`` of ``reqs`` (CPU: operator self time), and the host's
-    operators by self time."""
+    operators by self time; then the same ``generate`` again under cProfile: the host's Python functions by own and
+    inclusive time (us a step of that run)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -151,7 +153,15 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
         wall = time.perf_counter() - t0
     events = kernel_events(prof, device, cpu_ops=True)
     total = sum(us for _t, _n, us in events)
-    return {"wall_s": round(wall, 3), "kernel_s": round(total / 1e6, 3),
+    stats, steps0 = llm.llm_engine.stats, llm.llm_engine.stats["num_steps"]
+    py = cProfile.Profile()
+    py.enable()
+    llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [params_of(o) for _, o in reqs], use_tqdm=False)
+    sync(device)
+    py.disable()
+    steps = max(stats["num_steps"] - steps0, 1)
+    return {"wall_s": round(wall, 3), "kernel_s": round(total / 1e6, 3), "host_profile_steps": steps,
+            **python_functions(py, steps, top),
             "top": [[n[:90], round(us / 1e6, 4), calls, round(us / max(total, 1e-9), 4)]
                     for n, us, calls in totals_by_name(events)[:top]],
             # the host's side: operators and runtime calls by self time (syncs show up here)

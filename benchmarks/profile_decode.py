@@ -7,6 +7,10 @@ after a warm-up, at each ``--batch``, eager or from captured graphs (``--graphs`
      "kernels_per_step": n, "top": [[name, ms_per_step, calls_per_step], ...], "date": ..., "commit": ...,
      "hardware": ..., "command": ...}
 
+``--host-steps N`` adds, per batch, N more steps timed without any profiler (``clean_wall_ms_per_step``) and N
+under cProfile: the engine's Python functions by own time and by inclusive time, microseconds a step
+(``host_functions_self`` / ``host_functions_cum``), i.e. where the host's side of a host-bound step goes.
+
 GPU:  python -m benchmarks.profile_decode --backend cuda --batch 1 64 --graphs
 CPU rehearsal:  python -m benchmarks.profile_decode --backend cpu --tiny --batch 2
 """
@@ -14,12 +18,29 @@ CPU rehearsal:  python -m benchmarks.profile_decode --backend cpu --tiny --batch
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import time
 
 from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
-from benchmarks.profiling import host_ops, kernel_events, totals_by_name
+from benchmarks.profiling import host_ops, kernel_events, python_functions, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
+
+
+def host_functions(engine, steps: int, top: int) -> dict:
+    """``steps`` engine steps without a profiler, then ``steps`` under cProfile -> clean wall ms a step and the
+    top functions by own and inclusive time (us a step)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    clean = time.perf_counter() - t0
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    return {"host_steps": steps, "clean_wall_ms_per_step": round(1e3 * clean / steps, 3),
+            **python_functions(prof, steps, top)}
 
 
 def main(argv=None) -> int:
@@ -34,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--zos", type=int, default=1)
     p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels in time order")
+    p.add_argument("--host-steps", type=int, default=0,
+                   help="also N steps unprofiled and N under cProfile: the host's Python functions (0: off)")
     args = p.parse_args(argv)
     from torch.profiler import ProfilerActivity, profile
 
@@ -41,7 +64,8 @@ def main(argv=None) -> int:
 
     cfg = TINY if args.tiny else V2_LITE
     tmp = write_model_dir(cfg, "profile_decode_")
-    max_model_len = 64 * -(-(args.prompt_len + 3 * args.steps + 16) // 64)
+    decode_steps = 3 * args.steps + 2 * args.host_steps  # warm-up, profiled, host windows
+    max_model_len = 64 * -(-(args.prompt_len + decode_steps + 16) // 64)
     llm = LLM(tmp, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=max(args.batch) * (max_model_len // 64) + 2,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len), enable_graphs=args.graphs,
@@ -52,7 +76,7 @@ def main(argv=None) -> int:
     meta = row_meta(dev)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
     for batch in args.batch:
-        params = SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=decode_steps + 8, temperature=0.0, ignore_eos=True)
         for i, pr in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=batch)):
             engine.add_request(f"p{batch}-{i}", {"prompt_token_ids": pr}, params)
         started: set[str] = set()
@@ -69,6 +93,7 @@ def main(argv=None) -> int:
                 engine.step()
             sync(dev)
             wall = time.perf_counter() - t0
+        host = host_functions(engine, args.host_steps, args.top) if args.host_steps else {}
         while engine.has_unfinished_requests():
             engine.step()
         kernels = kernel_events(prof, dev)
@@ -85,7 +110,7 @@ def main(argv=None) -> int:
                "top": [[n[:90], round(us / 1e3 / args.steps, 4), round(calls / args.steps, 1)]
                        for n, us, calls in top],
                "cpu_self_top": [[k[:60], round(t / 1e3 / args.steps, 3), round(c / args.steps, 1)]
-                                for k, t, c in cpu_top]}
+                                for k, t, c in cpu_top], **host}
         print(json.dumps(row), flush=True)
     return 0
 

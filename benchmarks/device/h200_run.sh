@@ -11,7 +11,8 @@
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs MTP / DFlash, concurrency 1, 32
 #   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); every kernel waits for
-#             its predecessor (PDL), so a kernel's span includes that wait
+#             its predecessor (PDL), so a kernel's span includes that wait (PROFILE_ARGS: more, e.g. "--host-steps 50":
+#             the host's Python functions under cProfile)
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
 #   wheels    pip install the wheels carried in .carry/wheels (xgrammar, fastapi, uvicorn, openai, pytest-xdist ...,
@@ -76,7 +77,7 @@ for l in open('$OUT/h200_kernels.jsonl'):
              --concurrency 1 32 --graphs --max-tokens 128 --repeat ${SPEC_REPEAT:-3} --out "$OUT/h200_spec.jsonl" 2>&1 \
              | filt > /tmp/spec.log; grep -v '^{' /tmp/spec.log | tail -14 ;;
     profile) timeout $LIM python3 -m benchmarks.profile_decode --backend cuda --batch ${PROFILE_BATCH:-1 64} --graphs \
-             --sequence 200 2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
+             --sequence 200 ${PROFILE_ARGS:-} 2>&1 | filt >> /tmp/profile.log; grep -v '^{' /tmp/profile.log | tail -5
              grep '^{' /tmp/profile.log > "$OUT/profile.jsonl"
              python3 -c "
 import json
@@ -84,6 +85,9 @@ for l in open('$OUT/profile.jsonl'):
     r = json.loads(l); print('batch', r['batch'], 'graphs', r['graphs'], 'wall', r['wall_ms_per_step'], 'kernel', r['kernel_ms_per_step'], 'n', r['kernels_per_step'])
     for t in r['top'][:18]: print('   ', t)
     for t in r['cpu_self_top'][:6]: print('   cpu', t)
+    if 'host_functions_self' in r: print('   clean wall', r['clean_wall_ms_per_step'])
+    for t in r.get('host_functions_self', [])[:15]: print('   py self', t)
+    for t in r.get('host_functions_cum', [])[:25]: print('   py cum', t)
 " ;;
     wheels) python3 -m pip install -q --no-deps --no-index .carry/wheels/*.whl 2>&1 | tail -2
              python3 -c "import xgrammar, fastapi, uvicorn, openai, xdist; print('wheels ok')" ;;
@@ -107,6 +111,8 @@ for l in open('$OUT/h200_throughput.jsonl'):
     if r['bench'] == 'throughput_profile':
         print(r['workload'], 'wall', r['wall_s'], 'kernel', r['kernel_s']); [print('   ', t) for t in r['top']]
         [print('    host', t) for t in r.get('host_top', [])[:10]]
+        [print('    py self', t) for t in r.get('host_functions_self', [])[:12]]
+        [print('    py cum', t) for t in r.get('host_functions_cum', [])[:20]]
     else:
         print({k: r.get(k) for k in ('workload', 'max_num_batched_tokens', 'req_s', 'prompt_tok_s', 'steps',
                                      'step_ms', 'host_step_ms', 'host_wait_frac', 'frac_of_tensor_core_roofline',

@@ -15,8 +15,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from deepinfer_npu.hal.host_to_device import NUMPY_DTYPES, to_device
 from deepinfer_npu.sampling.rng import seed_to_int64
 
 if TYPE_CHECKING:  # avoid an import cycle with deepinfer_npu.engine
@@ -164,21 +166,22 @@ class SamplingTensors:
                         ban_rows.append(row)
                         ban_ids.append(int(t))
 
-        def t(data: list, dtype: torch.dtype) -> torch.Tensor:
-            host = torch.tensor(data, dtype=dtype)
-            if torch.device(device).type == "cpu":
-                return host
-            return host.pin_memory().to(device, non_blocking=True)  # no pageable (blocking) copy on devices
-
+        # every host list of the rows goes to the device in one copy (hal/host_to_device.py)
+        host: dict[str, tuple[list, torch.dtype]] = {
+            "temperature": (temperature, torch.float32), "top_k": (top_k, torch.int64),
+            "top_p": (top_p, torch.float32), "is_greedy": (greedy, torch.bool),
+            "seeds": ([seed_to_int64(int(s)) for s in seeds], torch.int64),
+            "offsets": ([int(o) for o in offsets], torch.int64)}
+        if ban_rows:
+            host["banned_rows"], host["banned_token_ids"] = (ban_rows, torch.int64), (ban_ids, torch.int64)
         random_rows = [not g for g in greedy]
-        extra = {}
         if any(p.uses_penalties for p in params):
-            extra["presence_penalty"] = t([p.presence_penalty for p in params], torch.float32)
-            extra["frequency_penalty"] = t([p.frequency_penalty for p in params], torch.float32)
-            extra["repetition_penalty"] = t([p.repetition_penalty for p in params], torch.float32)
+            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+                host[name] = ([getattr(p, name) for p in params], torch.float32)
         if any(p.min_p > 0.0 for p, r in zip(params, random_rows) if r):
-            extra["min_p"] = t([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
-        if any(p.logit_bias for p in params):
+            host["min_p"] = ([0.0 if g else p.min_p for p, g in zip(params, greedy)], torch.float32)
+        has_bias = any(p.logit_bias for p in params)
+        if has_bias:
             if vocab_size is None:
                 raise ValueError("logit_bias needs vocab_size")
             b_rows, b_ids, b_vals = [], [], []
@@ -188,24 +191,21 @@ class SamplingTensors:
                         b_rows.append(row)
                         b_ids.append(tid)
                         b_vals.append(v)
+            host.update(bias_rows=(b_rows, torch.int64), bias_ids=(b_ids, torch.int64),
+                        bias_vals=(b_vals, torch.float32))
+        dev = dict(zip(host, to_device([(np.asarray(v, dtype=NUMPY_DTYPES[d]), d) for v, d in host.values()],
+                                       device)))
+        if has_bias:
             bias = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
-            bias.index_put_((t(b_rows, torch.int64), t(b_ids, torch.int64)), t(b_vals, torch.float32))
-            extra["logit_bias"] = bias
+            bias.index_put_((dev.pop("bias_rows"), dev.pop("bias_ids")), dev.pop("bias_vals"))
+            dev["logit_bias"] = bias
         return cls(
-            temperature=t(temperature, torch.float32),
-            top_k=t(top_k, torch.int64),
-            top_p=t(top_p, torch.float32),
-            is_greedy=t(greedy, torch.bool),
-            seeds=t([seed_to_int64(int(s)) for s in seeds], torch.int64),
-            offsets=t([int(o) for o in offsets], torch.int64),
             max_num_logprobs=max_lp,
-            banned_rows=t(ban_rows, torch.int64) if ban_rows else None,
-            banned_token_ids=t(ban_ids, torch.int64) if ban_ids else None,
             all_greedy=all(greedy),
             all_random=all(random_rows),
             need_top_k=any(k > 0 for k, r in zip(top_k, random_rows) if r),
             need_top_p=any(p < 1.0 for p, r in zip(top_p, random_rows) if r),
-            **extra,
+            **dev,
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SamplingTensors:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepinfer_npu.hal.host_to_device import to_device
+
 
 class DeviceTransfers:
     """``_dev`` / ``_dev_many``: host arrays to the device; ``_to_host``: device results to pinned host memory."""
@@ -16,14 +18,11 @@ class DeviceTransfers:
     def _dev(self, a: np.ndarray, dtype=torch.int64) -> torch.Tensor:
         """Host array -> device tensor without a host-device sync: on devices the copy goes through pinned
         memory asynchronously (a pageable copy would block)."""
-        host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device([(a, dtype)], self.device)[0]
 
     def _dev_many(self, arrays: list[tuple[np.ndarray, torch.dtype]]) -> list[torch.Tensor]:
-        """Several host arrays -> device tensors, one copy each."""
-        return [self._dev(a, dtype) for a, dtype in arrays]
+        """Several host arrays -> device tensors in one copy (``hal/host_to_device.py``)."""
+        return to_device(arrays, self.device)
 
     def _to_host(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """Device tensor -> host tensor filled asynchronously (pinned, ``non_blocking``): the copy is queued on the

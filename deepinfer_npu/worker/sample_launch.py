@@ -102,11 +102,11 @@ class SampleLaunch:
         prompt logprobs of the chunk. -> (anchor rows, each token's next token, sampled tokens, their slots)."""
         plan, positions = step.plan, step.attn.positions
         n = plan.num_seqs
-        prompt_lens = self._dev(reqs.prompt_lens)
         rows = np.nonzero(plan.is_last_chunk)[0]
         ends = np.cumsum(plan.seqlens_q.astype(np.int64)) - 1
-        anchor = self._dev(ends[rows])
-        row_idx = self._dev(rows)
+        prompt_lens, anchor, row_idx, num_emitted = self._dev_many([
+            (reqs.prompt_lens, torch.int64), (ends[rows], torch.int64), (rows, torch.int64),
+            (plan.is_last_chunk, torch.int64)])
         if reqs.uses_penalties and self.slots.has_penalties:  # prompt tokens and recomputed outputs
             slot_of_token = step.slots.index_select(0, step.row_of_token)
             is_prompt = positions < prompt_lens.index_select(0, step.row_of_token)
@@ -138,7 +138,7 @@ class SampleLaunch:
             step.fork_rows, step.fork_tokens = fork_rows, vo.emitted[len(rows):, 0]
         emitted = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
         emitted[row_idx, 0] = sampled
-        step.emitted, step.num_emitted = emitted, self._dev(plan.is_last_chunk.astype(np.int64))
+        step.emitted, step.num_emitted = emitted, num_emitted
         lp_rows = torch.full((n, 1), -1, dtype=torch.int64, device=self.device)
         lp_rows[row_idx, 0] = torch.arange(len(rows), device=self.device)
         step.logprob_rows, step.logprobs = lp_rows, vo.logprobs
