@@ -7,7 +7,8 @@ Under pytest-xdist on a GPU host (``pytest -m gpu -n 14``), engines built by a w
 equal share of the GPU's memory, so that one worker's engine does not take the memory the others need, and build
 their kernels in a few processes each (``DEEPINFER_COMPILE_WORKERS``). ``TEST_FAILURE_LOG=path`` appends each
 failure's report to ``path`` as it happens (a run cut off by a time limit still says what failed and why);
-``TEST_DURATION_LOG=path`` appends each test's call time, outcome and id (where a cut-off run spent its time).
+``TEST_DURATION_LOG=path`` appends each test's call time, outcome and id (where a cut-off run spent its time); a
+module that fails to import is in both logs, as an error.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ def pytest_configure(config):
         return MemoryInfo(free_bytes=min(info.free_bytes, cap), total_bytes=info.total_bytes)
 
     CudaBackend.memory_info = memory_info
+
+
+_COLLECTION_ERRORS: set[str] = set()
+
+
+def pytest_collectreport(report):
+    """A module that fails to import (a missing package on a GPU host) never reaches the per-test hooks: both logs
+    name it, once (each xdist worker collects, and the controller hears every worker)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not report.failed or report.nodeid in _COLLECTION_ERRORS:
+        return
+    _COLLECTION_ERRORS.add(report.nodeid)
+    path = os.environ.get("TEST_FAILURE_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"==== FAILED {report.nodeid} (collection)\n{report.longreprtext}\n")
+    path = os.environ.get("TEST_DURATION_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"0.00 error {report.nodeid}\n")
 
 
 def pytest_runtest_logreport(report):

@@ -249,6 +249,8 @@ def reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False, grouped: bool 
 def engine_reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False) -> str | None:
     """:func:`reason` plus where the kernel is faster than the library GEMM (the backend's routing, dense only):
     one row, K <= DENSE_MAX_K."""
+    if a.is_cuda and a.dim() == 2 and a.shape[0] > DENSE_MAX_ROWS:  # first: a prefill step asks for every linear
+        return f"{a.shape[0]} rows > {DENSE_MAX_ROWS}: the library GEMM is faster there"
     why = reason(a, w, gated)
     if why is None and a.shape[0] > DENSE_MAX_ROWS:
         why = f"{a.shape[0]} rows > {DENSE_MAX_ROWS}: the library GEMM is faster there"

@@ -90,7 +90,7 @@ for l in open('$OUT/profile.jsonl'):
     for t in r.get('host_functions_cum', [])[:25]: print('   py cum', t)
 " ;;
     wheels) python3 -m pip install -q --no-deps --no-index .carry/wheels/*.whl 2>&1 | tail -2
-             python3 -c "import xgrammar, fastapi, uvicorn, openai, xdist; print('wheels ok')" ;;
+             python3 -c "import xgrammar, fastapi, uvicorn, openai, xdist, jsonschema; print('wheels ok')" ;;
     structured) for shape in v2-lite reference; do timeout $LIM python3 -m benchmarks.bench_structured --backend cuda \
              --shape $shape --concurrency 1 32 --out "$OUT/h200_structured.jsonl" > "$OUT/structured_$shape.log" 2>&1
              echo "$shape rc=$?"; grep '^{' "$OUT/structured_$shape.log" | cut -c1-260; done ;;

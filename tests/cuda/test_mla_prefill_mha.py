@@ -8,6 +8,8 @@ The selection and refusal checks run anywhere; the rest needs CUDA."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def test_composition_matches_the_fp32_reference_on_cpu(monkeypatch):
     from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
     from deepinfer_npu.backends.cuda.ops import mla_prefill_mha
 
-    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda: _reference_varlen_attn)
+    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda direct=True: _reference_varlen_attn)
     monkeypatch.setattr(MLAPrefillMHA, "on_device", staticmethod(lambda x: True))
     g = torch.Generator().manual_seed(2)
     hidden = [torch.randn(500, D, generator=g), torch.randn(60, D, generator=g)]
@@ -121,9 +123,57 @@ def test_composition_matches_the_fp32_reference_on_cpu(monkeypatch):
     def top_left(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
         return _reference_varlen_attn(q, k[: q.shape[0]], v[: q.shape[0]], cu_q, cu_q, max_q, max_q, **kw)
 
-    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda: top_left)
+    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda direct=True: top_left)
     bad = _run(CudaKernelSet(), _weights("cpu", torch.bfloat16), _Rope("cpu"), "cpu", torch.bfloat16, hidden)
     assert not _close(bad[1], want[1])["ok"]
+
+
+def test_a_failing_direct_call_falls_back_to_the_public_function(monkeypatch):
+    """aten's flash forward called directly (no custom-op wrapper) is the first choice; if a torch rejects that
+    call, the path keeps going through the public varlen function, once warned, instead of turning itself off."""
+    from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+    from deepinfer_npu.backends.cuda.ops import mla_prefill_mha
+
+    calls = []
+
+    def direct(*a, **kw):
+        calls.append("direct")
+        raise TypeError("_flash_attention_forward() got an unexpected keyword argument 'scale'")
+
+    def public(*a, **kw):
+        calls.append("public")
+        return _reference_varlen_attn(*a, **kw)
+
+    monkeypatch.setattr(mla_prefill_mha, "_flash_varlen", direct)
+    monkeypatch.setattr(mla_prefill_mha, "_varlen_attn", lambda d=True: direct if d else public)
+    monkeypatch.setattr(MLAPrefillMHA, "on_device", staticmethod(lambda x: True))
+    g = torch.Generator().manual_seed(2)
+    hidden = [torch.randn(500, D, generator=g), torch.randn(60, D, generator=g)]
+    ks = CudaKernelSet()
+    _run(ks, _weights("cpu", torch.bfloat16), _Rope("cpu"), "cpu", torch.bfloat16, hidden)
+    assert calls[:2] == ["direct", "public"] and set(calls[2:]) == {"public"}, calls
+    assert "varlen flash attention" in ks.op_report()["mla_attention"]
+
+
+@gpu
+@pytest.mark.gpu
+def test_direct_flash_call_equals_the_public_varlen_function():
+    """The direct call gives the public function's output bit for bit (the same kernel), a cached prefix included
+    (queries fewer than keys: the bottom-right causal alignment)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from deepinfer_npu.backends.cuda.ops import mla_prefill_mha
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lq, lk, h, d = [5, 300, 1], [5, 420, 77], 16, 192
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(sum(lk), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sum(lk), h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = [torch.tensor([0] + list(itertools.accumulate(x)), device="cuda", dtype=torch.int32) for x in (lq, lk)]
+    direct = mla_prefill_mha._flash_varlen(q, k, v, *cu, max(lq), max(lk), scale=0.07, is_causal=True)
+    public = varlen_attn(q, k, v, *cu, max(lq), max(lk), scale=0.07,
+                         **mla_prefill_mha._causal_kwargs(varlen_attn))
+    assert torch.equal(direct, public)
 
 
 @gpu

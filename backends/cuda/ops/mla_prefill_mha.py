@@ -29,8 +29,20 @@ from .base import BF16, NOT_ON_DEVICE, OpImpl, logger
 MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dim
 
 
-def _varlen_attn():
-    """torch's varlen flash attention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.9) or None."""
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale: float, is_causal: bool = False):
+    """The call ``torch.nn.attention.varlen.varlen_attn`` makes on its flash path, made directly: the public
+    function wraps it in a custom op whose Python dispatch (and an extra zero-filled tensor a call) cost host time on
+    every layer of a prefill step, where the host is the bottleneck. Causal masks align to the bottom right, as
+    there."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False,
+                                                   scale=scale)[0]
+
+
+def _varlen_attn(direct: bool = True):
+    """torch's varlen flash attention: aten's flash forward called directly (``direct``, where torch has it), else
+    ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.9), else None."""
+    if direct and hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return _flash_varlen
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -76,6 +88,7 @@ class MLAPrefillMHA(OpImpl):
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self._error: str | None = None  # a failed call turns the path off for good
+        self._direct = True  # aten's flash forward called directly, until a call of it fails
         self._skipped = False
         # (the step's AttentionMetadata, key rows, cu_seqlens_k): every layer of a step reads the same rows
         self._step_keys: tuple | None = None
@@ -122,6 +135,25 @@ class MLAPrefillMHA(OpImpl):
         self._step_keys = (attn, slots, cu_k)
         return slots, cu_k
 
+    def _attend(self, q, k, v, cu_q, cu_k, host, scale: float) -> torch.Tensor:
+        """Causal varlen flash attention: the direct call, and the public function if that ever fails."""
+        error: Exception | None = None
+        for direct in (True, False) if self._direct else (False,):
+            fn = _varlen_attn(direct)
+            if fn is None:
+                continue
+            try:
+                return fn(q, k, v, cu_q, cu_k, int(host.max_seqlen_q), int(host.max_seqlen_k), scale=scale,
+                          **_causal_kwargs(fn))
+            except Exception as e:  # noqa: BLE001 - the public function is tried next
+                error = e
+                if fn is _flash_varlen:
+                    self._direct = False
+                    logger.warning("cuda backend: aten._flash_attention_forward called directly failed (%s: %s); "
+                                   "prefill attention goes through torch.nn.attention.varlen", type(e).__name__,
+                                   str(e)[:160])
+        raise error or RuntimeError("this torch has no varlen flash attention")
+
     def mla_forward(self, hidden: torch.Tensor, w: MLAWeights, positions: torch.Tensor, rope: RopeLike,
                     kv_cache: torch.Tensor, attn, softmax_scale: float) -> torch.Tensor | None:
         """The decompressed prefill, or None where :meth:`reason` refuses (the caller runs the absorbed path)."""
@@ -143,10 +175,8 @@ class MLAPrefillMHA(OpImpl):
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(tk, h, rdim)), dim=-1)
         v = F.pad(values, (0, nope + rdim - vdim)) if vdim < nope + rdim else values
-        fn = _varlen_attn()
         try:
-            out = fn(q, k, v, attn.cu_seqlens_q.to(torch.int32), cu_k, int(host.max_seqlen_q),
-                     int(host.max_seqlen_k), scale=float(softmax_scale), **_causal_kwargs(fn))
+            out = self._attend(q, k, v, attn.cu_seqlens_q.to(torch.int32), cu_k, host, float(softmax_scale))
         except Exception as e:  # noqa: BLE001 - off for good; this step and the next take the absorbed path
             self._error = f"varlen flash attention failed: {type(e).__name__}: {str(e)[:160]}"
             logger.warning("cuda backend: %s; prefill takes the absorbed MLA path", self._error)
