@@ -252,8 +252,6 @@ def engine_reason(a: torch.Tensor, w: torch.Tensor, gated: bool = False) -> str 
     if a.is_cuda and a.dim() == 2 and a.shape[0] > DENSE_MAX_ROWS:  # first: a prefill step asks for every linear
         return f"{a.shape[0]} rows > {DENSE_MAX_ROWS}: the library GEMM is faster there"
     why = reason(a, w, gated)
-    if why is None and a.shape[0] > DENSE_MAX_ROWS:
-        why = f"{a.shape[0]} rows > {DENSE_MAX_ROWS}: the library GEMM is faster there"
     if why is None and w.shape[-1] > DENSE_MAX_K:
         why = f"K={w.shape[-1]} > {DENSE_MAX_K}: the library's split-K GEMM is faster there"
     return why

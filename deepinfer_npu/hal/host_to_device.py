@@ -31,34 +31,33 @@ def to_device(arrays: Sequence[tuple[np.ndarray | Sequence, torch.dtype]],
     an assignment, as ``torch.from_numpy(a).to(dtype)``), with the array's shape; one host-to-device copy."""
     device = torch.device(device)
     host = [np.asarray(a) for a, _ in arrays]
-    layout, nbytes = [], 0
+    layout, nbytes = [], 0  # (byte offset, dtype, shape) an array
     for a, (_, dtype) in zip(host, arrays):
         if dtype not in NUMPY_DTYPES:
             raise TypeError(f"to_device: no staging for {dtype} (supported: {sorted(map(str, NUMPY_DTYPES))})")
-        size = a.size * NUMPY_DTYPES[dtype]().itemsize
-        layout.append((nbytes, size))
-        nbytes += -(-size // _ALIGN) * _ALIGN
+        layout.append((nbytes, dtype, a.shape))
+        nbytes += -(-a.size * NUMPY_DTYPES[dtype]().itemsize // _ALIGN) * _ALIGN
     stage = torch.empty(max(nbytes, _ALIGN), dtype=torch.uint8, pin_memory=device.type != "cpu")
-    views = _views(stage, host, arrays, layout)
+    views = _views(stage, layout)
     for v, a in zip(views, host):
         if a.size:
             v.copy_(torch.from_numpy(a if a.flags.c_contiguous else a.copy()))  # host to host, to the dtype
     if device.type == "cpu":
         return views
-    return _views(stage.to(device, non_blocking=True), host, arrays, layout)
+    return _views(stage.to(device, non_blocking=True), layout)
 
 
-def _views(buf: torch.Tensor, host: list[np.ndarray], arrays, layout: list[tuple[int, int]]) -> list[torch.Tensor]:
+def _views(buf: torch.Tensor, layout: list[tuple[int, torch.dtype, tuple]]) -> list[torch.Tensor]:
     """The arrays' places in the byte buffer ``buf``: one reinterpretation per dtype, one strided view an array
     (a view costs the host about a microsecond; the step sends several arrays)."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     out = []
-    for a, (_, dtype), (off, _size) in zip(host, arrays, layout):
+    for off, dtype, shape in layout:
         base = typed.get(dtype)
         if base is None:
             base = typed[dtype] = buf.view(dtype)  # the buffer's length is a multiple of every element size
-        strides = [1] * a.ndim
-        for d in range(a.ndim - 2, -1, -1):
-            strides[d] = strides[d + 1] * a.shape[d + 1]
-        out.append(base.as_strided(a.shape, strides, off // base.element_size()))
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        out.append(base.as_strided(shape, strides, off // base.element_size()))
     return out

@@ -15,10 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from deepinfer_npu.hal.host_to_device import NUMPY_DTYPES, to_device
+from deepinfer_npu.hal.host_to_device import to_device
 from deepinfer_npu.sampling.rng import seed_to_int64
 
 if TYPE_CHECKING:  # avoid an import cycle with deepinfer_npu.engine
@@ -193,8 +192,7 @@ class SamplingTensors:
                         b_vals.append(v)
             host.update(bias_rows=(b_rows, torch.int64), bias_ids=(b_ids, torch.int64),
                         bias_vals=(b_vals, torch.float32))
-        dev = dict(zip(host, to_device([(np.asarray(v, dtype=NUMPY_DTYPES[d]), d) for v, d in host.values()],
-                                       device)))
+        dev = dict(zip(host, to_device(list(host.values()), device)))
         if has_bias:
             bias = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
             bias.index_put_((dev.pop("bias_rows"), dev.pop("bias_ids")), dev.pop("bias_vals"))
