@@ -9,14 +9,13 @@ there). The bitmask layout is xgrammar's: int32 words, bit ``t % 32`` of word ``
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-try:
+if TYPE_CHECKING:
     import xgrammar as xgr
-except ImportError:  # only structured output needs it: the engine imports and serves the other requests
-    xgr = None
 
 __all__ = ["RequestGrammar", "allowed_mask", "fill_rows", "new_bitmask"]
 
@@ -39,11 +38,19 @@ def fill_threads(rows: int) -> int:
     return max(1, min(rows // _ROWS_PER_THREAD, cpus // 2, 8))
 
 
+def xgrammar():
+    """The xgrammar module, imported at the first grammar (its import, with transformers and TVM's FFI under it,
+    takes seconds: every engine and rank process would pay it at start-up, structured output or not)."""
+    import xgrammar as xgr
+
+    return xgr
+
+
 def _batch_matcher(rows: int) -> xgr.BatchGrammarMatcher:
     threads = fill_threads(rows)
     batch = _batch.get(threads)
     if batch is None:
-        batch = _batch[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        batch = _batch[threads] = xgrammar().BatchGrammarMatcher(max_threads=threads)
     return batch
 
 
@@ -63,7 +70,7 @@ def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class RequestGrammar:
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self.compiled = compiled
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = xgrammar().GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.failed = False  # a kept token the grammar did not accept (only possible for a bug or a forced token)
         self.drafts: np.ndarray | None = None  # the drafts proposed for the request's next step (speculation)

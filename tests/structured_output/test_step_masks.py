@@ -171,7 +171,7 @@ def test_small_batches_fill_on_the_calling_thread(pool, monkeypatch):
         return real(max_threads=1)
 
     monkeypatch.setattr(matcher, "_batch", {})
-    monkeypatch.setattr(matcher.xgr, "BatchGrammarMatcher", record)
+    monkeypatch.setattr(xgr, "BatchGrammarMatcher", record)
     compiled = pool.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
     for rows in (1, 16, matcher.PARALLEL_FILL_ROWS - 1):
         grammars = [RequestGrammar(compiled, VOCAB) for _ in range(rows)]
