@@ -6,18 +6,23 @@ is exercised end to end on the CPU.
 
 CPU recordings are deterministic (greedy decoding, fixed prompts, seeded or stored weights), so the module records
 each (dtype, model, max_tokens, load format) once and hands out copies: the real-dims model takes about half a
-minute to build on a CI core, and the round trip replays the same recording as the real-dims bf16 golden.
+minute to build on a CI core, and the round trip replays the same recording as the real-dims bf16 golden. The
+bf16 and fp32 real-dims models draw the same float64 values: the module keeps each draw once, as float32
+(:func:`_shared_portable_draws`).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
+from deepinfer_npu.model_executor import dummy_weights
 from deepinfer_npu.parity import prompts as P
 from deepinfer_npu.parity import recorder, rules
 from deepinfer_npu.parity.__main__ import compare_docs
@@ -30,6 +35,43 @@ _CPU_RECORDINGS: dict[tuple, dict] = {}
 
 #: one pytest-xdist worker runs the module, so each recording above is made once
 pytestmark = pytest.mark.xdist_group("cpu_recordings")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_portable_draws():
+    """``dummy_portable`` chunks drawn once per (tensor, generator state) in this module, kept as float32: the
+    same generator state gives the same float64 values, and torch converts float64 to bf16 through float32 (so
+    float32 copies give both dtypes' bits, checked in :func:`test_bf16_from_float64_goes_through_float32`). The
+    draw is most of the real-dims model's build; the bf16 and fp32 recordings share it."""
+    draws: dict[tuple, tuple[list, torch.Tensor]] = {}
+    original = dummy_weights._portable_chunks
+
+    def chunks(name, param, gen):
+        state = gen.get_state()
+        key = (name, tuple(param.shape), repr(getattr(param, "dummy_rows", None)),
+               hashlib.sha256(state.numpy().tobytes()).hexdigest())
+        if key not in draws:
+            parts = [(r0, part.float(), rows) for r0, part, rows in original(name, param, gen)]
+            draws[key] = (parts, gen.get_state())
+        parts, after = draws[key]
+        gen.set_state(after)
+        yield from parts
+
+    dummy_weights._portable_chunks = chunks
+    try:
+        yield
+    finally:
+        dummy_weights._portable_chunks = original
+
+
+def test_bf16_from_float64_goes_through_float32():
+    """What :func:`_shared_portable_draws` relies on, at bf16 rounding midpoints and a hair either side."""
+    gen = torch.Generator().manual_seed(0)
+    b = torch.randn(200_000, generator=gen).to(torch.bfloat16).double()
+    half_ulp = torch.ldexp(torch.ones_like(b), torch.frexp(b).exponent - 9)  # half a bf16 ulp of each value
+    x = torch.cat([torch.randn(200_000, generator=gen, dtype=torch.float64) * 0.02, b + half_ulp,
+                   b + half_ulp * (1 + 1e-12), b + half_ulp * (1 - 1e-12)])
+    assert torch.equal(x.to(torch.bfloat16).view(torch.int16), x.float().to(torch.bfloat16).view(torch.int16))
 
 
 def record_cpu(dtype: str, model_dir: Path, max_tokens: int, load_format: str = "auto") -> dict:
