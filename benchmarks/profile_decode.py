@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--zos", type=int, default=1)
     p.add_argument("--sequence", type=int, default=0, help="also list the first N kernels in time order")
+    p.add_argument("--quantization", default=None, help="e.g. fp8: the weights quantized at load")
+    p.add_argument("--kv-cache-dtype", default="auto", help="e.g. fp8: the packed FP8 latent cache")
     p.add_argument("--host-steps", type=int, default=0,
                    help="also N steps unprofiled and N under cProfile: the host's Python functions (0: off)")
     args = p.parse_args(argv)
@@ -69,7 +71,8 @@ def main(argv=None) -> int:
     llm = LLM(tmp, load_format="dummy", backend=args.backend, dtype=args.dtype, max_model_len=max_model_len,
               max_num_seqs=max(args.batch), num_kv_blocks=max(args.batch) * (max_model_len // 64) + 2,
               max_num_batched_tokens=max(4096, max(args.batch) * args.prompt_len), enable_graphs=args.graphs,
-              zero_overhead_scheduling=bool(args.zos))
+              zero_overhead_scheduling=bool(args.zos), quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     dev = engine.backend.device_type
     print("precompile:", warmup_summary(engine), flush=True)
@@ -101,6 +104,7 @@ def main(argv=None) -> int:
         top = totals_by_name(kernels)[: args.top]
         cpu_top = host_ops(prof, 15)
         row = {"bench": "profile_decode", **meta, "batch": batch, "graphs": args.graphs,
+               "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
                "zos": bool(args.zos), "steps": args.steps, "wall_ms_per_step": round(1e3 * wall / args.steps, 3),
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
                "kernels_per_step": round(count / args.steps, 1),

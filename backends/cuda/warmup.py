@@ -37,6 +37,7 @@ import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
+from . import warmup_background
 from .ops.base import tilelang_importable
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,9 @@ def fill_worker_main() -> None:
     """A worker of :func:`fill_disk_cache`: ``repr`` of ``(softmax_scale, claims directory, [(module, config),
     ...])`` as its argument. It builds each job it claims first (a file created exclusively in the claims directory),
     so the workers share the list as a queue; a ``FAILED_MARK`` line per configuration that failed on stdout."""
-    softmax_scale, claims, jobs = ast.literal_eval(sys.argv[1])
+    softmax_scale, claims, jobs, *rest = ast.literal_eval(sys.argv[1])
+    if rest and rest[0]:  # a background build: the engine's threads come first (nvcc inherits the priority)
+        os.nice(19)
     for i, (name, cfg) in enumerate(jobs):
         if not claim(claims, i):
             continue
@@ -193,13 +196,15 @@ def warmup_job_order(configs: dict[str, list[tuple]]) -> list[tuple[str, tuple]]
     return jobs
 
 
-def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, workers: int) -> list[str]:
+def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, workers: int, background: bool = False,
+                    running: list | None = None) -> list[str]:
     """Lower and compile every configuration of ``configs`` into TileLang's disk cache in ``workers`` Python
     subprocesses (not multiprocessing: a user script without a ``__main__`` guard must not be re-run) -> the
     failures the workers reported. The workers take jobs from one shared list, the MLA kernels (the slowest to
     lower) first, each job claimed by one worker as it frees up: a worker that drew slow jobs does not hold up the
     others' (a fixed share each did). A configuration a worker did not build is left to the serial pass, which
-    compiles it again and reports its error."""
+    compiles it again and reports its error. ``background``: the workers run at the lowest CPU priority;
+    ``running``: a list the live worker processes are added to (and removed from when they end)."""
     jobs = warmup_job_order(configs)
     code = "from deepinfer_npu.backends.cuda.warmup import fill_worker_main; fill_worker_main()"
     failures: list[str] = []
@@ -207,9 +212,12 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
         procs: list[subprocess.Popen] = []
         try:
             for _ in range(workers):
-                procs.append(subprocess.Popen([sys.executable, "-c", code, repr((softmax_scale, claims, jobs))],
+                procs.append(subprocess.Popen([sys.executable, "-c", code,
+                                               repr((softmax_scale, claims, jobs, background))],
                                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                               stderr=subprocess.DEVNULL, text=True))
+                if running is not None:
+                    running.append(procs[-1])
             deadline = time.monotonic() + WORKER_TIMEOUT_S
             for proc in procs:
                 try:
@@ -226,6 +234,8 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+                if running is not None and proc in running:
+                    running.remove(proc)
     return failures
 
 
@@ -285,12 +295,18 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         if kernels.modules.get(name) is None:  # imported as the op would; the reason is kept
             skipped[name] = kernels.modules.error(name)
             del configs[name]
-    total = sum(len(c) for c in configs.values())
-    logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
     # configurations an earlier process compiled are loaded by the serial pass: worker processes (seconds to start
     # each) only for the rest
-    pending = {n: [c for c in cfgs if not compiled_marker(n, c).exists()] for n, cfgs in configs.items()}
-    pending = {n: cfgs for n, cfgs in pending.items() if cfgs}
+    later = warmup_background.split_deferred(kernels, plan, configs)
+    later_pending = _not_compiled(later)
+    later_workers = min(compile_workers(sum(len(c) for c in later_pending.values())), max(1, usable_cores() - 1))
+    if later_pending and not later_workers:  # no disk cache for workers to fill (or one core): built now
+        for name, cfgs in later.items():
+            configs[name] = [*configs.get(name, []), *cfgs]
+        later = later_pending = {}
+    total = sum(len(c) for c in configs.values())
+    logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
+    pending = _not_compiled(configs)
     workers = compile_workers(sum(len(c) for c in pending.values()))
     if workers:
         t1 = time.perf_counter()
@@ -331,5 +347,16 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         summary += "; failed: " + ", ".join(f"{n} ({why})" for n, why in failed.items())
     if skipped:
         summary += "; skipped: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
+    if later:
+        started = warmup_background.start(later_pending, float(plan.softmax_scale), later_workers)
+        state = (f"building in the background ({started} in {later_workers} processes)" if started
+                 else "building in the background (an earlier engine's build)" if later_pending else "already built")
+        summary += f"; {sum(len(c) for c in later.values())} fallback-only configs ({_counts(later)}) {state}"
     logger.info("kernel warm-up: %s", summary)
     return summary
+
+
+def _not_compiled(configs: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
+    """The configurations no earlier process marked compiled (:func:`compiled_marker`)."""
+    pending = {n: [c for c in cfgs if not compiled_marker(n, c).exists()] for n, cfgs in configs.items()}
+    return {n: cfgs for n, cfgs in pending.items() if cfgs}

@@ -261,3 +261,61 @@ def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kerne
     assert [md._normalize(c)[:4] for c in cfgs if md._normalize(c)[3]] == PREFILL_4096
     assert "mla_rope_cache" not in recorded
     assert (512, False, 1e-6) in recorded["rms_norm"][0][0]
+
+
+@pytest.fixture
+def background(monkeypatch):
+    """Worker processes allowed (4), and the background build replaced by a recorder: -> its calls."""
+    from deepinfer_npu.backends.cuda import warmup, warmup_background
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: 4 if num_jobs > 1 else 0)
+    monkeypatch.setattr(warmup, "fill_disk_cache", lambda *a, **k: [])  # the foreground workers build nothing
+    monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
+    monkeypatch.setattr(warmup_background, "start",
+                        lambda configs, scale, workers: calls.append((configs, scale, workers)) or
+                        sum(len(c) for c in configs.values()))
+    return calls
+
+
+def test_prefill_on_decompressed_keys_leaves_the_absorbed_prefill_kernels_to_the_background(
+        recorded, background, v2_lite_plan, kernel_set):
+    """bf16 cache: prefill steps attend on decompressed keys (flash attention), so the absorbed path's 8 causal
+    prefill configurations are only its fallback: built after start-up, in the background, not waited for."""
+    plan = v2_lite_plan(k=0)
+    summary = kernel_set().warmup(plan)
+    (mla_cfgs, _kw), = recorded["mla_decode"]
+    assert [c for c in mla_cfgs if len(c) == 4] == []  # not in the foreground
+    assert set(mla_cfgs) == expected_mla_decode(plan)
+    (configs, scale, workers), = background
+    assert configs == {"mla_decode": PREFILL_4096} and scale == pytest.approx(192**-0.5) and workers == 4
+    assert summary.split(";")[0].startswith("38 configs in ") and "mla_decode: 7," in summary.split(";")[0]
+    assert summary.endswith("; 8 fallback-only configs (mla_decode: 8 (8 prefill)) building in the background "
+                            "(8 in 4 processes)"), summary
+
+
+@pytest.mark.parametrize("case", ["fp8-cache", "mla_prefill_mha-left-out", "float32"])
+def test_prefill_kernels_stay_in_the_foreground_where_they_are_the_main_path(
+        case, recorded, background, v2_lite_plan, kernel_set):
+    """A packed FP8 cache, prefill on decompressed keys left out, or a float32 model: every prefill step runs the
+    absorbed path's kernels, so start-up builds them (float32: no MLA kernel at all, nothing deferred)."""
+    plan = v2_lite_plan(k=0)
+    if case == "fp8-cache":
+        plan = dataclasses.replace(plan, kv_cache_fp8=True)
+    elif case == "float32":
+        plan = dataclasses.replace(plan, dtype=torch.float32)
+    summary = kernel_set(skip={"mla_prefill_mha"} if case == "mla_prefill_mha-left-out" else ()).warmup(plan)
+    assert background == [] and "background" not in summary
+    if case != "float32":
+        (mla_cfgs, _kw), = recorded["mla_decode"]
+        assert len([c for c in mla_cfgs if len(c) > 3 and c[3] is True]) == 8
+
+
+def test_one_core_builds_the_fallback_kernels_in_the_foreground(recorded, background, monkeypatch, v2_lite_plan,
+                                                               kernel_set):
+    """No worker process to spare (one core, or TileLang's disk cache off): nothing is deferred."""
+    from deepinfer_npu.backends.cuda import warmup
+
+    monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: 0)
+    summary = kernel_set().warmup(v2_lite_plan(k=0))
+    assert background == [] and "mla_decode: 15 (8 prefill)" in summary

@@ -100,3 +100,22 @@ def test_the_queue_starts_with_the_longest_builds():
     assert order.index(("moe_routing", ("route", (2048, 6, 64)))) < order.index(("rms_norm", (2048, False, 1e-6)))
     assert order[-1] == ("moe_gemm", ("expert_scan", (64,)))
     assert len(order) == 8 and warmup.expected_build_s("no_such_module", (1,)) == warmup.DEFAULT_BUILD_S
+
+
+def test_a_background_build_fills_the_cache_marks_it_and_is_not_started_twice(tmp_path, monkeypatch):
+    """The fallback-only configurations' build after start-up (backends/cuda/warmup_background.py): low-priority
+    workers fill the disk cache, the configurations are marked compiled for the next start, and a second engine
+    of the same process does not build them again."""
+    from deepinfer_npu.backends.cuda import warmup, warmup_background
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang"))
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "engine"))
+    jobs = {"silu_mul": [(1664, True)]}  # a size no other test here compiles
+    assert not warmup.compiled_marker("silu_mul", (1664, True)).exists()
+    # at normal priority here: a busy test machine would starve the lowest
+    assert warmup_background.start(jobs, 0.1, workers=1, low_priority=False) == 1
+    assert warmup_background.start(jobs, 0.1, workers=1) == 0  # claimed by the build above
+    seconds = warmup_background.wait(timeout=600)
+    assert seconds is not None and seconds > 0
+    assert _entries(tmp_path / "tilelang") and warmup.compiled_marker("silu_mul", (1664, True)).exists()
+    assert warmup_background._procs == []  # its workers ended and were let go
