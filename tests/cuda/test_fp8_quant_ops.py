@@ -189,4 +189,6 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
     assert rel(ks.mla_epilogue_quant(out_latent, w, scales), ref.mla_epilogue_quant(out_latent, w, scales)) < 1e-2
     report = ks.op_report()
     assert report["mla_prolog_quant"].startswith("native (fp8_linear projections"), report["mla_prolog_quant"]
+    # the bf16 prolog's tail: kv_a layernorm, both ropes and the cache write in one launch
+    assert "kernels_cuda.mla_rope_cache" in report["mla_prolog_quant"], report["mla_prolog_quant"]
     assert report["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"

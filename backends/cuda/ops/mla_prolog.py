@@ -37,9 +37,9 @@ class MLAProlog(OpImpl):
         ``absorb=False``: the query's nope part [T, H, N] (a view) instead of ``q_latent`` (prefill on
         decompressed keys, ``mla_prefill_mha.py``)."""
         ks = self.ks
-        lin, apply_rope = ks.linear, ref("rope").rope
+        lin = ks.linear
         num_tokens = hidden.shape[0]
-        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+        nope, rdim = w.qk_nope_head_dim, w.qk_rope_head_dim
 
         def q_branch(first=None):  # first: the query's first projection, already computed
             if w.q_proj is not None:
@@ -57,6 +57,17 @@ class MLAProlog(OpImpl):
         else:  # the latent projection does not wait for the query's GEMMs (a second stream at decode sizes)
             (q, q_latent), kv = ks.run_parallel(q_branch, lambda: lin(hidden, w.kv_a_proj, w.kv_a_bias),
                                                 rows=num_tokens)
+        return q_latent, self.rope_and_cache(q, kv, w, positions, rope, kv_cache, slot_mapping)
+
+    def rope_and_cache(self, q: torch.Tensor, kv: torch.Tensor, w: MLAWeights, positions: torch.Tensor,
+                       rope: RopeLike, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       op: str = "mla_prolog") -> torch.Tensor:
+        """The prolog's tail after the projections (``q`` [T, H, N + R], ``kv`` [T, L + R]): the query's rope part
+        rotated -> q_rope [T, H, R], and ``kv_cache`` written at each slot >= 0 with rms_norm(c_kv) and the rotated
+        k_pe. One ``kernels_cuda.mla_rope_cache`` launch where it applies, else composed torch; reported under
+        ``op`` (the FP8 prolog shares it)."""
+        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+        num_tokens = q.shape[0]
         q_pe = q[..., nope:]
         mod = None
         if not kv.is_cuda:
@@ -80,21 +91,18 @@ class MLAProlog(OpImpl):
         else:
             mod, why = found[0], None
         if why is None:
-            self.note("mla_prolog", f"kernels_cuda.mla_rope_cache (bf16, H={w.num_heads}, interleaved="
+            self.note(op, f"kernels_cuda.mla_rope_cache (bf16, H={w.num_heads}, interleaved="
                       f"{bool(rope.interleaved)}): kv_a_layernorm + ropes + sync-free cache write in one kernel", True)
-            q_rope = mod.mla_rope_cache(
-                kv, w.kv_a_layernorm, float(w.norm_eps), q, nope, positions, rope.cos_sin_cache, rope.interleaved,
-                kv_cache, slot_mapping,
-            )
-            return q_latent, q_rope
-        self.note("mla_prolog", f"composed torch, sync-free cache write ({why})", True)
-        q_rope = apply_rope(q_pe, positions, rope.cos_sin_cache, rope.interleaved)
+            return mod.mla_rope_cache(kv, w.kv_a_layernorm, float(w.norm_eps), q, nope, positions,
+                                      rope.cos_sin_cache, rope.interleaved, kv_cache, slot_mapping)
+        self.note(op, f"composed torch, sync-free cache write ({why})", True)
+        q_rope = ref("rope").rope(q_pe, positions, rope.cos_sin_cache, rope.interleaved)
         c_kv, k_pe = kv.split([lrank, rdim], dim=-1)
-        c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
-        k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
+        c_kv = self.ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
+        k_pe = ref("rope").rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
         if num_tokens:
             write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
-        return q_latent, q_rope
+        return q_rope
 
     def absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
         """W_UK of the query: ``kernels_cuda.mla_absorb`` for one bf16 token (a TileLang kernel, so the

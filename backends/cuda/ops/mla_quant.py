@@ -1,8 +1,10 @@
 """``mla_prolog_quant`` / ``mla_epilogue_quant`` with FP8 projections: the reference's arithmetic
 (``backends/cpu/quant.py``) with each projection through the kernel set's ``fp8_linear`` (``kernels_cuda.fp8_quant``
 + ``kernels_cuda.fp8_gemm`` where they apply), W_UK / W_UV as the bf16 prolog and epilogue run them (``mla_absorb``
-or ``skinny_gemm`` for one token, else cuBLAS), the kv_a layernorm on the kernel set's ``rms_norm``, and a cache write
-that needs no host read. INT8 projections (the Ascend scheme) take the reference op."""
+or ``skinny_gemm`` for one token, else cuBLAS), and the bf16 prolog's tail (``MLAProlog.rope_and_cache``: the kv_a
+layernorm, both ropes and the cache write in one ``kernels_cuda.mla_rope_cache`` launch where it applies, else
+composed torch with a cache write that needs no host read). INT8 projections (the Ascend scheme) take the reference
+op."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from deepinfer_npu.hal.types import MLAWeights, RopeLike
 
 from .base import OpImpl, known_syncing_fallback, ref
-from .mla_prolog import absorb_heads, write_kv_cache_sync_free
+from .mla_prolog import absorb_heads
 
 FP8 = torch.float8_e4m3fn
 PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
@@ -19,8 +21,8 @@ PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
 
 class MLAQuant(OpImpl):
     PLANNED = {
-        "mla_prolog_quant": "FP8 projections through fp8_linear, W_UK as mla_prolog, rms_norm kernel, sync-free "
-        "cache write; INT8 projections: the reference",
+        "mla_prolog_quant": "FP8 projections through fp8_linear; W_UK and the tail (kv_a layernorm, ropes, cache "
+        "write) as mla_prolog runs them; INT8 projections: the reference",
         "mla_epilogue_quant": "W_UV as mla_epilogue, o_proj through fp8_linear; INT8: the reference",
     }
     SYNCING = {"mla_prolog_quant": "boolean-mask cache write (slot_mapping >= 0)"}
@@ -35,9 +37,8 @@ class MLAQuant(OpImpl):
             with known_syncing_fallback():
                 return ref("quant").mla_prolog_quant(hidden, w, scales, positions, rope, kv_cache, slot_mapping)
         ks = self.ks
-        apply_rope = ref("rope").rope
         num_tokens = hidden.shape[0]
-        nope, rdim, lrank = w.qk_nope_head_dim, w.qk_rope_head_dim, w.kv_lora_rank
+        nope, rdim = w.qk_nope_head_dim, w.qk_rope_head_dim
 
         def lin(x, name, bias=None):
             return ks.fp8_linear(x, getattr(w, name), scales[name], bias)
@@ -47,15 +48,14 @@ class MLAQuant(OpImpl):
         else:
             q = lin(ks.rms_norm(lin(hidden, "q_a_proj", w.q_a_bias), w.q_a_layernorm, w.norm_eps), "q_b_proj")
         q = q.view(num_tokens, w.num_heads, nope + rdim)
-        q_latent = ks.impl("mla_prolog").absorb_q(q, w)
-        q_rope = apply_rope(q[..., nope:], positions, rope.cos_sin_cache, rope.interleaved)
-        c_kv, k_pe = lin(hidden, "kv_a_proj", w.kv_a_bias).split([lrank, rdim], dim=-1)
-        c_kv = ks.rms_norm(c_kv, w.kv_a_layernorm, w.norm_eps)
-        k_pe = apply_rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
-        if num_tokens:
-            write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
-        self.note("mla_prolog_quant", "fp8_linear projections, composed torch tail, sync-free cache write", True)
-        return q_latent, q_rope
+        prolog = ks.impl("mla_prolog")
+        q_latent = prolog.absorb_q(q, w)
+        kv = lin(hidden, "kv_a_proj", w.kv_a_bias)
+        self.note("mla_prolog_quant", "fp8_linear projections, W_UK and the tail as mla_prolog", True)
+        # the bf16 prolog's tail: kernels_cuda.mla_rope_cache (norm, ropes, cache write in one launch) where it
+        # applies, else composed torch with a sync-free cache write
+        return q_latent, prolog.rope_and_cache(q, kv, w, positions, rope, kv_cache, slot_mapping,
+                                               op="mla_prolog_quant")
 
     def mla_epilogue_quant(self, out_latent: torch.Tensor, w: MLAWeights,
                            scales: dict[str, torch.Tensor]) -> torch.Tensor:
