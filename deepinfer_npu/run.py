@@ -270,11 +270,11 @@ def run_headless_node(config) -> int | None:
     the front-end. Raises ``ValueError`` for torchrun variables that disagree with ``config``."""
     import os
 
-    from deepinfer_npu.distributed.node_server import serve_node
+    from deepinfer_npu.distributed.node_server import serve_node, serve_rank
     from deepinfer_npu.distributed.parallel_state import DEFAULT_MASTER_PORT
     from deepinfer_npu.distributed.rank_launch import node_ranks
     from deepinfer_npu.distributed.remote_ranks import describe_ranks
-    from deepinfer_npu.distributed.torchrun import launched_by_torchrun, serve_rank, torchrun_config
+    from deepinfer_npu.distributed.torchrun import launched_by_torchrun, torchrun_config
 
     torchrun_rank = torchrun_config(config).rank if launched_by_torchrun() else None
     if not (config.node_rank > 0 or torchrun_rank):

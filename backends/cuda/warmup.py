@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures as cf
+import functools
 import hashlib
 import importlib
 import logging
@@ -348,7 +349,8 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     if skipped:
         summary += "; skipped: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
     if later:
-        started = warmup_background.start(later_pending, float(plan.softmax_scale), later_workers)
+        fill = functools.partial(fill_disk_cache, softmax_scale=float(plan.softmax_scale))
+        started = warmup_background.start(later_pending, later_workers, fill, mark_compiled)
         state = (f"building in the background ({started} in {later_workers} processes)" if started
                  else "building in the background (an earlier engine's build)" if later_pending else "already built")
         summary += f"; {sum(len(c) for c in later.values())} fallback-only configs ({_counts(later)}) {state}"

@@ -16,6 +16,7 @@ import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
@@ -45,29 +46,30 @@ def split_deferred(kernels: Any, plan: KernelWarmupPlan, configs: dict[str, list
     return {"mla_decode": prefill}
 
 
-def start(configs: dict[str, list[tuple]], softmax_scale: float, workers: int, low_priority: bool = True) -> int:
-    """Build ``configs`` in ``workers`` processes (``low_priority``: at the lowest CPU priority) on a daemon
-    thread -> how many configurations it took (those another background build of this process has not already
-    claimed)."""
+def start(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., list[str]],
+          mark: Callable[[str, tuple], None], low_priority: bool = True) -> int:
+    """Build ``configs`` on a daemon thread through ``fill(configs, workers=, background=, running=)`` (the
+    warm-up's ``fill_disk_cache``: -> the failures) in ``workers`` processes (``low_priority``: at the lowest CPU
+    priority), then ``mark(module, config)`` each one built -> how many configurations it took (those another
+    background build of this process has not already claimed)."""
     with _lock:
         todo = {n: [c for c in cfgs if (n, c) not in _building] for n, cfgs in configs.items()}
         todo = {n: cfgs for n, cfgs in todo.items() if cfgs}
         _building.update((n, c) for n, cfgs in todo.items() for c in cfgs)
     count = sum(len(c) for c in todo.values())
     if count:
-        thread = threading.Thread(target=_build, args=(todo, softmax_scale, max(1, workers), low_priority),
+        thread = threading.Thread(target=_build, args=(todo, max(1, workers), fill, mark, low_priority),
                                   name="deepinfer-kernel-background-build", daemon=True)
         _threads.append(thread)
         thread.start()
     return count
 
 
-def _build(configs: dict[str, list[tuple]], softmax_scale: float, workers: int, low_priority: bool) -> None:
-    from .warmup import fill_disk_cache, mark_compiled
-
+def _build(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., list[str]],
+           mark: Callable[[str, tuple], None], low_priority: bool) -> None:
     t0 = time.perf_counter()
     try:
-        failures = fill_disk_cache(configs, softmax_scale, workers, background=low_priority, running=_procs)
+        failures = fill(configs, workers=workers, background=low_priority, running=_procs)
     except Exception as e:  # noqa: BLE001 - a step that needs one of these compiles it where it runs
         logger.warning("kernel warm-up: the background build failed (%s: %s); those kernels compile at first use",
                        type(e).__name__, e)
@@ -75,7 +77,7 @@ def _build(configs: dict[str, list[tuple]], softmax_scale: float, workers: int, 
     for name, cfgs in configs.items():
         for cfg in cfgs:
             if not any(f.startswith(f"{name} {cfg}:") for f in failures):
-                mark_compiled(name, cfg)
+                mark(name, cfg)
     seconds = time.perf_counter() - t0
     _last_build_s.append(seconds)
     count = sum(len(c) for c in configs.values())

@@ -64,7 +64,7 @@ class DPEngine:
         env = torchrun_config(config) if launched_by_torchrun() else None
         if env is not None and env.rank != 0:
             raise ValueError(f"RANK={env.rank}: torchrun's rank 0 runs the front-end; this process serves its rank "
-                             "with deepinfer_npu.distributed.torchrun.serve_rank(config)")
+                             "with deepinfer_npu.distributed.node_server.serve_rank(config)")
         if config.node_rank != 0:
             raise ValueError(f"node_rank={config.node_rank} runs no front-end: node 0 does; serve this node's ranks "
                              "with deepinfer_npu.distributed.node_server.serve_node(config) or python -m "

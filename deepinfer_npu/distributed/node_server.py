@@ -6,7 +6,8 @@ ranks (they join every other rank there: expert-parallel traffic and the step vo
 this process), joins the control group and forwards messages both ways (``remote_ranks`` gives the protocol).
 It returns when the front-end says goodbye, after its ranks have stopped: 0 if they all exited cleanly. If the
 front-end's link fails or stays silent for ``distributed_timeout_s``, it stops its ranks and raises
-``RuntimeError`` naming node 0.
+``RuntimeError`` naming node 0. ``serve_rank(config)`` is the same for one torchrun process other than RANK 0: its
+rank on a thread, relayed to rank 0's front-end.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .control_link import ControlLink, connect_store, control_group
 from .parallel_state import DEFAULT_MASTER_PORT
 from .rank_launch import node_ranks, spawn_ranks
 from .remote_ranks import describe_ranks
+from .torchrun import ThreadRank, rendezvous, torchrun_config
 
 
 def serve_node(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
@@ -110,3 +112,20 @@ def _stop(procs, inboxes, ranks: range, grace_s: float) -> dict[int, int]:
             proc.terminate()
             proc.join(5)
     return {rank: proc.exitcode for rank, proc in zip(ranks, procs)}
+
+
+def serve_rank(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
+    """A torchrun process other than rank 0: serve its rank until rank 0's front-end shuts down (0 then)."""
+    env = torchrun_config(config)
+    if env.rank == 0:
+        raise ValueError("RANK=0 runs the front-end: LLM(..., data_parallel_size=WORLD_SIZE)")
+    store = rendezvous(env)
+    outbox: queue_mod.Queue = queue_mod.Queue()
+
+    def start() -> tuple[list, list]:
+        rank = ThreadRank(config, env, store, outbox, heartbeat_s)
+        return [rank], [rank.inbox]
+
+    return serve_ranks(store, env.rank, env.world_size, start, outbox, range(env.rank, env.rank + 1),
+                       config=config, timeout_s=env.timeout_s, heartbeat_s=heartbeat_s,
+                       front_end=f"the front-end (RANK 0, {env.master_addr}:{env.master_port})")

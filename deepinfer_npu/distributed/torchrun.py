@@ -4,8 +4,8 @@
 Every process reaches torchrun's rendezvous store (``env://``: torchrun's agent hosts it, or rank 0 when the
 variables are set by hand); the ranks' groups and the control group share it under their own prefixes. Rank 0's
 process runs the front-end (``LLM(...)`` / ``DPEngine``) with its rank's engine loop on a thread beside it; every
-other process serves its rank headless (``serve_rank``) until rank 0 says goodbye, exactly as a node of one rank
-does (``node_server.serve_ranks``).
+other process serves its rank headless (``node_server.serve_rank``) until rank 0 says goodbye, exactly as a node of
+one rank does (``node_server.serve_ranks``).
 """
 
 from __future__ import annotations
@@ -76,22 +76,3 @@ class ThreadRank:
 
     def terminate(self) -> None:
         """A thread cannot be ended from outside; it is a daemon and ends with the process."""
-
-
-def serve_rank(config: EngineConfig, *, heartbeat_s: float = 1.0) -> int:
-    """A torchrun process other than rank 0: serve its rank until rank 0's front-end shuts down (0 then)."""
-    from .node_server import serve_ranks
-
-    env = torchrun_config(config)
-    if env.rank == 0:
-        raise ValueError("RANK=0 runs the front-end: LLM(..., data_parallel_size=WORLD_SIZE)")
-    store = rendezvous(env)
-    outbox: queue_mod.Queue = queue_mod.Queue()
-
-    def start() -> tuple[list, list]:
-        rank = ThreadRank(config, env, store, outbox, heartbeat_s)
-        return [rank], [rank.inbox]
-
-    return serve_ranks(store, env.rank, env.world_size, start, outbox, range(env.rank, env.rank + 1),
-                       config=config, timeout_s=env.timeout_s, heartbeat_s=heartbeat_s,
-                       front_end=f"the front-end (RANK 0, {env.master_addr}:{env.master_port})")

@@ -273,8 +273,9 @@ def background(monkeypatch):
     monkeypatch.setattr(warmup, "fill_disk_cache", lambda *a, **k: [])  # the foreground workers build nothing
     monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
     monkeypatch.setattr(warmup_background, "start",
-                        lambda configs, scale, workers: calls.append((configs, scale, workers)) or
-                        sum(len(c) for c in configs.values()))
+                        lambda configs, workers, fill, mark: calls.append((configs, fill.keywords["softmax_scale"],
+                                                                           workers, fill.func, mark))
+                        or sum(len(c) for c in configs.values()))
     return calls
 
 
@@ -282,13 +283,16 @@ def test_prefill_on_decompressed_keys_leaves_the_absorbed_prefill_kernels_to_the
         recorded, background, v2_lite_plan, kernel_set):
     """bf16 cache: prefill steps attend on decompressed keys (flash attention), so the absorbed path's 8 causal
     prefill configurations are only its fallback: built after start-up, in the background, not waited for."""
+    from deepinfer_npu.backends.cuda import warmup
+
     plan = v2_lite_plan(k=0)
     summary = kernel_set().warmup(plan)
     (mla_cfgs, _kw), = recorded["mla_decode"]
     assert [c for c in mla_cfgs if len(c) == 4] == []  # not in the foreground
     assert set(mla_cfgs) == expected_mla_decode(plan)
-    (configs, scale, workers), = background
+    (configs, scale, workers, fill, mark), = background
     assert configs == {"mla_decode": PREFILL_4096} and scale == pytest.approx(192**-0.5) and workers == 4
+    assert (fill, mark) == (warmup.fill_disk_cache, warmup.mark_compiled)
     assert summary.split(";")[0].startswith("38 configs in ") and "mla_decode: 7," in summary.split(";")[0]
     assert summary.endswith("; 8 fallback-only configs (mla_decode: 8 (8 prefill)) building in the background "
                             "(8 in 4 processes)"), summary

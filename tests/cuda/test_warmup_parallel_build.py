@@ -4,6 +4,7 @@ configuration a worker cannot build comes back named. Compiles for sm_90a with n
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -112,9 +113,10 @@ def test_a_background_build_fills_the_cache_marks_it_and_is_not_started_twice(tm
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "engine"))
     jobs = {"silu_mul": [(1664, True)]}  # a size no other test here compiles
     assert not warmup.compiled_marker("silu_mul", (1664, True)).exists()
+    fill = functools.partial(warmup.fill_disk_cache, softmax_scale=0.1)
     # at normal priority here: a busy test machine would starve the lowest
-    assert warmup_background.start(jobs, 0.1, workers=1, low_priority=False) == 1
-    assert warmup_background.start(jobs, 0.1, workers=1) == 0  # claimed by the build above
+    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled, low_priority=False) == 1
+    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled) == 0  # claimed by the build above
     seconds = warmup_background.wait(timeout=600)
     assert seconds is not None and seconds > 0
     assert _entries(tmp_path / "tilelang") and warmup.compiled_marker("silu_mul", (1664, True)).exists()
