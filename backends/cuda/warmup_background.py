@@ -74,9 +74,12 @@ def _build(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., li
         logger.warning("kernel warm-up: the background build failed (%s: %s); those kernels compile at first use",
                        type(e).__name__, e)
         return
-    for name, cfgs in configs.items():
-        for cfg in cfgs:
-            if not any(f.startswith(f"{name} {cfg}:") for f in failures):
+    jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
+    failed = {job for job in jobs for f in failures if f.startswith(f"{job[0]} {job[1]}:")}
+    unattributed = [f for f in failures if not any(f.startswith(f"{n} {c}:") for n, c in jobs)]
+    if not unattributed:  # a worker that died or ran out of time leaves no trace of what it built: mark nothing
+        for name, cfg in jobs:
+            if (name, cfg) not in failed:
                 mark(name, cfg)
     seconds = time.perf_counter() - t0
     _last_build_s.append(seconds)

@@ -323,3 +323,18 @@ def test_one_core_builds_the_fallback_kernels_in_the_foreground(recorded, backgr
     monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: 0)
     summary = kernel_set().warmup(v2_lite_plan(k=0))
     assert background == [] and "mla_decode: 15 (8 prefill)" in summary
+
+
+@pytest.mark.parametrize("failures,marked", [
+    ([], ["a", "b"]),
+    (["mla_decode (16, 8, 1, True): RuntimeError: nvcc exploded"], ["b"]),  # the failed one is not marked
+    (["a worker exited with -9"], []),  # which ones the dead worker built is unknown: none marked
+], ids=["all-built", "one-failed", "worker-died"])
+def test_the_background_build_marks_only_what_it_built(failures, marked):
+    from deepinfer_npu.backends.cuda import warmup_background
+
+    jobs = {"mla_decode": [(16, 8, 1, True), (16, 16, 1, True)]}
+    names = {(16, 8, 1, True): "a", (16, 16, 1, True): "b"}
+    got: list[str] = []
+    warmup_background._build(jobs, 2, lambda configs, **kw: list(failures), lambda n, c: got.append(names[c]), True)
+    assert got == marked
