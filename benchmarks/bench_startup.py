@@ -13,7 +13,7 @@ summary (configurations and their seconds) comes along. One JSON line per run::
 
 ``background_build_s``: the wall time of the fallback-only kernels' build, which starts when the warm-up ends and
 which the engine does not wait for (``backends/cuda/warmup_background.py``); ``background_done_after_ready_s``:
-when it was done, counted from ready (the run waits for it after its request, so the warm run finds it cached).
+when it ended, counted from ready (the run waits for it after its request, so the warm run finds it cached).
 None where nothing was built in the background.
 
 A run after the first also says whether its greedy tokens equal the first run's (``same_tokens_as_first_run``:
@@ -54,13 +54,12 @@ out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}],
                    SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
 t_first = time.perf_counter()
 from deepinfer_npu.backends.cuda import warmup_background
-background_s = warmup_background.wait(1200)  # the fallback-only kernels, built after start-up
-t_background = time.perf_counter()
+background = warmup_background.wait(1200)  # the fallback-only kernels, built after start-up
 worker = llm.llm_engine.worker
 print("STARTUP_RESULT " + json.dumps({
     "import_s": t_import - t0, "ready_s": t_ready - t_import, "first_request_s": t_first - t_ready,
-    "background_build_s": background_s,
-    "background_done_after_ready_s": (t_background - t_ready) if background_s is not None else None,
+    "background_build_s": background[0] if background else None,
+    "background_done_after_ready_s": background[1] - t_ready if background else None,
     "tokens": len(out[0].outputs[0].token_ids), "token_ids": list(out[0].outputs[0].token_ids),
     "kernel_warmup": getattr(worker, "kernel_warmup", None),
     "graphs": worker.graphs is not None}), flush=True)

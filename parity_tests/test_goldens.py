@@ -39,10 +39,11 @@ pytestmark = pytest.mark.xdist_group("cpu_recordings")
 
 @pytest.fixture(scope="module", autouse=True)
 def _shared_portable_draws():
-    """``dummy_portable`` chunks drawn once per (tensor, generator state) in this module, kept as float32: the
-    same generator state gives the same float64 values, and torch converts float64 to bf16 through float32 (so
-    float32 copies give both dtypes' bits, checked in :func:`test_bf16_from_float64_goes_through_float32`). The
-    draw is most of the real-dims model's build; the bf16 and fp32 recordings share it."""
+    """``dummy_portable`` chunks drawn once per (tensor, generator state) in this module, kept as float32 until
+    their second use: the same generator state gives the same float64 values, and torch converts float64 to bf16
+    through float32 (so float32 copies give both dtypes' bits, checked in
+    :func:`test_bf16_from_float64_goes_through_float32`). The draw is most of the real-dims model's build; the bf16
+    and fp32 recordings share it."""
     draws: dict[tuple, tuple[list, torch.Tensor]] = {}
     original = dummy_weights._portable_chunks
 
@@ -50,10 +51,14 @@ def _shared_portable_draws():
         state = gen.get_state()
         key = (name, tuple(param.shape), repr(getattr(param, "dummy_rows", None)),
                hashlib.sha256(state.numpy().tobytes()).hexdigest())
-        if key not in draws:
-            parts = [(r0, part.float(), rows) for r0, part, rows in original(name, param, gen)]
+        if key not in draws:  # the first recording: drawn, kept for the second
+            parts = []
+            for r0, part, rows in original(name, param, gen):
+                parts.append((r0, part.float(), rows))
+                yield parts[-1]
             draws[key] = (parts, gen.get_state())
-        parts, after = draws[key]
+            return
+        parts, after = draws.pop(key)  # the second: replayed, then let go (2.7 GB for the real-dims model)
         gen.set_state(after)
         yield from parts
 

@@ -99,9 +99,13 @@ def fill_worker_main() -> None:
     ...])`` as its argument. It builds each job it claims first (a file created exclusively in the claims directory),
     so the workers share the list as a queue; a ``FAILED_MARK`` line per configuration that failed on stdout."""
     softmax_scale, claims, jobs, *rest = ast.literal_eval(sys.argv[1])
-    if rest and rest[0]:  # a background build: the engine's threads come first (nvcc inherits the priority)
+    background = bool(rest and rest[0])
+    if background:  # the engine's threads come first (nvcc inherits the priority)
         os.nice(19)
+    parent = os.getppid()
     for i, (name, cfg) in enumerate(jobs):
+        if background and os.getppid() != parent:  # the engine's process is gone (killed, crashed): stop
+            return
         if not claim(claims, i):
             continue
         try:
@@ -119,20 +123,22 @@ def claim(claims: str, job: int) -> bool:
         return False
 
 
-def compiled_marker(name: str, cfg: tuple) -> Path:
+def compiled_marker(name: str, cfg: tuple, softmax_scale: float | None = None) -> Path:
     """A file that says ``kernels_cuda.<name>``'s configuration ``cfg`` was compiled into this TileLang cache
-    directory by the current kernel sources (``_prim_func_cache.cache_root``: a source change starts afresh)."""
+    directory by the current kernel sources (``_prim_func_cache.cache_root``: a source change starts afresh).
+    ``mla_decode``'s kernels are also built per ``softmax_scale`` (a compile-time constant), so it is in their key."""
     import tilelang
 
     from deepinfer_npu.kernels_cuda._prim_func_cache import cache_root
 
-    key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR)))
+    scale = float(softmax_scale) if name == "mla_decode" and softmax_scale is not None else None
+    key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR)) + ((scale,) if scale else ()))
     return cache_root() / "compiled" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
 
 
-def mark_compiled(name: str, cfg: tuple) -> None:
+def mark_compiled(name: str, cfg: tuple, softmax_scale: float | None = None) -> None:
     try:
-        path = compiled_marker(name, cfg)
+        path = compiled_marker(name, cfg, softmax_scale)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
     except Exception as e:  # noqa: BLE001 - without the marker the next start only spends worker processes
@@ -213,10 +219,11 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
         procs: list[subprocess.Popen] = []
         try:
             for _ in range(workers):
+                # a background worker leads its own process group: stopping it stops its nvcc too
                 procs.append(subprocess.Popen([sys.executable, "-c", code,
                                                repr((softmax_scale, claims, jobs, background))],
                                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                              stderr=subprocess.DEVNULL, text=True))
+                                              stderr=subprocess.DEVNULL, text=True, start_new_session=background))
                 if running is not None:
                     running.append(procs[-1])
             deadline = time.monotonic() + WORKER_TIMEOUT_S
@@ -227,13 +234,13 @@ def fill_disk_cache(configs: dict[str, list[tuple]], softmax_scale: float, worke
                     if proc.returncode:
                         failures.append(f"a worker exited with {proc.returncode}")
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    warmup_background.kill_worker(proc, background)
                     proc.communicate()
                     failures.append(f"a worker ran past {WORKER_TIMEOUT_S} s and was stopped")
         finally:  # an error or an interrupt here: no worker outlives the call (nor its claims directory)
             for proc in procs:
                 if proc.poll() is None:
-                    proc.kill()
+                    warmup_background.kill_worker(proc, background)
                     proc.wait()
                 if running is not None and proc in running:
                     running.remove(proc)
@@ -298,16 +305,22 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
             del configs[name]
     # configurations an earlier process compiled are loaded by the serial pass: worker processes (seconds to start
     # each) only for the rest
-    later = warmup_background.split_deferred(kernels, plan, configs)
-    later_pending = _not_compiled(later)
-    later_workers = min(compile_workers(sum(len(c) for c in later_pending.values())), max(1, usable_cores() - 1))
+    scale = float(plan.softmax_scale)
+    try:
+        later = warmup_background.split_deferred(kernels, plan, configs)
+        later_pending = _not_compiled(later, scale)
+        later_workers = min(compile_workers(sum(len(c) for c in later_pending.values())), max(1, usable_cores() - 1))
+    except Exception as e:  # noqa: BLE001 - a bug here must not stop start-up: everything is built now
+        logger.warning("kernel warm-up: deferring the fallback-only configurations failed (%s: %s); building them "
+                       "now", type(e).__name__, e)
+        later, later_pending, later_workers = {}, {}, 0
     if later_pending and not later_workers:  # no disk cache for workers to fill (or one core): built now
         for name, cfgs in later.items():
             configs[name] = [*configs.get(name, []), *cfgs]
         later = later_pending = {}
     total = sum(len(c) for c in configs.values())
     logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
-    pending = _not_compiled(configs)
+    pending = _not_compiled(configs, scale)
     workers = compile_workers(sum(len(c) for c in pending.values()))
     if workers:
         t1 = time.perf_counter()
@@ -333,7 +346,7 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         logger.info("kernel warm-up [%d/%d]: kernels_cuda.%s, %d configs in %.1f s", i, len(configs), name,
                     len(cfgs), time.perf_counter() - t1)
         for cfg in pending.get(name, ()):
-            mark_compiled(name, cfg)
+            mark_compiled(name, cfg, scale)
     if failed:  # the selection learns which modules are off now
         kernels.select(kernels.config)
     done = {n: c for n, c in configs.items() if n not in failed}
@@ -349,16 +362,33 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     if skipped:
         summary += "; skipped: " + ", ".join(f"{n} ({why})" for n, why in skipped.items())
     if later:
-        fill = functools.partial(fill_disk_cache, softmax_scale=float(plan.softmax_scale))
-        started = warmup_background.start(later_pending, later_workers, fill, mark_compiled)
-        state = (f"building in the background ({started} in {later_workers} processes)" if started
-                 else "building in the background (an earlier engine's build)" if later_pending else "already built")
-        summary += f"; {sum(len(c) for c in later.values())} fallback-only configs ({_counts(later)}) {state}"
+        summary += f"; {sum(len(c) for c in later.values())} fallback-only configs ({_counts(later)}) " + \
+            _start_background(kernels, later_pending, later_workers, scale)
     logger.info("kernel warm-up: %s", summary)
     return summary
 
 
-def _not_compiled(configs: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
+def _not_compiled(configs: dict[str, list[tuple]], softmax_scale: float) -> dict[str, list[tuple]]:
     """The configurations no earlier process marked compiled (:func:`compiled_marker`)."""
-    pending = {n: [c for c in cfgs if not compiled_marker(n, c).exists()] for n, cfgs in configs.items()}
+    pending = {n: [c for c in cfgs if not compiled_marker(n, c, softmax_scale).exists()]
+               for n, cfgs in configs.items()}
     return {n: cfgs for n, cfgs in pending.items() if cfgs}
+
+
+def _start_background(kernels: Any, pending: dict[str, list[tuple]], workers: int, scale: float) -> str:
+    """Start the fallback-only configurations' background build -> what the summary says of it. A configuration
+    that fails to build turns ``mla_prefill`` off (``MLAAttention.off``): the steps that would have run it take
+    the reference arithmetic on host lengths instead of compiling it in the step."""
+    def failed(failures: list[str]) -> None:
+        kernels.impl("mla_attention").off.setdefault("mla_prefill", "background build failed: " + failures[0][:200])
+
+    try:
+        started = warmup_background.start(pending, workers, functools.partial(fill_disk_cache, softmax_scale=scale),
+                                          functools.partial(mark_compiled, softmax_scale=scale), key=scale,
+                                          on_failed=failed)
+    except Exception as e:  # noqa: BLE001 - never fail start-up: a step that needs one compiles it where it runs
+        logger.warning("kernel warm-up: the background build could not start (%s: %s)", type(e).__name__, e)
+        return f"not built (the background build could not start: {type(e).__name__})"
+    if started:
+        return f"building in the background ({started} in {workers} processes)"
+    return "building in the background (an earlier engine's build)" if pending else "already built"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -24,10 +26,10 @@ from deepinfer_npu.hal.types import KernelWarmupPlan
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_building: set[tuple[str, tuple]] = set()  # (module, config) a background build has claimed in this process
+_building: set[tuple] = set()  # (key, module, config) a background build of this process has claimed
 _procs: list[subprocess.Popen] = []  # the live builds' worker processes (stopped at exit)
 _threads: list[threading.Thread] = []
-_last_build_s: list[float] = []  # each finished background build's wall time
+_finished: list[tuple[float, float]] = []  # (wall seconds, time.perf_counter() at the end) of each finished build
 
 
 def split_deferred(kernels: Any, plan: KernelWarmupPlan, configs: dict[str, list[tuple]]) -> dict[str, list[tuple]]:
@@ -47,18 +49,22 @@ def split_deferred(kernels: Any, plan: KernelWarmupPlan, configs: dict[str, list
 
 
 def start(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., list[str]],
-          mark: Callable[[str, tuple], None], low_priority: bool = True) -> int:
+          mark: Callable[[str, tuple], None], low_priority: bool = True, key: object = None,
+          on_failed: Callable[[list[str]], None] | None = None) -> int:
     """Build ``configs`` on a daemon thread through ``fill(configs, workers=, background=, running=)`` (the
     warm-up's ``fill_disk_cache``: -> the failures) in ``workers`` processes (``low_priority``: at the lowest CPU
-    priority), then ``mark(module, config)`` each one built -> how many configurations it took (those another
-    background build of this process has not already claimed)."""
+    priority, each in its own process group), then ``mark(module, config)`` each one built, and
+    ``on_failed(failures)`` if some failed to build -> how many configurations it took: those no other background
+    build of this process holds under the same ``key`` (what else the kernels are built for, e.g. the softmax
+    scale)."""
     with _lock:
-        todo = {n: [c for c in cfgs if (n, c) not in _building] for n, cfgs in configs.items()}
+        todo = {n: [c for c in cfgs if (key, n, c) not in _building] for n, cfgs in configs.items()}
         todo = {n: cfgs for n, cfgs in todo.items() if cfgs}
-        _building.update((n, c) for n, cfgs in todo.items() for c in cfgs)
+        _building.update((key, n, c) for n, cfgs in todo.items() for c in cfgs)
     count = sum(len(c) for c in todo.values())
     if count:
-        thread = threading.Thread(target=_build, args=(todo, max(1, workers), fill, mark, low_priority),
+        thread = threading.Thread(target=_build, args=(todo, max(1, workers), fill, mark, low_priority, key,
+                                                       on_failed),
                                   name="deepinfer-kernel-background-build", daemon=True)
         _threads.append(thread)
         thread.start()
@@ -66,24 +72,33 @@ def start(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., lis
 
 
 def _build(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., list[str]],
-           mark: Callable[[str, tuple], None], low_priority: bool) -> None:
+           mark: Callable[[str, tuple], None], low_priority: bool, key: object = None,
+           on_failed: Callable[[list[str]], None] | None = None) -> None:
     t0 = time.perf_counter()
-    try:
-        failures = fill(configs, workers=workers, background=low_priority, running=_procs)
-    except Exception as e:  # noqa: BLE001 - a step that needs one of these compiles it where it runs
-        logger.warning("kernel warm-up: the background build failed (%s: %s); those kernels compile at first use",
-                       type(e).__name__, e)
-        return
     jobs = [(name, cfg) for name, cfgs in configs.items() for cfg in cfgs]
-    failed = {job for job in jobs for f in failures if f.startswith(f"{job[0]} {job[1]}:")}
-    unattributed = [f for f in failures if not any(f.startswith(f"{n} {c}:") for n, c in jobs)]
-    if not unattributed:  # a worker that died or ran out of time leaves no trace of what it built: mark nothing
-        for name, cfg in jobs:
-            if (name, cfg) not in failed:
-                mark(name, cfg)
+    marked: set[tuple[str, tuple]] = set()
+    try:
+        try:
+            failures = fill(configs, workers=workers, background=low_priority, running=_procs)
+        except Exception as e:  # noqa: BLE001 - a step that needs one of these compiles it where it runs
+            logger.warning("kernel warm-up: the background build failed (%s: %s); those kernels compile at first "
+                           "use", type(e).__name__, e)
+            return
+        failed = {job for job in jobs for f in failures if f.startswith(f"{job[0]} {job[1]}:")}
+        unattributed = [f for f in failures if not any(f.startswith(f"{n} {c}:") for n, c in jobs)]
+        if not unattributed:  # a worker that died or ran out of time leaves no trace of what it built: mark none
+            for job in jobs:
+                if job not in failed:
+                    mark(*job)
+                    marked.add(job)
+        if failed and on_failed is not None:
+            on_failed([f for f in failures if f not in unattributed])
+    finally:
+        with _lock:  # what was not built may be tried again by a later engine of this process
+            _building.difference_update((key, n, c) for n, c in jobs if (n, c) not in marked)
     seconds = time.perf_counter() - t0
-    _last_build_s.append(seconds)
-    count = sum(len(c) for c in configs.values())
+    _finished.append((seconds, time.perf_counter()))
+    count = len(jobs)
     if failures:
         logger.warning("kernel warm-up: background build of %d configs ended in %.1f s; not built (compiled at "
                        "first use, where the error shows): %s", count, seconds, "; ".join(failures))
@@ -91,20 +106,34 @@ def _build(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., li
         logger.info("kernel warm-up: %d background configs built in %.1f s", count, seconds)
 
 
-def wait(timeout: float) -> float | None:
-    """Wait up to ``timeout`` seconds for this process's background builds -> the last one's wall time, or None
-    when one is still running (or none ran)."""
+def wait(timeout: float) -> tuple[float, float] | None:
+    """Wait up to ``timeout`` seconds for this process's background builds -> the last one's (wall seconds,
+    ``time.perf_counter()`` when it ended), or None when one is still running (or none ran)."""
     deadline = time.monotonic() + timeout
     for thread in list(_threads):
         thread.join(max(0.0, deadline - time.monotonic()))
         if thread.is_alive():
             return None
-    return _last_build_s[-1] if _last_build_s else None
+    return _finished[-1] if _finished else None
 
 
 @atexit.register
 def _stop_workers() -> None:
-    """No build outlives the process that started it (a daemon thread does not run its cleanup at exit)."""
+    """No build outlives the process that started it (a daemon thread does not run its cleanup at exit): each
+    worker's process group, its nvcc included. A worker whose engine process died without exiting (a signal, a
+    crash) stops before its next configuration (``fill_worker_main``)."""
     for proc in list(_procs):
         if proc.poll() is None:
+            kill_worker(proc, group=True)
+
+
+def kill_worker(proc: subprocess.Popen, group: bool) -> None:
+    """Stop a worker of :func:`fill_disk_cache` (``group``: a background worker, with its nvcc: its process
+    group)."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
             proc.kill()
+    except (ProcessLookupError, PermissionError):  # already gone
+        pass

@@ -273,9 +273,9 @@ def background(monkeypatch):
     monkeypatch.setattr(warmup, "fill_disk_cache", lambda *a, **k: [])  # the foreground workers build nothing
     monkeypatch.setattr(warmup, "usable_cores", lambda: 16)
     monkeypatch.setattr(warmup_background, "start",
-                        lambda configs, workers, fill, mark: calls.append((configs, fill.keywords["softmax_scale"],
-                                                                           workers, fill.func, mark))
-                        or sum(len(c) for c in configs.values()))
+                        lambda configs, workers, fill, mark, key, on_failed:
+                        calls.append((configs, fill.keywords["softmax_scale"], workers, fill.func, mark, key,
+                                      on_failed)) or sum(len(c) for c in configs.values()))
     return calls
 
 
@@ -286,26 +286,35 @@ def test_prefill_on_decompressed_keys_leaves_the_absorbed_prefill_kernels_to_the
     from deepinfer_npu.backends.cuda import warmup
 
     plan = v2_lite_plan(k=0)
-    summary = kernel_set().warmup(plan)
+    ks = kernel_set()
+    summary = ks.warmup(plan)
     (mla_cfgs, _kw), = recorded["mla_decode"]
     assert [c for c in mla_cfgs if len(c) == 4] == []  # not in the foreground
     assert set(mla_cfgs) == expected_mla_decode(plan)
-    (configs, scale, workers, fill, mark), = background
+    (configs, scale, workers, fill, mark, key, on_failed), = background
     assert configs == {"mla_decode": PREFILL_4096} and scale == pytest.approx(192**-0.5) and workers == 4
-    assert (fill, mark) == (warmup.fill_disk_cache, warmup.mark_compiled)
+    assert fill == warmup.fill_disk_cache and mark.func == warmup.mark_compiled and key == scale
+    assert mark.keywords == {"softmax_scale": scale}  # mla_decode is built per scale: its markers say which
+    # a configuration that fails to build turns the absorbed prefill off: those steps take the reference
+    assert "mla_prefill" not in ks.impl("mla_attention").off
+    on_failed(["mla_decode (16, 8, 1, True): RuntimeError: nvcc exploded"])
+    assert ks.impl("mla_attention").off["mla_prefill"].startswith("background build failed: mla_decode (16, 8")
     assert summary.split(";")[0].startswith("38 configs in ") and "mla_decode: 7," in summary.split(";")[0]
     assert summary.endswith("; 8 fallback-only configs (mla_decode: 8 (8 prefill)) building in the background "
                             "(8 in 4 processes)"), summary
 
 
-@pytest.mark.parametrize("case", ["fp8-cache", "mla_prefill_mha-left-out", "float32"])
+@pytest.mark.parametrize("case", ["fp8-cache", "fp8-weights", "mla_prefill_mha-left-out", "float32"])
 def test_prefill_kernels_stay_in_the_foreground_where_they_are_the_main_path(
         case, recorded, background, v2_lite_plan, kernel_set):
-    """A packed FP8 cache, prefill on decompressed keys left out, or a float32 model: every prefill step runs the
-    absorbed path's kernels, so start-up builds them (float32: no MLA kernel at all, nothing deferred)."""
+    """A packed FP8 cache, quantised projections (their layers run the absorbed attention), prefill on
+    decompressed keys left out, or a float32 model: every prefill step runs the absorbed path's kernels, so
+    start-up builds them (float32: no MLA kernel at all, nothing deferred)."""
     plan = v2_lite_plan(k=0)
     if case == "fp8-cache":
         plan = dataclasses.replace(plan, kv_cache_fp8=True)
+    elif case == "fp8-weights":
+        plan = dataclasses.replace(plan, quantization="fp8")
     elif case == "float32":
         plan = dataclasses.replace(plan, dtype=torch.float32)
     summary = kernel_set(skip={"mla_prefill_mha"} if case == "mla_prefill_mha-left-out" else ()).warmup(plan)
@@ -315,9 +324,10 @@ def test_prefill_kernels_stay_in_the_foreground_where_they_are_the_main_path(
         assert len([c for c in mla_cfgs if len(c) > 3 and c[3] is True]) == 8
 
 
-def test_one_core_builds_the_fallback_kernels_in_the_foreground(recorded, background, monkeypatch, v2_lite_plan,
-                                                               kernel_set):
-    """No worker process to spare (one core, or TileLang's disk cache off): nothing is deferred."""
+def test_without_worker_processes_the_fallback_kernels_are_built_in_the_foreground(
+        recorded, background, monkeypatch, v2_lite_plan, kernel_set):
+    """No worker process to spare (``compile_workers`` 0: one core, TileLang's disk cache off, or
+    ``DEEPINFER_COMPILE_WORKERS=1``): nothing is deferred."""
     from deepinfer_npu.backends.cuda import warmup
 
     monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: 0)
@@ -336,5 +346,11 @@ def test_the_background_build_marks_only_what_it_built(failures, marked):
     jobs = {"mla_decode": [(16, 8, 1, True), (16, 16, 1, True)]}
     names = {(16, 8, 1, True): "a", (16, 16, 1, True): "b"}
     got: list[str] = []
-    warmup_background._build(jobs, 2, lambda configs, **kw: list(failures), lambda n, c: got.append(names[c]), True)
+    reported: list[list[str]] = []
+    warmup_background._build(jobs, 2, lambda configs, **kw: list(failures), lambda n, c: got.append(names[c]), True,
+                             key="k", on_failed=reported.append)
     assert got == marked
+    # a configuration that failed to build is reported (the warm-up then turns mla_prefill off); a dead worker is not
+    assert reported == ([failures] if marked == ["b"] else [])
+    # what was not built is released: a later engine of the process may try it again
+    assert all(("k", "mla_decode", c) not in warmup_background._building for c, n in names.items() if n not in got)

@@ -85,6 +85,13 @@ def test_compiled_configurations_take_no_worker(tmp_path, monkeypatch):
     assert warmup.compiled_marker(*done).exists() and not warmup.compiled_marker(*todo).exists()
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "another"))  # another kernel cache: not compiled there
     assert not warmup.compiled_marker(*done).exists()
+    # mla_decode is built per softmax scale (a compile-time constant): another scale is another kernel
+    mla = ("mla_decode", (16, 8, 1, True))
+    warmup.mark_compiled(*mla, softmax_scale=0.1)
+    assert warmup.compiled_marker(*mla, softmax_scale=0.1).exists()
+    assert not warmup.compiled_marker(*mla, softmax_scale=0.2).exists()
+    warmup.mark_compiled(*done, softmax_scale=0.1)  # the other modules take no scale: one marker
+    assert warmup.compiled_marker(*done, softmax_scale=0.2).exists()
 
 
 def test_the_queue_starts_with_the_longest_builds():
@@ -113,11 +120,12 @@ def test_a_background_build_fills_the_cache_marks_it_and_is_not_started_twice(tm
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "engine"))
     jobs = {"silu_mul": [(1664, True)]}  # a size no other test here compiles
     assert not warmup.compiled_marker("silu_mul", (1664, True)).exists()
+    monkeypatch.setattr(warmup_background, "_building", set())  # this test's claims only
     fill = functools.partial(warmup.fill_disk_cache, softmax_scale=0.1)
     # at normal priority here: a busy test machine would starve the lowest
-    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled, low_priority=False) == 1
-    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled) == 0  # claimed by the build above
-    seconds = warmup_background.wait(timeout=600)
-    assert seconds is not None and seconds > 0
+    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled, low_priority=False, key=0.1) == 1
+    assert warmup_background.start(jobs, 1, fill, warmup.mark_compiled, key=0.1) == 0  # claimed by the build above
+    done = warmup_background.wait(timeout=600)
+    assert done is not None and done[0] > 0
     assert _entries(tmp_path / "tilelang") and warmup.compiled_marker("silu_mul", (1664, True)).exists()
     assert warmup_background._procs == []  # its workers ended and were let go

@@ -100,10 +100,11 @@ class MLAPrefillMHA(OpImpl):
     def serves_prefill(self, plan) -> bool:
         """Whether ``plan``'s prefill steps take this path, from what start-up knows (selection, torch, dtypes,
         the query/key head dim): the absorbed path's prefill kernels are then a fallback
-        (``warmup_background.py``). Steps this path still refuses (padded, a failed call) take that fallback."""
+        (``warmup_background.py``). Steps this path still refuses (padded, a failed call) take that fallback.
+        Quantised projections never reach it: their layers run ``mla_prolog_quant`` and the absorbed attention."""
         qk = plan.qk_nope_head_dim + plan.qk_rope_head_dim
         return (not self._skipped and self._error is None and _varlen_attn() is not None and plan.dtype == BF16
-                and not plan.kv_cache_fp8 and qk <= MAX_HEAD_DIM and qk % 8 == 0)
+                and not plan.kv_cache_fp8 and plan.quantization is None and qk <= MAX_HEAD_DIM and qk % 8 == 0)
 
     def reason(self, hidden: torch.Tensor, w: MLAWeights, kv_cache: torch.Tensor, attn) -> str | None:
         """Why a step keeps the absorbed path (host facts only), or None."""
