@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         return _error(e)
     metrics.bind(llm)
+    llm.prepare_structured_output()  # a server's first constrained request should not wait for xgrammar's import
     app = build_app(llm, name, chat_template, metrics)
     host, port = sock.getsockname()[:2]
     logger.info("model %s loaded in %.1f s (backend %s, max_model_len %d, chat template: %s)", name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import logging
+import threading
 
 from deepinfer_npu.engine.request import Request
 from deepinfer_npu.engine.sampling_params import SamplingParams
@@ -27,16 +28,36 @@ class GrammarRequests:
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self._pool = None
+        self._pool_lock = threading.Lock()  # the engine thread and prepare()'s thread may both build it
         self.awaiting: list[Request] = []
         self.by_seq: dict[int, Request] = {}  # the engine's map, for the listener
 
     @property
     def pool(self):
-        if self._pool is None:
-            from deepinfer_npu.structured_output.grammar import GrammarCompilerPool
+        with self._pool_lock:
+            if self._pool is None:
+                from deepinfer_npu.structured_output.grammar import GrammarCompilerPool
 
-            self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._pool
+                self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._pool
+
+    def prepare(self) -> threading.Thread | None:
+        """Build the compiler pool (xgrammar's import, the tokenizer's vocabulary for it) on a daemon thread, so a
+        long-lived server's first constrained request does not wait seconds for it -> the thread, or None where
+        structured output cannot run (no tokenizer, no xgrammar: such requests are refused when they come)."""
+        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
+            return None
+
+        def build() -> None:
+            try:
+                self.pool  # noqa: B018 - built for its side effect
+            except Exception as e:  # noqa: BLE001 - the first constrained request builds it again and says why
+                logger.warning("structured output: preparing the grammar compiler failed (%s: %s)",
+                               type(e).__name__, e)
+
+        thread = threading.Thread(target=build, name="deepinfer-grammar-prepare", daemon=True)
+        thread.start()
+        return thread
 
     def check(self, request_id: str, params: SamplingParams) -> None:
         if params.structured_outputs is None:

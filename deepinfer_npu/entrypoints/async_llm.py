@@ -116,6 +116,13 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
         self._thread.start()
 
+    def prepare_structured_output(self):
+        """Build the grammar compiler off the request path (``GrammarRequests.prepare``) -> its thread, or None
+        where nothing is prepared (no tokenizer or xgrammar; a data-parallel engine's ranks build theirs at their
+        first constrained request)."""
+        grammars = getattr(self.engine, "_grammars", None)
+        return grammars.prepare() if grammars is not None else None
+
     # ------------------------------------------------------------------ public API (event loop side)
     @property
     def is_running(self) -> bool:
