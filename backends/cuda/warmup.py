@@ -306,6 +306,7 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     # configurations an earlier process compiled are loaded by the serial pass: worker processes (seconds to start
     # each) only for the rest
     scale = float(plan.softmax_scale)
+    later: dict[str, list[tuple]] = {}
     try:
         later = warmup_background.split_deferred(kernels, plan, configs)
         later_pending = _not_compiled(later, scale)
@@ -313,7 +314,7 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     except Exception as e:  # noqa: BLE001 - a bug here must not stop start-up: everything is built now
         logger.warning("kernel warm-up: deferring the fallback-only configurations failed (%s: %s); building them "
                        "now", type(e).__name__, e)
-        later, later_pending, later_workers = {}, {}, 0
+        later_pending, later_workers = later, 0  # whatever was split off goes back below
     if later_pending and not later_workers:  # no disk cache for workers to fill (or one core): built now
         for name, cfgs in later.items():
             configs[name] = [*configs.get(name, []), *cfgs]
