@@ -206,6 +206,9 @@ class CudaKernelSet(DeepEPNormalMode, CpuKernelSet):
     def fp8_linear(self, x, weight, weight_scale_inv, bias=None):
         return self.impl("quant").fp8_linear(x, weight, weight_scale_inv, bias)
 
+    def fp8_dense_mlp(self, x, gate_up, gate_up_scale_inv, down, down_scale_inv):
+        return self.impl("quant").fp8_dense_mlp(x, gate_up, gate_up_scale_inv, down, down_scale_inv)
+
     def fp8_grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2, w2_scale_inv):
         return self.impl("quant").fp8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale_inv, w2,
                                                   w2_scale_inv)

@@ -322,6 +322,14 @@ class KernelSet(abc.ABC):
         ceil(K/128)] fp32 (one scale per 128 x 128 tile), fp32 accumulation, (+ ``bias`` [N]) -> [..., N] in
         ``x``'s dtype. The reference dequantises both operands and multiplies in fp32 (DeepGEMM's numerics)."""
 
+    def fp8_dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale_inv: torch.Tensor,
+                      down: torch.Tensor, down_scale_inv: torch.Tensor) -> torch.Tensor:
+        """Composite, not in :attr:`OPS`: the dense SwiGLU MLP over FP8 weights,
+        ``fp8_linear(silu_and_mul(fp8_linear(x, gate_up)), down)``. A backend may fuse the activation into the
+        second quantisation (CUDA), with the same roundings as the composition."""
+        return self.fp8_linear(self.silu_and_mul(self.fp8_linear(x, gate_up, gate_up_scale_inv)), down,
+                               down_scale_inv)
+
     @abc.abstractmethod
     def fp8_grouped_mlp(
         self,

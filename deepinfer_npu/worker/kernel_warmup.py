@@ -61,4 +61,7 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
         kv_cache_fp8=cfg.kv_cache_dtype == "fp8",
         fp8_linear_shapes=tuple(sorted({tuple(map(int, p.shape)) for p in runner.model.parameters()
                                         if p.dim() == 2 and p.dtype == torch.float8_e4m3fn})),
+        fp8_one_row_shapes=tuple(sorted({tuple(map(int, m.fused_a_proj.shape)) for m in runner.model.modules()
+                                         if getattr(m, "fused_a_proj", None) is not None
+                                         and m.fused_a_proj.dtype == torch.float8_e4m3fn})),
     )

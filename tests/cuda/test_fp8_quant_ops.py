@@ -85,6 +85,11 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
                                              for n, k in ((2 * inter, d), (d, inter)) for m in rows}
     assert fp8_quant.config_for(inter, 6, True) in cfgs["fp8_quant"]
     assert ("expert_scan", (g.num_experts,)) in cfgs["moe_gemm"]
+    # fp8_dense_mlp's gated quantisation at the dense / shared-expert widths
+    assert {fp8_quant.config_for(i, 1, True) for i in plan.mlp_intermediate_sizes} <= set(cfgs["fp8_quant"])
+    # the fused q / kv_a projection: one row only
+    fused = ks.warmup_configs(fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),)), 132)
+    assert set(fused["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
     # a bf16 engine compiles none of them
     assert not {"fp8_gemm", "fp8_grouped_gemm", "fp8_quant"} & set(ks.warmup_configs(base, 132))
 
@@ -192,3 +197,20 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
     # the bf16 prolog's tail: kv_a layernorm, both ropes and the cache write in one launch
     assert "kernels_cuda.mla_rope_cache" in report["mla_prolog_quant"], report["mla_prolog_quant"]
     assert report["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("rows", [1, 16, 100])
+def test_fp8_dense_mlp_is_the_composition_gpu(rows):
+    """The shared experts' width (2 x 1408): the gated quantisation (SwiGLU fused) gives exactly the composition
+    ``fp8_linear(silu_and_mul(fp8_linear(x)))`` on the same kernels (same roundings, same GEMMs)."""
+    ks = CudaKernelSet()
+    ks.select(OpConfig(dtype=BF16, sm90=True))
+    x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
+    w13, s13 = quantize_fp8_block(torch.randn(2 * 2816, 2048, device="cuda") * 0.02)
+    w2, s2 = quantize_fp8_block(torch.randn(2048, 2816, device="cuda") * 0.02)
+    got = ks.fp8_dense_mlp(x, w13, s13, w2, s2)
+    want = ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, w13, s13)), w2, s2)
+    assert got.shape == (rows, 2048) and torch.equal(got, want)
+    assert "SwiGLU fused into the down projection's quantisation" in ks.op_report()["silu_and_mul"]

@@ -3,7 +3,9 @@ kv_a_proj as row slices of one tensor, and the CUDA kernel set runs both as one 
 Anywhere: the layer's sharing (and its loss when a weight is replaced or the layer is biased), and the kernel
 set's choice with a stand-in skinny module (outputs identical to the two-launch path, which is the reference's
 arithmetic). On a GPU: the real kernel, bit-identical to the two separate launches (skinny_gemm computes each output
-column alone), for q_proj (V2-Lite) and q_a_proj (V3) layouts."""
+column alone), for q_proj (V2-Lite) and q_a_proj (V3) layouts. FP8 (block-scaled) projections share their weights and
+scales the same way where the first projection's rows are whole 128-row blocks; the CUDA kernel set then runs one
+``fp8_linear`` for one row (on a GPU: close to the reference prolog and to the two-GEMM path)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import torch
 from deepinfer_npu.backends.cpu import mla as ref_mla
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
 from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
+from deepinfer_npu.model_executor.layers.linear import QuantLinear
 from deepinfer_npu.model_executor.layers.mla import MLAAttention
+from deepinfer_npu.model_executor.quantization.config import QuantConfig
 
 
 def _layer(q_lora_rank=None, attention_bias=False, dtype=torch.float32, device="cpu", d=256, heads=4, seed=0):
@@ -92,3 +96,83 @@ def test_fused_launch_bit_identical_to_two_launches_gpu(q_lora_rank):
     assert torch.equal(got_first, sk.skinny_gemm(hidden, first))
     assert torch.equal(got_kv, sk.skinny_gemm(hidden, w.kv_a_proj))
     assert got_kv.is_contiguous() and got_kv.stride() == (w.kv_a_proj.shape[0], 1)
+
+
+def _fp8_layer(q_lora_rank=None, heads=8, attention_bias=False, dims=None, device="cpu", seed=0):
+    """An MLA layer with FP8 projections quantised at load from random values (as the loader does: each
+    projection's ``load_checkpoint_tensor``). Default dims: q_proj 8 x 48 = 384 rows (three 128-row blocks)."""
+    nope, rope, v, lrank, d = dims or (32, 16, 32, 64, 256)
+    cfg = SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                          kv_lora_rank=lrank, softmax_scale=(nope + rope) ** -0.5, hidden_size=d,
+                          attention_bias=attention_bias, q_lora_rank=q_lora_rank, qk_head_dim=nope + rope,
+                          quant=QuantConfig(method="fp8"))
+    layer = MLAAttention(cfg, SimpleNamespace(), CpuKernelSet(), dtype=torch.bfloat16, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    for mod in layer.modules():
+        if isinstance(mod, QuantLinear):
+            value = torch.randn(mod.weight.shape, generator=g, device=device) * mod.weight.shape[1] ** -0.5
+            mod.load_checkpoint_tensor("weight", value)
+    for name, p in layer.named_parameters():
+        if p.dtype == torch.bfloat16:
+            p.data.copy_(torch.rand(p.shape, generator=g, device=device) + 0.5 if "norm" in name
+                         else torch.randn(p.shape, generator=g, device=device) * 0.05)
+    return layer
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 128])
+def test_fp8_weights_and_scales_are_slices_of_one_tensor(q_lora_rank):
+    layer = _fp8_layer(q_lora_rank)
+    w, scales = layer.weights(), layer.quant_scales()
+    first = "q_proj" if q_lora_rank is None else "q_a_proj"
+    assert w.fused_a_proj is not None and w.fused_a_proj.dtype == torch.float8_e4m3fn
+    assert torch.equal(_bytes(w.fused_a_proj), _bytes(torch.cat([getattr(w, first), w.kv_a_proj])))
+    # the first projection's rows are whole blocks: its scale rows, then kv_a's (80 rows: one partial block)
+    assert scales["fused_a_proj"].shape == (getattr(w, first).shape[0] // 128 + 1, 2)
+    assert torch.equal(scales["fused_a_proj"], torch.cat([scales[first], scales["kv_a_proj"]]))
+    kv = layer.kv_a_proj_with_mqa
+    assert kv.weight.quant_scheme == "fp8"  # kept on the re-registered slices: dummy weights find the scheme
+    kv.weight_scale_inv = torch.nn.Parameter(kv.weight_scale_inv.clone(), requires_grad=False)
+    assert layer.weights().fused_a_proj is None and "fused_a_proj" not in layer.quant_scales()
+
+
+def test_fp8_layers_whose_query_rows_are_not_whole_blocks_keep_two_weights():
+    assert _fp8_layer(heads=4).weights().fused_a_proj is None  # q_proj 4 x 48 = 192 rows
+    assert _fp8_layer(attention_bias=True).weights().fused_a_proj is None
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+def test_fp8_fused_projection_of_one_row_gpu():
+    """V2-Lite dims: q_proj [3072, 2048] and kv_a [576, 2048] as one FP8 GEMM [3648, 2048] for one row. Against the
+    reference prolog (relative Frobenius error < 1e-2, the bound of test_fp8_quant_ops.py's MLA test) and against
+    the two-GEMM path (the same dot products; only the fp32 order of the K slices differs for kv_a's columns:
+    < 1e-2 too, measured near bf16's rounding)."""
+    from deepinfer_npu.backends.cpu import quant as ref
+
+    layer = _fp8_layer(heads=16, dims=(128, 64, 128, 512, 2048), device="cuda")
+    w, scales = layer.weights(), layer.quant_scales()
+    assert tuple(w.fused_a_proj.shape) == (3648, 2048)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
+    ang = torch.arange(64, device="cuda").float()[:, None] * inv[None]
+    rope = SimpleNamespace(cos_sin_cache=torch.cat((ang.cos(), ang.sin()), -1), interleaved=True)
+    hidden = (torch.randn(1, 2048, device="cuda") * 0.5).to(torch.bfloat16)
+    pos, slots = torch.tensor([7], device="cuda"), torch.tensor([70], device="cuda")
+    caches = [torch.zeros(4, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ks = CudaKernelSet()
+    fused = ks.mla_prolog_quant(hidden, w, scales, pos, rope, caches[0], slots)
+    assert "one fp8_linear (fused_a_proj)" in ks.op_report()["mla_prolog_quant"]
+    unfused_scales = {k: v for k, v in scales.items() if k != "fused_a_proj"}
+    two = ks.mla_prolog_quant(hidden, w, unfused_scales, pos, rope, caches[1], slots)
+    want = ref.mla_prolog_quant(hidden, w, unfused_scales, pos, rope, caches[2], slots)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for got in (fused, two):
+        assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2
+    assert rel(fused[0], two[0]) < 1e-2 and rel(fused[1], two[1]) < 1e-2
+    assert rel(caches[0], caches[2]) < 1e-2 and rel(caches[0], caches[1]) < 1e-2

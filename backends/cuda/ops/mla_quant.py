@@ -1,6 +1,7 @@
 """``mla_prolog_quant`` / ``mla_epilogue_quant`` with FP8 projections: the reference's arithmetic
 (``backends/cpu/quant.py``) with each projection through the kernel set's ``fp8_linear`` (``kernels_cuda.fp8_quant``
-+ ``kernels_cuda.fp8_gemm`` where they apply), W_UK / W_UV as the bf16 prolog and epilogue run them (``mla_absorb``
++ ``kernels_cuda.fp8_gemm`` where they apply; for one row the query's first projection and kv_a as one, on the
+layer's ``fused_a_proj``), W_UK / W_UV as the bf16 prolog and epilogue run them (``mla_absorb``
 or ``skinny_gemm`` for one token, else cuBLAS), and the bf16 prolog's tail (``MLAProlog.rope_and_cache``: the kv_a
 layernorm, both ropes and the cache write in one ``kernels_cuda.mla_rope_cache`` launch where it applies, else
 composed torch with a cache write that needs no host read). INT8 projections (the Ascend scheme) take the reference
@@ -43,19 +44,39 @@ class MLAQuant(OpImpl):
         def lin(x, name, bias=None):
             return ks.fp8_linear(x, getattr(w, name), scales[name], bias)
 
+        fused = self.fused_a_proj(hidden, w, scales)
+        first, kv = fused if fused is not None else (None, None)
         if w.q_proj is not None:
-            q = lin(hidden, "q_proj")
+            q = lin(hidden, "q_proj") if first is None else first
         else:
-            q = lin(ks.rms_norm(lin(hidden, "q_a_proj", w.q_a_bias), w.q_a_layernorm, w.norm_eps), "q_b_proj")
+            qa = lin(hidden, "q_a_proj", w.q_a_bias) if first is None else first
+            q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), "q_b_proj")
         q = q.view(num_tokens, w.num_heads, nope + rdim)
         prolog = ks.impl("mla_prolog")
         q_latent = prolog.absorb_q(q, w)
-        kv = lin(hidden, "kv_a_proj", w.kv_a_bias)
+        if kv is None:
+            kv = lin(hidden, "kv_a_proj", w.kv_a_bias)
         self.note("mla_prolog_quant", "fp8_linear projections, W_UK and the tail as mla_prolog", True)
         # the bf16 prolog's tail: kernels_cuda.mla_rope_cache (norm, ropes, cache write in one launch) where it
         # applies, else composed torch with a sync-free cache write
         return q_latent, prolog.rope_and_cache(q, kv, w, positions, rope, kv_cache, slot_mapping,
                                                op="mla_prolog_quant")
+
+    def fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights, scales: dict[str, torch.Tensor]):
+        """One row and the layer's FP8 ``fused_a_proj`` (with ``scales["fused_a_proj"]``): the query's first
+        projection and kv_a (same input) as one ``fp8_linear`` -- one quantisation and one GEMM instead of two
+        each -> (first, kv), views with compact strides; None where it does not apply. Each output column is the
+        same dot product as in its own GEMM (only the fp32 order of its K slices may differ)."""
+        fused, scale = w.fused_a_proj, scales.get("fused_a_proj")
+        if fused is None or scale is None or fused.dtype != FP8 or hidden.dim() != 2 or hidden.shape[0] != 1:
+            return None
+        if w.q_a_bias is not None or w.kv_a_bias is not None:
+            return None
+        flat = self.ks.fp8_linear(hidden, fused, scale).view(-1)
+        rows = fused.shape[0] - w.kv_a_proj.shape[0]
+        self.note("mla_prolog_quant", "q / q_a and kv_a projections of one row: one fp8_linear (fused_a_proj)",
+                  True)
+        return flat[:rows].view(1, rows), flat[rows:].view(1, w.kv_a_proj.shape[0])
 
     def mla_epilogue_quant(self, out_latent: torch.Tensor, w: MLAWeights,
                            scales: dict[str, torch.Tensor]) -> torch.Tensor:

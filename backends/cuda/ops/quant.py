@@ -3,6 +3,8 @@
 ``fp8_linear``: the activations quantised per 1 x 128 group by ``kernels_cuda.fp8_quant``, then
 ``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above);
 two or three launches, no host read.
+``fp8_dense_mlp`` (dense layers, shared experts): the same two GEMMs with the SwiGLU fused into the second
+quantisation (``fp8_quant`` gated); four launches.
 ``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
 ``kernels_cuda.fp8_grouped_gemm``, the SwiGLU fused into the second quantisation (``fp8_quant`` gated), the w2
 GEMM; five launches, no host read, CUDA-graph capturable. Each runs on bf16 activations with K a multiple of 16 and
@@ -68,6 +70,28 @@ class QuantOps(OpImpl):
             out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
         return out.view(*x.shape[:-1], n)
 
+    def fp8_dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale_inv: torch.Tensor,
+                      down: torch.Tensor, down_scale_inv: torch.Tensor) -> torch.Tensor:
+        """Dense layers and shared experts: quantise, gate/up GEMM, the SwiGLU fused into the second quantisation
+        (``fp8_quant`` gated: the roundings of ``silu_and_mul``, then the quantisation), down GEMM; where the
+        kernels do not take it, ``fp8_linear`` / ``silu_and_mul`` / ``fp8_linear``."""
+        ks = self.ks
+        quant, gemm, why = self._modules(x, "fp8_gemm")
+        inter = down.shape[1]
+        if gemm is not None:
+            why = (gemm.reason(1, *gate_up.shape) or gemm.reason(1, *down.shape) or quant_reason(quant, inter, inter)
+                   or (None if gate_up.dtype == down.dtype == FP8 else f"weight dtype {gate_up.dtype}")
+                   or (None if gate_up.shape[0] == 2 * inter else f"gate_up {list(gate_up.shape)} for I={inter}"))
+        if why is not None:  # the parts report their own paths
+            return ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, gate_up, gate_up_scale_inv)), down, down_scale_inv)
+        self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
+        self.note("silu_and_mul", "kernels_cuda.fp8_quant gated (FP8 MLPs: SwiGLU fused into the down projection's "
+                  "quantisation)", True)
+        x2d = x.reshape(-1, x.shape[-1])
+        h = gemm.fp8_gemm(*quant.quantize(x2d), gate_up, gate_up_scale_inv)
+        out = gemm.fp8_gemm(*quant.quantize(h, gated=True), down, down_scale_inv)
+        return out.view(*x.shape[:-1], down.shape[0])
+
     def fp8_grouped_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
                         w13_scale_inv: torch.Tensor, w2: torch.Tensor, w2_scale_inv: torch.Tensor) -> torch.Tensor:
         why = self._grouped_reason(sorted_hidden, tokens_per_expert, w13, w2)
@@ -106,7 +130,8 @@ class QuantOps(OpImpl):
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
         """For an FP8 model (``plan.quantization == "fp8"``), at every row count a step can have: ``fp8_gemm``
-        for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` and ``fp8_quant`` at its K;
+        for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` (and at one row of
+        ``plan.fp8_one_row_shapes``) and ``fp8_quant`` at its K;
         ``fp8_grouped_gemm`` for w13 / w2 and ``fp8_quant`` at D and (gated) I; ``moe_gemm``'s expert scan."""
         if plan.quantization != "fp8" or plan.dtype != BF16:
             return {}
@@ -115,10 +140,15 @@ class QuantOps(OpImpl):
         fq = kernel_module("fp8_quant")
         if self.wants("fp8_gemm"):
             fg = kernel_module("fp8_gemm")
-            for n, k in plan.fp8_linear_shapes:
+            shapes = [(n, k, range(lo, hi + 1)) for n, k in plan.fp8_linear_shapes]
+            shapes += [(n, k, range(1, 2)) for n, k in plan.fp8_one_row_shapes if lo <= 1]
+            for n, k, rows in shapes:
                 if fg.supported(n, k):
-                    out["fp8_gemm"] += [c for m in range(lo, hi + 1) for c in fg.configs_for(n, k, m)]
-                    out["fp8_quant"] += [fq.config_for(k, m) for m in range(lo, hi + 1)]
+                    out["fp8_gemm"] += [c for m in rows for c in fg.configs_for(n, k, m)]
+                    out["fp8_quant"] += [fq.config_for(k, m) for m in rows]
+            # fp8_dense_mlp's gated quantisation at each dense / shared-expert width
+            out["fp8_quant"] += [fq.config_for(inter, m, True) for inter in plan.mlp_intermediate_sizes
+                                 if fq.supported(inter) for m in range(lo, hi + 1)]
         g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
         if self.wants("fp8_grouped_gemm") and g is not None and inter:
             gg = kernel_module("fp8_grouped_gemm")

@@ -58,14 +58,20 @@ class MLAAttention(nn.Module):
         # The query's first projection and kv_a read the same input: their weights become row slices of one tensor
         # (MLAWeights.fused_a_proj), so a backend can run both as one GEMM (one launch at batch-1 decode). The
         # loader copies into the slices. A plain attribute: not a parameter, not in the checkpoint layout.
+        # FP8 (block-scaled) projections share the same way, their scales too, where the first projection's rows
+        # are whole 128-row blocks: the fused weight's block rows are then the two weights' block rows in turn.
         self.fused_a_proj: torch.Tensor | None = None
+        self.fused_a_proj_scale: torch.Tensor | None = None
+        first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+        kv_a = self.kv_a_proj_with_mqa
+        rows = first.weight.shape[0]
         if not bias and self.quant is None:
-            first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
-            rows = first.weight.shape[0]
-            fused = torch.empty(rows + self.kv_a_proj_with_mqa.weight.shape[0], d, **kw)
+            fused = torch.empty(rows + kv_a.weight.shape[0], d, **kw)
             first.weight = nn.Parameter(fused[:rows], requires_grad=False)
-            self.kv_a_proj_with_mqa.weight = nn.Parameter(fused[rows:], requires_grad=False)
+            kv_a.weight = nn.Parameter(fused[rows:], requires_grad=False)
             self.fused_a_proj = fused
+        elif not bias and self.quant.method == "fp8" and rows % self.quant.scheme.part_alignment == 0:
+            self.fused_a_proj, self.fused_a_proj_scale = _share_rows(first, kv_a, "weight", first.scale_name)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, kernels, **kw)
         self.w_uk = empty_param(h, cfg.qk_nope_head_dim, cfg.kv_lora_rank, **kw)
         self.w_uv = empty_param(h, cfg.v_head_dim, cfg.kv_lora_rank, **kw)
@@ -100,21 +106,25 @@ class MLAAttention(nn.Module):
         """Scales of the quantised projections, keyed by their ``MLAWeights`` field (``mla_prolog_quant``)."""
         mods = {"q_proj": "q_proj", "q_a_proj": "q_a_proj", "q_b_proj": "q_b_proj",
                 "kv_a_proj": "kv_a_proj_with_mqa", "o_proj": "o_proj"}
-        return {field: getattr(self, attr).scales for field, attr in mods.items()
-                if isinstance(getattr(self, attr, None), QuantLinear)}
+        scales = {field: getattr(self, attr).scales for field, attr in mods.items()
+                  if isinstance(getattr(self, attr, None), QuantLinear)}
+        if self.fused_a_proj_scale is not None and self._shared_fused_a_proj() is not None:
+            scales["fused_a_proj"] = self.fused_a_proj_scale
+        return scales
 
     def _shared_fused_a_proj(self) -> torch.Tensor | None:
-        """``fused_a_proj`` while the two weights are still its row slices (else None: e.g. a weight replaced)."""
+        """``fused_a_proj`` while the two weights (and FP8 scales) are still its row slices (else None: e.g. a
+        weight replaced)."""
         fused = self.fused_a_proj
         if fused is None:
             return None
-        first = (self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj).weight
-        kv = self.kv_a_proj_with_mqa.weight
-        rows_ok = first.shape[0] + kv.shape[0] == fused.shape[0] and first.shape[1] == kv.shape[1] == fused.shape[1]
-        if (rows_ok and first.dtype == kv.dtype == fused.dtype and first.data_ptr() == fused.data_ptr()
-                and kv.data_ptr() == fused.data_ptr() + first.numel() * first.element_size()):
-            return fused
-        return None
+        first_mod = self.q_a_proj if hasattr(self, "q_a_proj") else self.q_proj
+        if not _are_row_slices(fused, first_mod.weight, self.kv_a_proj_with_mqa.weight):
+            return None
+        if self.fused_a_proj_scale is not None and not _are_row_slices(
+                self.fused_a_proj_scale, first_mod.scales, self.kv_a_proj_with_mqa.scales):
+            return None
+        return fused
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, kv_cache: torch.Tensor
@@ -155,3 +165,26 @@ class MLAAttention(nn.Module):
         per_head = tensor.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_uk.data.copy_(per_head[:, : self.nope_dim])
         self.w_uv.data.copy_(per_head[:, self.nope_dim :])
+
+
+def _are_row_slices(fused: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether ``first`` then ``second`` are the rows of ``fused``, in place (same storage, consecutive)."""
+    rows_ok = first.shape[0] + second.shape[0] == fused.shape[0] and first.shape[1:] == second.shape[1:] == \
+        fused.shape[1:]
+    return (rows_ok and first.dtype == second.dtype == fused.dtype and first.data_ptr() == fused.data_ptr()
+            and second.data_ptr() == fused.data_ptr() + first.numel() * first.element_size())
+
+
+def _share_rows(first: nn.Module, second: nn.Module, *names: str) -> list[torch.Tensor]:
+    """Re-register each parameter ``name`` of ``first`` and ``second`` as row slices of one new tensor (first's
+    rows, then second's; attributes such as the quantisation scheme kept) -> the new tensors, in ``names`` order."""
+    out = []
+    for name in names:
+        a, b = getattr(first, name), getattr(second, name)
+        fused = torch.empty(a.shape[0] + b.shape[0], *a.shape[1:], dtype=a.dtype, device=a.device)
+        for mod, old, part in ((first, a, fused[: a.shape[0]]), (second, b, fused[a.shape[0]:])):
+            param = nn.Parameter(part, requires_grad=False)
+            param.__dict__.update(old.__dict__)  # e.g. quant_scheme (dummy weights find the scheme through it)
+            setattr(mod, name, param)
+        out.append(fused)
+    return out

@@ -57,8 +57,8 @@ class DenseMLP(nn.Module):
         k = self.kernels
         if self.quant is None:
             return k.dense_mlp(x, self.gate_up_proj, self.down_proj.weight)
-        act = k.silu_and_mul(self.scheme.linear(k, x, self.gate_up_proj, getattr(self, self.scale_name)))
-        return self.down_proj(act)
+        return self.scheme.dense_mlp(k, x, self.gate_up_proj, getattr(self, self.scale_name), self.down_proj.weight,
+                                     self.down_proj.scales)
 
     # ---- checkpoint mapping (see loader.py) ----------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:

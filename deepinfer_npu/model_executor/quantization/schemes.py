@@ -38,6 +38,10 @@ class WeightScheme:
     def grouped_mlp(self, kernels, sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale):
         raise NotImplementedError
 
+    def dense_mlp(self, kernels, x, w13, w13_scale, w2, w2_scale):
+        """The dense SwiGLU MLP: ``linear(silu_and_mul(linear(x, w13)), w2)`` in this scheme."""
+        return self.linear(kernels, kernels.silu_and_mul(self.linear(kernels, x, w13, w13_scale)), w2, w2_scale)
+
 
 class Fp8BlockScheme(WeightScheme):
     method, weight_dtype, scale_suffix, part_alignment = "fp8", fp8.FP8_DTYPE, "_scale_inv", fp8.BLOCK
@@ -56,6 +60,9 @@ class Fp8BlockScheme(WeightScheme):
 
     def grouped_mlp(self, kernels, sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale):
         return kernels.fp8_grouped_mlp(sorted_hidden, tokens_per_expert, w13, w13_scale, w2, w2_scale)
+
+    def dense_mlp(self, kernels, x, w13, w13_scale, w2, w2_scale):
+        return kernels.fp8_dense_mlp(x, w13, w13_scale, w2, w2_scale)
 
 
 class Int8ChannelScheme(WeightScheme):
