@@ -84,9 +84,6 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_COMPILE_WORKERS", "auto", _count_or_auto,
                "Processes the CUDA kernel warm-up builds in at start-up: auto (one a usable core, at most "
                "16) or a count (0 or 1: one at a time, e.g. several engines starting on one host)."),
-        EnvVar("DEEPINFER_L2_PREFETCH", "1", _flag,
-               "1: the FP8 decode GEMM's CTAs ask the L2 for their weight slice before they wait for the previous "
-               "kernel (PDL), so the weight reads overlap it; 0: they read after the wait (comparisons)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )

@@ -582,6 +582,16 @@ def fp8_gemm_variants(m, n: int, k: int, rows: int) -> list[tuple[str, tuple]]:
     return [c for c in alts if c[1][3] != split]
 
 
+def grouped_decode_variants(base: tuple) -> list[tuple]:
+    """Swapped grouped-GEMM configurations ``--fp8-sweep`` times beside the heuristic's ``base``: 8 / 16 token rows
+    a tile, 64 / 128 weight rows a CTA, pipelines 4 / 6 / 8 deep."""
+    n, k, swap, _rows, *_ = base
+    if not swap:
+        return []
+    cfgs = [(n, k, True, r, bn, st) for r in (8, 16) for bn in (64, 128) for st in (4, 6, 8) if n % bn == 0]
+    return [c for c in cfgs if c[:5] != tuple(base[:5]) or c[5] != 4]
+
+
 @bench
 def bench_fp8_gemm(args, copy):
     """Dense FP8 GEMM TFLOP/s: DeepGEMM's V3 shapes at M = 4096 and decode rows, V2-Lite's projections at decode
@@ -639,6 +649,9 @@ def bench_fp8_grouped_gemm(args, copy):
     grouped = [m.config_for(n, k, e * per, e) for e, per, n, k in FP8_GROUPED_PREFILL]
     grouped += [m.config_for(n, k, rows, e) for e, _t, d, inter, rows in decode
                 for n, k in ((2 * inter, d), (d, inter))]
+    if args.fp8_sweep:
+        grouped += [c for e, _t, d, inter, rows in decode for c in grouped_decode_variants(
+            m.config_for(2 * inter, d, rows, e))]
     quant = [c for _e, _t, d, inter, rows in decode
              for c in (fp8_quant.config_for(d, rows), fp8_quant.config_for(inter, rows, True))]
     precompile_in_processes([("fp8_grouped_gemm", c) for c in grouped] + [("fp8_quant", c) for c in quant])
@@ -677,9 +690,16 @@ def bench_fp8_grouped_gemm(args, copy):
             us_mlp, _ = time_us(mlp)
             nbytes = hit * (2 * inter * d + d * inter)
             row = {"layout": "decode", "model": name, "tokens": tokens, "experts_hit": hit,
+                   "max_rows_an_expert": int(counts.max()),
                    "config_w13": list(m.config_for(2 * inter, d, rows, experts)), "timing": how,
                    "w13_us": round(us13, 2), "mlp_us": round(us_mlp, 2)}
             yield rate(row, nbytes, us_mlp, copy)
+            variants = grouped_decode_variants(m.config_for(2 * inter, d, rows, experts)) if args.fp8_sweep else []
+            for cfg in variants:  # w13 alone, as w13_us
+                us_v, how_v = time_us(lambda cfg=cfg: m.fp8_grouped_gemm(aq, sa, w13, s13, starts, config=cfg))
+                vrow = {"layout": "decode", "model": name, "tokens": tokens, "weight": "w13", "variant": list(cfg),
+                        "timing": how_v, "us": round(us_v, 2), "vs_heuristic": round(us13 / us_v, 3)}
+                yield rate(vrow, hit * 2 * inter * d, us_v, copy)
         del w13, s13, w2, s2
 
 

@@ -21,16 +21,11 @@ Two forms, picked on the host from M (no device value):
     ``C^T [BN, RT] = W_tile [BN, 128] @ A [RT, 128]^T`` with RT = 16 or 64 rows (wgmma's N goes down to 8), so
     the pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
     for N / 64 CTAs streaming the weights (the step is a read of the weights); where N / 64 is short of the
-    multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16). Each CTA
-    asks the L2 for its weight slice before its PDL wait (``_l2_prefetch``): the weights, which no kernel writes,
-    stream in while the previous kernel of the step still runs.
+    multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16).
 """
 
 import torch
 
-from deepinfer_npu import envs
-
-from . import _l2_prefetch
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
 from ._prim_func_cache import cached_prim_func
@@ -96,13 +91,12 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
 
 
 @cached_prim_func
-def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, prefetch: bool = False, block_n: int = 64,
-                        num_stages: int = 4, threads: int = 128):
+def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 64, num_stages: int = 4,
+                        threads: int = 128):
     """PrimFunc of the "swap" form for w [n, k]: ``rt`` token rows a tile (wgmma N), ``block_n`` weight rows a
     CTA (wgmma M), K in ``split`` equal slices (one CTA each); rows M are dynamic (more than ``rt``: row tiles in
     a loop). ``split`` 1 writes ``Out`` [1, M, N] bf16; more write fp32 partial sums [split, M, N] for
-    :func:`build_split_reduce`. ``prefetch``: each CTA asks the L2 for its weight slice before its PDL wait
-    (``_l2_prefetch``)."""
+    :func:`build_split_reduce`."""
     assert tilelang is not None, "tilelang is not installed"
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
@@ -120,12 +114,7 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, prefetch: bool 
         SW: T.Tensor([NB, KB], f32),
         Out: T.Tensor([S, M, N], out_dtype),
     ):
-        with T.Kernel(N // BN, S, threads=threads, prelude=_l2_prefetch.PRELUDE if prefetch else None) as (bn, ks):
-            if prefetch:  # this CTA's weight rows asked of the L2 while the previous kernel runs: one a thread
-                tx = T.get_thread_binding()
-                if tx < BN:
-                    T.evaluate(_l2_prefetch.prefetch(T.address_of(W[bn * BN + tx, ks * KBS * BK]),
-                                                     T.min(KBS * BK, K - ks * KBS * BK)))
+        with T.Kernel(N // BN, S, threads=threads) as (bn, ks):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             A_s = T.alloc_shared([RT, BK], fp8)
@@ -216,11 +205,10 @@ def reduce_block(n: int) -> int:
 
 def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
     """The ``(kind, cfg)`` of every kernel :func:`fp8_gemm` launches for ``m`` rows: "swap" up to
-    ``SWAP_MAX_ROWS`` rows (and "reduce" when K is sliced; the weights prefetched into the L2 unless
-    ``DEEPINFER_L2_PREFETCH=0``), else "tile"."""
+    ``SWAP_MAX_ROWS`` rows (and "reduce" when K is sliced), else "tile"."""
     if m <= SWAP_MAX_ROWS:
         split = split_for(n, k)
-        swap = ("swap", (int(n), int(k), rows_tile(m), split, envs.L2_PREFETCH))
+        swap = ("swap", (int(n), int(k), rows_tile(m), split))
         return [swap] if split == 1 else [swap, ("reduce", (int(n), split, reduce_block(n)))]
     return [("tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64))]
 
@@ -271,7 +259,7 @@ CI_CONFIGS = [
     ("tile", (576, 7168, 128, 64)),  # V3 kv_a_proj (N not a multiple of 128) at prefill
     ("swap", (7168, 18432, 16, 1)),  # V3 dense down projection at batch 1
     ("swap", (3072, 2048, 64, 2)),  # V2-Lite q_proj at 64 rows, K in 2 slices
-    ("swap", (3648, 2048, 16, 2, True)),  # V2-Lite q_proj + kv_a_proj at 1 row, weights prefetched into the L2
+    ("swap", (3648, 2048, 16, 2)),  # V2-Lite q_proj + kv_a_proj at 1 row (fused_a_proj)
     ("swap", (2048, 10944, 16, 2)),  # V2-Lite dense down projection: a partial last K block
     ("reduce", (576, 4, 64)),  # kv_a_proj's 4 K slices summed
 ]

@@ -112,20 +112,12 @@ def test_rejects_bad_operands_with_the_parameter_named():
 
 
 def test_configurations_by_rows():
-    assert fp8_gemm.configs_for(2048, 2048, 1) == [("swap", (2048, 2048, 16, 4, True)), ("reduce", (2048, 4, 256))]
-    assert fp8_gemm.configs_for(7168, 16384, 64) == [("swap", (7168, 16384, 64, 1, True))]  # 112 tiles: no slicing
-    assert fp8_gemm.configs_for(576, 7168, 1)[0] == ("swap", (576, 7168, 16, 14, True))  # 9 tiles x 14 slices
+    assert fp8_gemm.configs_for(2048, 2048, 1) == [("swap", (2048, 2048, 16, 4)), ("reduce", (2048, 4, 256))]
+    assert fp8_gemm.configs_for(7168, 16384, 64) == [("swap", (7168, 16384, 64, 1))]  # 112 tiles: no slicing
+    assert fp8_gemm.configs_for(576, 7168, 1)[0] == ("swap", (576, 7168, 16, 14))  # 9 tiles x 14 slices
     assert fp8_gemm.configs_for(2048, 2048, 65) == [("tile", (2048, 2048, 128, 128))]
     assert fp8_gemm.configs_for(576, 7168, 4096) == [("tile", (576, 7168, 128, 64))]
     assert fp8_quant.config_for(1408, 6, gated=True) == (1408, 8, True)
-
-
-def test_l2_prefetch_setting(monkeypatch):
-    """DEEPINFER_L2_PREFETCH=0 builds the swapped form without the weights' L2 prefetch; the tile form never has
-    it."""
-    monkeypatch.setenv("DEEPINFER_L2_PREFETCH", "0")
-    assert fp8_gemm.configs_for(3072, 2048, 1)[0] == ("swap", (3072, 2048, 16, 2, False))
-    assert fp8_gemm.configs_for(3072, 2048, 65) == [("tile", (3072, 2048, 128, 128))]
     assert fp8_gemm.reason(1, 2048, 10944) is None and "multiple of 16" in fp8_gemm.reason(1, 2048, 1000)
 
 
@@ -194,11 +186,10 @@ def test_partial_row_tiles_of_the_default_forms_gpu(m):
 @pytest.mark.gpu
 @pytest.mark.tilelang
 @pytest.mark.parametrize("config", [("swap", (3072, 2048, 16, 1)), ("swap", (3072, 2048, 16, 8)),
-                                    ("swap", (3072, 2048, 16, 1, True)), ("swap", (3072, 2048, 16, 8, True)),
                                     ("tile", (3072, 2048, 128, 64))])
 def test_other_forms_on_row_counts_they_do_not_divide_gpu(config):
-    """The swapped form looping over row tiles (100 rows in tiles of 16), unsliced and in 8 K slices, with and
-    without the weights' L2 prefetch, and 64-wide tiles over 1 row."""
+    """The swapped form looping over row tiles (100 rows in tiles of 16), unsliced and in 8 K slices, and
+    64-wide tiles over 1 row."""
     for m in (1, 100):
         aq, sa = quantize_per_token_group(activations(m, 2048, seed=m))
         wq, sw = fp8_weight(n=3072, k=2048)
