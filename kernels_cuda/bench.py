@@ -589,7 +589,7 @@ def grouped_decode_variants(base: tuple) -> list[tuple]:
     if not swap:
         return []
     cfgs = [(n, k, True, r, bn, st) for r in (8, 16) for bn in (64, 128) for st in (4, 6, 8) if n % bn == 0]
-    return [c for c in cfgs if c[:5] != tuple(base[:5]) or c[5] != 4]
+    return [c for c in cfgs if c != tuple(base)]
 
 
 @bench

@@ -223,8 +223,8 @@ def test_more_experts_than_the_expert_scan_takes_use_the_library_gemm(recorded, 
 
 def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeypatch, v2_lite_plan, kernel_set):
     """Every (in_features, dtype) of the model's weights with K <= DENSE_MAX_K at the row blocks of 1 ..
-    DENSE_MAX_ROWS tokens, the dense MLPs' gated gate/up GEMM and W_UV at one token; nothing with skinny_gemm left
-    out."""
+    DENSE_MAX_ROWS tokens (the fp32 router up to 16), the dense MLPs' gated gate/up GEMM and W_UV at one token;
+    nothing with skinny_gemm left out."""
     from deepinfer_npu.kernels_cuda import skinny_gemm as sk
 
     bf, f32 = torch.bfloat16, torch.float32
@@ -237,7 +237,9 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
     want = {(k, rb, False, False, name[dt], name[dt], name[dt], *v) for k, dt in weights for rb in blocks
             if k <= sk.DENSE_MAX_K and dt == bf}  # fp32 x fp32 is unreachable in a bf16 model
     want |= {(2048, rb, True, False, "bfloat16", "bfloat16", "bfloat16", *v) for rb in blocks}
-    want |= {(2048, rb, False, False, "bfloat16", "float32", "float32", *v) for rb in blocks}  # router_logits
+    router_blocks = {sk.rows_block(m) for m in range(1, 17)}  # router_logits: up to 16 rows
+    assert router_blocks == {1, 2, 4, 8}
+    want |= {(2048, rb, False, False, "bfloat16", "float32", "float32", *v) for rb in router_blocks}
     want.add((512, 1, False, True, "bfloat16", "bfloat16", "bfloat16", *v))  # W_UV at one token (mla_epilogue)
     assert (10944, 1, False, False, "bfloat16", "bfloat16", "bfloat16", *v) not in want
     assert len(got) == len(set(got)) and set(got) == want

@@ -77,8 +77,12 @@ def test_rejects_bad_operands_with_the_parameter_named():
 
 
 def test_configurations_by_rows():
-    assert fp8_grouped_gemm.config_for(2816, 2048, 6, 64) == (2816, 2048, True, 8, 64)
-    assert fp8_grouped_gemm.config_for(2816, 2048, 384, 64) == (2816, 2048, True, 8, 64)  # batch 64, top-6
+    assert fp8_grouped_gemm.config_for(2816, 2048, 6, 64) == (2816, 2048, True, 8, 64, 4)
+    assert fp8_grouped_gemm.config_for(2816, 2048, 96, 64) == (2816, 2048, True, 8, 64, 4)  # batch 16, top-6
+    # batch 64, top-6: ~6 rows an expert, some past 8: 16-row tiles stream each expert's weights once
+    assert fp8_grouped_gemm.config_for(2816, 2048, 384, 64) == (2816, 2048, True, 16, 64, 4)
+    assert fp8_grouped_gemm.config_for(4096, 7168, 8, 256) == (4096, 7168, True, 8, 64, 6)  # V3 w13: K >= 4096
+    assert fp8_grouped_gemm.config_for(7168, 2048, 8, 256) == (7168, 2048, True, 8, 64, 4)  # V3 w2
     assert fp8_grouped_gemm.config_for(2816, 2048, 3072, 64) == (2816, 2048, False, 64, 128)
     assert fp8_grouped_gemm.config_for(4096, 7168, 32768, 32) == (4096, 7168, False, 128, 128)
 

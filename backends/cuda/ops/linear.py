@@ -13,6 +13,11 @@ from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpImpl, kernel_module, ref, step_token_bounds
 
+# The router's fp32 GEMM on bf16 rows takes skinny_gemm up to this many rows: measured on an H200 (V2-Lite router,
+# 64 x 2048, graph replays) 7.3 us at 16 rows against 9.9 us for cuBLAS' fp32 GEMM, which also needs the rows cast
+# to fp32 first (one more launch); at 64 rows skinny_gemm took 27 us against 11.6.
+ROUTER_SKINNY_MAX_ROWS = 16
+
 
 class Linear(OpImpl):
     KERNELS = ("skinny_gemm", "silu_mul")
@@ -50,13 +55,24 @@ class Linear(OpImpl):
         return mod.skinny_gemm(x2d, weight).view(*x.shape[:-1], weight.shape[0])
 
     def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """One bf16 row and an fp32 router: skinny_gemm on the bf16 row (exact fp32 conversion in the kernel, fp32
-        out), no cast launch; else ``linear(hidden.float(), weight)``."""
-        mod, _why = self.skinny(hidden, weight) if hidden.dim() == 2 else (None, "not 2-D")
+        """Up to ROUTER_SKINNY_MAX_ROWS bf16 rows and an fp32 router: skinny_gemm on the bf16 rows (exact fp32
+        conversion in the kernel, fp32 out), no cast launch; else ``linear(hidden.float(), weight)``."""
+        mod = self.router_skinny(hidden, weight)
         if mod is None:
             return self.ks.linear(hidden.float(), weight)
-        self.note_skinny_linear(mod)
+        self.note("linear", f"kernels_cuda.skinny_gemm (the fp32 router on up to {ROUTER_SKINNY_MAX_ROWS} bf16 rows)",
+                  True)
         return mod.skinny_gemm(hidden, weight)
+
+    def router_skinny(self, hidden: torch.Tensor, weight: torch.Tensor):
+        """kernels_cuda.skinny_gemm when it takes the router's GEMM (2-D bf16 rows on the device, at most
+        ROUTER_SKINNY_MAX_ROWS, K <= its DENSE_MAX_K), else None."""
+        if not hidden.is_cuda or hidden.dim() != 2 or not 0 < hidden.shape[0] <= ROUTER_SKINNY_MAX_ROWS:
+            return None
+        mod, _why = self.use("skinny_gemm")
+        if mod is None or weight.shape[-1] > mod.DENSE_MAX_K or mod.reason(hidden, weight, False, False) is not None:
+            return None
+        return mod
 
     def dense_mlp(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         mod, _why = self.skinny(x, gate_up, gated=True) if x.dim() == 2 else (None, "not 2-D")
@@ -101,18 +117,20 @@ class Linear(OpImpl):
     @staticmethod
     def skinny_configs(plan: KernelWarmupPlan) -> list[tuple]:
         """``linear`` on every (in_features, dtype) of the model's weights (K <= DENSE_MAX_K) at each row block up
-        to DENSE_MAX_ROWS tokens (fp32 weights: the router, fed bf16 rows); the dense MLPs' gated gate/up GEMM."""
+        to DENSE_MAX_ROWS tokens (fp32 weights: the router, fed bf16 rows, up to ROUTER_SKINNY_MAX_ROWS); the dense
+        MLPs' gated gate/up GEMM."""
         sk = kernel_module("skinny_gemm")
         lo, hi = step_token_bounds(plan)
         blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, sk.DENSE_MAX_ROWS) + 1)})
         name = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
         cfgs = []
+        router_blocks = sorted({sk.rows_block(m) for m in range(lo, min(hi, ROUTER_SKINNY_MAX_ROWS) + 1)})
         for k, dt in plan.linear_weights:
             if dt in name and k % sk.vec_for(name[dt]) == 0 and k <= sk.DENSE_MAX_K:
                 if dt == plan.dtype:  # linear on the model's own dtype
                     cfgs += [sk.config_for(k, rb, False, False, dt, dt, dt) for rb in blocks]
                 elif dt == torch.float32 and plan.dtype == BF16:  # the fp32 router on bf16 rows (router_logits)
-                    cfgs += [sk.config_for(k, rb, False, False, BF16, dt, dt) for rb in blocks]
+                    cfgs += [sk.config_for(k, rb, False, False, BF16, dt, dt) for rb in router_blocks]
         if plan.dtype == BF16 and plan.mlp_intermediate_sizes and plan.hidden_size % 8 == 0 \
                 and plan.hidden_size <= sk.DENSE_MAX_K:
             cfgs += [sk.config_for(plan.hidden_size, rb, True, False, BF16, BF16, BF16) for rb in blocks]
