@@ -317,3 +317,15 @@ class DPEngine:
     def get_stats(self) -> dict:
         with self.lock:
             return merge_rank_stats([self._ask(rank, "stats") for rank in range(self.world_size)])
+
+    def prepare_structured_output(self) -> list[bool]:
+        """Every rank builds its grammar compiler on a thread of its own, off the request path -> per rank,
+        whether it started (False: no tokenizer or no xgrammar there; such requests are refused when they come)."""
+        with self.lock:
+            return [bool(self._ask(rank, "prepare_structured_output")) for rank in range(self.world_size)]
+
+    @property
+    def structured_output_ready(self) -> bool:
+        """Whether every rank's grammar compiler is built."""
+        with self.lock:
+            return all(self._ask(rank, "structured_output_ready") for rank in range(self.world_size))

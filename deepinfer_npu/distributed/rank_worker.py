@@ -173,6 +173,10 @@ def _handle(engine, msg) -> object:
     if what == "abort":
         engine.abort_request(payload[0])
         return None
+    if what == "prepare_structured_output":  # on a thread of the rank: the reply does not wait for it
+        return engine.prepare_structured_output() is not None
+    if what == "structured_output_ready":
+        return engine.structured_output_ready
     raise ValueError(f"unknown front-end message {what!r}")
 
 

@@ -41,6 +41,11 @@ class GrammarRequests:
                 self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.eos_ids)
             return self._pool
 
+    @property
+    def ready(self) -> bool:
+        """Whether the compiler pool is built (a constrained request then only compiles its grammar)."""
+        return self._pool is not None
+
     def prepare(self) -> threading.Thread | None:
         """Build the compiler pool (xgrammar's import, the tokenizer's vocabulary for it) on a daemon thread, so a
         long-lived server's first constrained request does not wait seconds for it -> the thread, or None where

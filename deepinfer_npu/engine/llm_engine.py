@@ -165,3 +165,12 @@ class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
         with self.lock:
             return stats_report(self)
 
+    def prepare_structured_output(self):
+        """Build the grammar compiler (xgrammar's import, the tokenizer's vocabulary for it) on a thread, off the
+        request path (``GrammarRequests.prepare``) -> the thread, or None where structured output cannot run."""
+        return self._grammars.prepare()
+
+    @property
+    def structured_output_ready(self) -> bool:
+        return self._grammars.ready
+

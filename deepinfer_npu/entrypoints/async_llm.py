@@ -117,11 +117,9 @@ class AsyncLLM:
         self._thread.start()
 
     def prepare_structured_output(self):
-        """Build the grammar compiler off the request path (``GrammarRequests.prepare``) -> its thread, or None
-        where nothing is prepared (no tokenizer or xgrammar; a data-parallel engine's ranks build theirs at their
-        first constrained request)."""
-        grammars = getattr(self.engine, "_grammars", None)
-        return grammars.prepare() if grammars is not None else None
+        """Build the grammar compiler off the request path: one engine's on a thread (-> the thread, or None where
+        structured output cannot run), a data-parallel engine's in each rank (-> per rank, whether it started)."""
+        return self.engine.prepare_structured_output()
 
     # ------------------------------------------------------------------ public API (event loop side)
     @property

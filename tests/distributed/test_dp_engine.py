@@ -59,6 +59,19 @@ def test_generate_equals_one_engine_and_requests_spread(dp_llm):
     assert stats["generation_tokens"] == sum(r["generation_tokens"] for r in stats["per_rank"]) >= 6 * 12
 
 
+def test_ranks_prepare_the_grammar_compiler_off_the_request_path(dp_llm):
+    """A server prepares structured output after start-up (serve.py): a data-parallel engine asks every rank to
+    build its grammar compiler on a thread of its own, so no rank's first constrained request waits for it."""
+    pytest.importorskip("xgrammar")
+    engine = dp_llm.llm_engine
+    assert not engine.structured_output_ready  # nothing in this module asks for a grammar
+    assert engine.prepare_structured_output() == [True, True]
+    deadline = time.monotonic() + 120
+    while not engine.structured_output_ready and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert engine.structured_output_ready
+
+
 def test_all_or_nothing_and_bad_request_answered(dp_llm):
     engine = dp_llm.llm_engine
     with pytest.raises(ValueError, match=r"stop_token_ids .* \(index 1 of the 2 submitted; none was queued\)"):
