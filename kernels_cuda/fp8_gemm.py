@@ -22,18 +22,25 @@ Two forms, picked on the host from M (no device value):
     the pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
     for N / 64 CTAs streaming the weights (the step is a read of the weights); where N / 64 is short of the
     multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16).
+  - "swapq" (up to ``QUANT_MAX_ROWS`` bf16 rows, :func:`fp8_linear_rows`): the swapped form quantising its
+    activations itself: each CTA loads the [16, 128] bf16 tile of its K step (TMA, in the weights' pipeline),
+    quantises it as ``fp8_quant`` does (optionally after the SwiGLU) into the wgmma's shared operand and promotes
+    with those scales, so a few-row ``fp8_linear`` needs no quantisation launch. Every CTA of a K step quantises
+    the same tile again: 16 x 128 values against its 64 x 128 weight bytes.
 """
 
 import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
+from .fp8_quant import AMAX_EPS, FP8_MAX
 from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 128  # one scale block of K per pipeline stage: the promotion happens after every stage
 SCALE_BLOCK = 128
 SWAP_MAX_ROWS = 64  # rows up to this: the swapped form
+QUANT_MAX_ROWS = 16  # bf16 rows up to this: the swapped form quantises them itself (fp8_linear_rows)
 NUM_SMS = 132  # H100 / H200 SXM: the swapped form slices K until its CTAs would exceed one wave
 MIN_SLICE_BLOCKS = 4
 MULT_N = 64
@@ -140,6 +147,79 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
 
 
 @cached_prim_func
+def build_fp8_gemm_swap_quant(n: int, k: int, rt: int, split: int = 1, gated: bool = False, block_n: int = 64,
+                              num_stages: int = 4, threads: int = 128):
+    """PrimFunc of the swapped form that quantises its activations itself: ``X`` [M, K] bf16 (gated: [M, 2K] =
+    [gate | up], the SwiGLU first, with ``silu_mul``'s roundings) instead of e4m3 rows and their scales. Each CTA
+    quantises the [RT, 128] tile of its K step as ``fp8_quant`` does (fp32 amax, ``max(amax, 1e-10) / 448``, IEEE
+    division, clamp, round to nearest even: the same codes and scales), so ``fp8_linear`` of a few rows is one
+    launch (two with K slices) instead of two (three)."""
+    assert tilelang is not None, "tilelang is not installed"
+    KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
+    # RT 16 at most: the quantiser's [RT, 128] tile is 16 values a consumer thread (more rows: more registers)
+    assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16) and KB % split == 0, (n, k, rt, split)
+    N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
+    KIN = 2 * k if gated else k
+    tail = k % BLOCK_K != 0  # a partial last K block: its columns past K are zero (gated: the up half's, masked)
+    num_stages = max(1, min(num_stages, KBS))
+    fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
+    out_dtype = bf16 if split == 1 else f32
+    M = T.dynamic("num_rows")
+
+    @T.prim_func
+    def fp8_gemm_swap_quant(
+        X: T.Tensor([M, KIN], bf16),
+        W: T.Tensor([N, K], fp8),
+        SW: T.Tensor([NB, KB], f32),
+        Out: T.Tensor([S, M, N], out_dtype),
+    ):
+        with T.Kernel(N // BN, S, threads=threads) as (bn, ks):
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
+            X_s = T.alloc_shared([RT, BK], bf16)
+            U_s = T.alloc_shared([RT, BK], bf16)
+            A_s = T.alloc_shared([RT, BK], fp8)
+            W_s = T.alloc_shared([BN, BK], fp8)
+            v = T.alloc_fragment([RT, BK], f32)
+            scale = T.alloc_fragment([RT], f32)
+            scale_s = T.alloc_shared([RT], f32)  # the promotion reads the scales from here: their fragment keeps
+            q = T.alloc_fragment([RT, BK], fp8)  # the quantiser's thread layout, not the accumulator's
+            C = T.alloc_fragment([BN, RT], f32)  # C^T: weight rows x token rows
+            Acc = T.alloc_fragment([BN, RT], f32)
+            for mb in T.serial(T.ceildiv(M, RT)):
+                T.clear(Acc)
+                for kk in T.Pipelined(KBS, num_stages=num_stages):
+                    kb = ks * KBS + kk
+                    T.copy(X[mb * RT, kb * BK], X_s)  # rows past M (and columns past KIN) read as zero
+                    if gated:
+                        T.copy(X[mb * RT, K + kb * BK], U_s)
+                    T.copy(W[bn * BN, kb * BK], W_s)
+                    for i, j in T.Parallel(RT, BK):
+                        if gated:  # silu_mul's roundings: bf16 silu, bf16 product
+                            gf = T.cast(X_s[i, j], f32)
+                            s = T.cast(gf / (T.float32(1) + T.exp(-gf)), bf16)
+                            y = T.cast(T.cast(T.cast(s, f32) * T.cast(U_s[i, j], f32), bf16), f32)
+                        else:
+                            y = T.cast(X_s[i, j], f32)
+                        v[i, j] = T.if_then_else(kb * BK + j < K, y, T.float32(0)) if tail else y
+                    T.reduce_absmax(v, scale, dim=1)
+                    for i in T.Parallel(RT):
+                        scale[i] = T.max(scale[i], T.float32(AMAX_EPS)) / T.float32(FP8_MAX)
+                    T.copy(scale, scale_s)
+                    for i, j in T.Parallel(RT, BK):
+                        q[i, j] = T.cast(T.clamp(v[i, j] / scale[i], T.float32(-FP8_MAX), T.float32(FP8_MAX)), fp8)
+                    T.copy(q, A_s)
+                    T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
+                    for j, i in T.Parallel(BN, RT):
+                        Acc[j, i] += C[j, i] * (scale_s[i] * SW[(bn * BN + j) // SCALE_BLOCK, kb])
+                for j, i in T.Parallel(BN, RT):
+                    if mb * RT + i < M:
+                        Out[ks, mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], out_dtype)
+
+    return fp8_gemm_swap_quant
+
+
+@cached_prim_func
 def build_split_reduce(n: int, split: int, block: int = 256):
     """PrimFunc summing the swapped form's fp32 K-slice partials [split, M, n] into [M, n] bf16 (one row's
     ``block`` columns a CTA, two a thread; ``block`` divides n)."""
@@ -169,7 +249,8 @@ def _compile(func, target=None):
     return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
 
-_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "reduce": build_split_reduce},
+_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "swapq": build_fp8_gemm_swap_quant,
+                      "reduce": build_split_reduce},
                      _compile,
                      available=tilelang is not None)
 _KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
@@ -211,6 +292,48 @@ def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
         swap = ("swap", (int(n), int(k), rows_tile(m), split))
         return [swap] if split == 1 else [swap, ("reduce", (int(n), split, reduce_block(n)))]
     return [("tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64))]
+
+
+def quant_configs_for(n: int, k: int, m: int, gated: bool = False) -> list[tuple[str, tuple]]:
+    """The ``(kind, cfg)`` of every kernel :func:`fp8_linear_rows` launches for ``m`` (<= ``QUANT_MAX_ROWS``) bf16
+    rows: "swapq" (and "reduce" when K is sliced, as the swapped form)."""
+    split = split_for(n, k)
+    swapq = ("swapq", (int(n), int(k), 16, split, bool(gated)))
+    return [swapq] if split == 1 else [swapq, ("reduce", (int(n), split, reduce_block(n)))]
+
+
+def fp8_linear_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [M, K] bf16 (gated: [M, 2K] = [gate | up], the SwiGLU first), M <= ``QUANT_MAX_ROWS``, quantised per
+    1 x 128 group inside the GEMM, times ``w`` [N, K] e4m3 with ``w_scale`` [ceil(N / 128), ceil(K / 128)] ->
+    [M, N] bf16: what ``fp8_quant.quantize`` then :func:`fp8_gemm` give, bit for bit, in one launch (two with K
+    slices). No host read of device values."""
+    m, kin = x.shape
+    n, k = w.shape
+    if x.dtype != torch.bfloat16 or kin != (2 * k if gated else k):
+        raise ValueError(f"fp8_linear_rows: x must be bf16 [M, {2 * k if gated else k}] for w [{n}, {k}]"
+                         f"{' (gated)' if gated else ''}, got {x.dtype} {list(x.shape)}")
+    if not 0 <= m <= QUANT_MAX_ROWS:
+        raise ValueError(f"fp8_linear_rows: {m} rows; the fused quantisation takes at most {QUANT_MAX_ROWS}")
+    if (why := reason(m, n, k)) is not None:
+        raise ValueError(why)
+    kb, nb = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
+    if tuple(w_scale.shape) != (nb, kb) or w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear_rows: w must be float8_e4m3fn with w_scale [{nb}, {kb}], got {w.dtype} and "
+                         f"{list(w_scale.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0:
+        return out
+    (kind, cfg), *reduce = quant_configs_for(n, k, m, gated)
+    args = (x.contiguous(), w.contiguous(), w_scale.float().contiguous())
+    if not reduce:
+        _CACHE.get(kind, cfg)(*args, out.view(1, m, n))
+        return out
+    partial = torch.empty(cfg[3], m, n, dtype=torch.float32, device=x.device)
+    _CACHE.get(kind, cfg)(*args, partial)
+    _CACHE.get(*reduce[0])(partial, out)
+    return out
 
 
 def precompile(configs) -> None:
@@ -262,6 +385,8 @@ CI_CONFIGS = [
     ("swap", (3648, 2048, 16, 2)),  # V2-Lite q_proj + kv_a_proj at 1 row (fused_a_proj)
     ("swap", (2048, 10944, 16, 2)),  # V2-Lite dense down projection: a partial last K block
     ("reduce", (576, 4, 64)),  # kv_a_proj's 4 K slices summed
+    ("swapq", (3648, 2048, 16, 2, False)),  # V2-Lite q_proj + kv_a_proj at 1 row, quantised in the GEMM
+    ("swapq", (2048, 10944, 16, 2, True)),  # V2-Lite dense down projection, SwiGLU + quantisation in the GEMM
 ]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
@@ -64,8 +65,7 @@ class QuantOps(OpImpl):
             self.note("fp8_linear", f"reference ({why})", False)
             return ref("quant").fp8_linear(x, weight, weight_scale_inv, bias)
         x2d = x.reshape(-1, k)
-        self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
-        out = gemm.fp8_gemm(*quant.quantize(x2d), weight, weight_scale_inv)
+        out = self._linear(quant, gemm, x2d, weight, weight_scale_inv)
         if bias is not None:
             out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
         return out.view(*x.shape[:-1], n)
@@ -88,9 +88,19 @@ class QuantOps(OpImpl):
         self.note("silu_and_mul", "kernels_cuda.fp8_quant gated (FP8 MLPs: SwiGLU fused into the down projection's "
                   "quantisation)", True)
         x2d = x.reshape(-1, x.shape[-1])
-        h = gemm.fp8_gemm(*quant.quantize(x2d), gate_up, gate_up_scale_inv)
-        out = gemm.fp8_gemm(*quant.quantize(h, gated=True), down, down_scale_inv)
+        h = self._linear(quant, gemm, x2d, gate_up, gate_up_scale_inv)
+        out = self._linear(quant, gemm, h, down, down_scale_inv, gated=True)
         return out.view(*x.shape[:-1], down.shape[0])
+
+    def _linear(self, quant, gemm, x2d, weight, scale, gated: bool = False) -> torch.Tensor:
+        """The activations quantised (``gated``: after the SwiGLU) and the FP8 GEMM: inside the GEMM for up to
+        ``QUANT_MAX_ROWS`` rows where ``DEEPINFER_FP8_QUANT_IN_GEMM=1`` (one launch fewer), else fp8_quant then
+        fp8_gemm."""
+        if x2d.shape[0] <= gemm.QUANT_MAX_ROWS and envs.FP8_QUANT_IN_GEMM:
+            self.note("fp8_linear", f"kernels_cuda.fp8_gemm quantising its rows (<= {gemm.QUANT_MAX_ROWS})", True)
+            return gemm.fp8_linear_rows(x2d, weight, scale, gated=gated)
+        self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
+        return gemm.fp8_gemm(*quant.quantize(x2d, gated=gated), weight, scale)
 
     def fp8_grouped_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
                         w13_scale_inv: torch.Tensor, w2: torch.Tensor, w2_scale_inv: torch.Tensor) -> torch.Tensor:
@@ -142,13 +152,20 @@ class QuantOps(OpImpl):
             fg = kernel_module("fp8_gemm")
             shapes = [(n, k, range(lo, hi + 1)) for n, k in plan.fp8_linear_shapes]
             shapes += [(n, k, range(1, 2)) for n, k in plan.fp8_one_row_shapes if lo <= 1]
+            # fp8_dense_mlp's down projections, their SwiGLU fused into the quantisation
+            gated = {(plan.hidden_size, inter) for inter in plan.mlp_intermediate_sizes if fq.supported(inter)}
+            in_gemm = fg.QUANT_MAX_ROWS if envs.FP8_QUANT_IN_GEMM else 0  # rows quantised inside the GEMM
             for n, k, rows in shapes:
-                if fg.supported(n, k):
-                    out["fp8_gemm"] += [c for m in rows for c in fg.configs_for(n, k, m)]
-                    out["fp8_quant"] += [fq.config_for(k, m) for m in rows]
-            # fp8_dense_mlp's gated quantisation at each dense / shared-expert width
-            out["fp8_quant"] += [fq.config_for(inter, m, True) for inter in plan.mlp_intermediate_sizes
-                                 if fq.supported(inter) for m in range(lo, hi + 1)]
+                if not fg.supported(n, k):
+                    continue
+                for m in rows:
+                    if m <= in_gemm:
+                        out["fp8_gemm"] += fg.quant_configs_for(n, k, m)
+                        out["fp8_gemm"] += fg.quant_configs_for(n, k, m, True) if (n, k) in gated else []
+                    else:
+                        out["fp8_gemm"] += fg.configs_for(n, k, m)
+                        out["fp8_quant"] += [fq.config_for(k, m)] + ([fq.config_for(k, m, True)]
+                                                                     if (n, k) in gated else [])
         g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
         if self.wants("fp8_grouped_gemm") and g is not None and inter:
             gg = kernel_module("fp8_grouped_gemm")
