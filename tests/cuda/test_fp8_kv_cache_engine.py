@@ -44,6 +44,8 @@ def test_deepseek_dims_fp8_cache_follows_the_cpu_engine(deepseek_dims_model, ass
     assert "kernels_cuda.mla_decode (bf16, packed FP8 cache" in report["mla_attention"], report["mla_attention"]
     assert "mla_prefill (bf16, packed FP8 cache" in report["mla_attention"], report["mla_attention"]
     assert "packed FP8 cache" in report["mla_prolog"], report["mla_prolog"]
+    # the prolog's tail on kernels: mla_rope_cache's rows, fp8_quant's codes (not the composed torch tail)
+    assert "mla_rope_cache into scratch bf16 rows + kernels_cuda.fp8_quant" in report["mla_prolog"]
 
 
 @needs_reference_model

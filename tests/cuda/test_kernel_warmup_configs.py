@@ -248,10 +248,10 @@ def test_skinny_gemm_configs_cover_every_linear_at_decode_rows(recorded, monkeyp
     assert "skinny_gemm" not in recorded
 
 
-def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kernel_set):
+def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kernel_set, reachable):
     """``kv_cache_dtype="fp8"``: the decode and prefill configurations of the bf16 plan, each as the FP8 variant
-    (never the warp-specialized kernel), and the composed prolog tail (rms_norm of the latent) instead of
-    mla_rope_cache, which writes bf16 rows."""
+    (never the warp-specialized kernel). The prolog tail: on a Hopper mla_rope_cache (into scratch rows) and
+    fp8_quant at the latent width; without fp8_quant (not a Hopper) the composed tail (rms_norm of the latent)."""
     plan = dataclasses.replace(v2_lite_plan(k=0), kv_cache_fp8=True)
     kernel_set().warmup(plan)
     cfgs = recorded["mla_decode"][0][0]
@@ -261,8 +261,15 @@ def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kerne
     assert md.default_num_splits(16, 16, 1, 66, SMS, True) == 2 * md.default_num_splits(16, 16, 1, 66, SMS) == 16
     assert all(md._normalize(c)[5:] == (False, True) for c in cfgs)
     assert [md._normalize(c)[:4] for c in cfgs if md._normalize(c)[3]] == PREFILL_4096
-    assert "mla_rope_cache" not in recorded
+    assert "mla_rope_cache" not in recorded  # this machine: not a Hopper, fp8_quant is off
     assert (512, False, 1e-6) in recorded["rms_norm"][0][0]
+    from deepinfer_npu.kernels_cuda import fp8_quant
+
+    hopper = reachable(plan, sm90=True)
+    assert hopper["mla_rope_cache"] == [(16, 192, 128, True, 1e-6)]
+    assert {fp8_quant.config_for(512, m) for m in (1, 600)} <= set(hopper["fp8_quant"])
+    assert (512, False, 1e-6) not in hopper.get("rms_norm", [])
+    assert "fp8_gemm" not in hopper  # bf16 weights
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 set's ``linear``; for one row the query's first projection and kv_a as one ``skinny_gemm`` launch
 (``MLAWeights.fused_a_proj``) and W_UK on ``kernels_cuda.mla_absorb``, else cuBLAS' batched GEMM. The tail (kv_a
 layernorm, both ropes, the latent-cache write) is one ``kernels_cuda.mla_rope_cache`` launch for bf16 on the DeepSeek
-dims; else composed torch with a cache write that needs no host read."""
+dims (a packed FP8 cache: that kernel into scratch rows, then ``kernels_cuda.fp8_quant`` and the packed write); else
+composed torch with a cache write that needs no host read."""
 
 from __future__ import annotations
 
@@ -70,11 +71,13 @@ class MLAProlog(OpImpl):
         num_tokens = q.shape[0]
         q_pe = q[..., nope:]
         mod = None
+        fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
+        quant = self.ks.impl("quant").use("fp8_quant")[0] if fp8_cache else None
         if not kv.is_cuda:
             why = NOT_ON_DEVICE
-        elif kv_cache.dtype == FP8_KV_DTYPE:
-            why = "packed FP8 cache: kernels_cuda.mla_rope_cache writes bf16 rows"
-        elif any(t.dtype != BF16 for t in (q, kv, kv_cache, w.kv_a_layernorm)):
+        elif fp8_cache and quant is None:
+            why = "packed FP8 cache without kernels_cuda.fp8_quant"
+        elif any(t.dtype != BF16 for t in (q, kv, w.kv_a_layernorm)) or not (fp8_cache or kv_cache.dtype == BF16):
             why = f"{kv.dtype} (cache {kv_cache.dtype}): kernels_cuda.mla_rope_cache is bf16-only"
         elif lrank != KV_LORA or rdim != ROPE:
             why = f"kv_lora {lrank} + rope {rdim}: kernel built for the DeepSeek dims {KV_LORA} + {ROPE}"
@@ -90,6 +93,10 @@ class MLAProlog(OpImpl):
             why = f"H={w.num_heads}: kernel rotates 16 heads a CTA (H a multiple of 16, or 1, 2, 4, 8)"
         else:
             mod, why = found[0], None
+        if why is None and fp8_cache:
+            self.note(op, f"kernels_cuda.mla_rope_cache into scratch bf16 rows + kernels_cuda.fp8_quant + a "
+                      f"sync-free write (packed FP8 cache, H={w.num_heads})", True)
+            return self._rope_and_fp8_cache(mod, quant, q, kv, w, positions, rope, kv_cache, slot_mapping)
         if why is None:
             self.note(op, f"kernels_cuda.mla_rope_cache (bf16, H={w.num_heads}, interleaved="
                       f"{bool(rope.interleaved)}): kv_a_layernorm + ropes + sync-free cache write in one kernel", True)
@@ -102,6 +109,26 @@ class MLAProlog(OpImpl):
         k_pe = ref("rope").rope(k_pe.unsqueeze(1), positions, rope.cos_sin_cache, rope.interleaved).squeeze(1)
         if num_tokens:
             write_kv_cache_sync_free(kv_cache, torch.cat((c_kv, k_pe), dim=-1), slot_mapping, lrank)
+        return q_rope
+
+    def _rope_and_fp8_cache(self, mod, quant, q, kv, w: MLAWeights, positions, rope: RopeLike, kv_cache,
+                            slot_mapping) -> torch.Tensor:
+        """The tail for a packed FP8 cache on kernels that exist for the bf16 one: ``mla_rope_cache`` writes the
+        tokens' bf16 rows (rms_norm(c_kv) ‖ rope(k_pe)) into a scratch page set, ``fp8_quant`` quantises their
+        latents (the bytes and scales ``pack_fp8_latents`` makes), and the packed rows go to their slots without a
+        host read: about nine launches a layer instead of the composed tail's ~35."""
+        lrank, num_tokens = w.kv_lora_rank, q.shape[0]
+        pages = max(1, -(-num_tokens // PAGE))
+        scratch = torch.empty(pages, PAGE, lrank + w.qk_rope_head_dim, dtype=BF16, device=kv.device)
+        rows = torch.arange(num_tokens, device=kv.device)  # every token's row (a padding token's too: unused)
+        q_rope = mod.mla_rope_cache(kv, w.kv_a_layernorm, float(w.norm_eps), q, w.qk_nope_head_dim, positions,
+                                    rope.cos_sin_cache, rope.interleaved, scratch, rows)
+        latents = scratch.view(-1, scratch.shape[-1])[:num_tokens]
+        if num_tokens:
+            codes, scales = quant.quantize(latents[:, :lrank].contiguous())
+            packed = torch.cat((codes.view(torch.uint8), scales.view(torch.uint8),
+                                latents[:, lrank:].view(torch.uint8)), dim=-1)
+            write_rows_sync_free(kv_cache, packed, slot_mapping)
         return q_rope
 
     def absorb_q(self, q: torch.Tensor, w: MLAWeights) -> torch.Tensor:
@@ -138,8 +165,10 @@ class MLAProlog(OpImpl):
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def rope_cache_applies(self, plan: KernelWarmupPlan) -> bool:
-        """The kernel's condition on the plan (the runner's caches are contiguous pages of bf16 rows)."""
-        return (self.wants("mla_rope_cache") and plan.dtype == BF16 and not plan.kv_cache_fp8
+        """The kernel's condition on the plan (the runner's caches are contiguous pages of bf16 rows; a packed FP8
+        cache takes the kernel's rows from a scratch page set, then fp8_quant)."""
+        return (self.wants("mla_rope_cache") and plan.dtype == BF16
+                and (not plan.kv_cache_fp8 or self.ks.impl("quant").wants("fp8_quant"))
                 and plan.kv_lora_rank == KV_LORA
                 and plan.qk_rope_head_dim == ROPE and plan.block_size == PAGE
                 and kernel_module("mla_rope_cache").supported_heads(plan.num_heads))
@@ -184,13 +213,19 @@ def write_kv_cache_sync_free(kv_cache: torch.Tensor, latents: torch.Tensor, slot
     """``flat[slot] = latents`` for ``slot >= 0`` without a data-dependent shape: padding rows (negative
     slots) are sent to slot 0 carrying slot 0's current value (block 0 is reserved: never a sequence's). A uint8
     cache holds packed FP8 rows (``kv_cache_dtype="fp8"``): the latents are packed first (``kv_lora_rank`` = L)."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
     if kv_cache.dtype == FP8_KV_DTYPE:
         if kv_lora_rank is None:
             raise ValueError("writing a packed FP8 latent cache needs kv_lora_rank")
         rows = pack_fp8_latents(latents, kv_lora_rank)
     else:
         rows = latents.to(kv_cache.dtype)
+    write_rows_sync_free(kv_cache, rows, slot_mapping)
+
+
+def write_rows_sync_free(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``flat[slot] = rows`` (rows already in the cache's dtype and row width) for ``slot >= 0``, sync-free as
+    :func:`write_kv_cache_sync_free`."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
     valid = slot_mapping >= 0
     idx = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
     vals = torch.where(valid.unsqueeze(-1), rows, flat[0].unsqueeze(0))

@@ -139,15 +139,21 @@ class QuantOps(OpImpl):
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
-        """For an FP8 model (``plan.quantization == "fp8"``), at every row count a step can have: ``fp8_gemm``
+        """``fp8_quant`` at the latent width for a packed FP8 cache; for an FP8 model (``plan.quantization ==
+        "fp8"``), at every row count a step can have: ``fp8_gemm``
         for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` (and at one row of
         ``plan.fp8_one_row_shapes``) and ``fp8_quant`` at its K;
         ``fp8_grouped_gemm`` for w13 / w2 and ``fp8_quant`` at D and (gated) I; ``moe_gemm``'s expert scan."""
-        if plan.quantization != "fp8" or plan.dtype != BF16:
+        if plan.dtype != BF16:
             return {}
         lo, hi = step_token_bounds(plan)
         out: dict[str, list[tuple]] = {"fp8_quant": [], "fp8_gemm": [], "fp8_grouped_gemm": []}
         fq = kernel_module("fp8_quant")
+        if plan.kv_cache_fp8 and self.wants("fp8_quant") and self.ks.impl("mla_prolog").rope_cache_applies(plan):
+            # a packed FP8 cache's latents (MLAProlog._rope_and_fp8_cache)
+            out["fp8_quant"] += [fq.config_for(plan.kv_lora_rank, m) for m in range(lo, hi + 1)]
+        if plan.quantization != "fp8":
+            return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
         if self.wants("fp8_gemm"):
             fg = kernel_module("fp8_gemm")
             shapes = [(n, k, range(lo, hi + 1)) for n, k in plan.fp8_linear_shapes]
