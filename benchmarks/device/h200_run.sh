@@ -6,8 +6,10 @@
 #             installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
-#   e2e       benchmarks/bench_decode_e2e.py with graphs, batch 1 16 64 (E2E_REPEAT timed windows a batch, default
-#             5, the median reported; E2E_HF=0 leaves transformers out; E2E_ARGS: more, e.g. "--quantization fp8")
+#   e2e       benchmarks/bench_decode_e2e.py with graphs, batch E2E_BATCH (default 1 16 64), prompts of E2E_PROMPT
+#             tokens (default 512) (E2E_REPEAT timed windows a batch, default 5, the median reported; E2E_HF=0 leaves
+#             transformers out; E2E_ARGS: more, e.g. "--quantization fp8"; E2E_AB="VAR=value ...": each such
+#             setting runs the same benchmark again under it, rows carrying it in "env")
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs MTP / DFlash, concurrency 1, 32
 #   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); every kernel waits for
@@ -67,10 +69,12 @@ import json
 for l in open('$OUT/h200_kernels.jsonl'):
     r = json.loads(l); print({k: v for k, v in r.items() if k not in ('date', 'commit', 'hardware', 'command')})
 " | tail -60 ;;
-    e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf
-             timeout $LIM python3 -m benchmarks.bench_decode_e2e --backend cuda --batch 1 16 64 --prompt-len 512 \
-             --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e.log
-             grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -12 ;;
+    e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf; rm -f /tmp/e2e.log
+             for ab in "" ${E2E_AB:-}; do [ -n "$ab" ] && echo "== again with $ab"
+             env $ab timeout $LIM python3 -m benchmarks.bench_decode_e2e --backend cuda --batch ${E2E_BATCH:-1 16 64} \
+             --prompt-len ${E2E_PROMPT:-512} --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} \
+             --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt >> /tmp/e2e.log; done
+             grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -24 ;;
     zos) timeout $LIM python3 -m benchmarks.bench_zos --backend cuda --batch 1 64 --graphs \
              --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;
     spec) timeout $LIM python3 -m benchmarks.bench_spec --backend cuda --methods ${SPEC_METHODS:-mtp dflash} \
