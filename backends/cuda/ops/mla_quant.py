@@ -44,18 +44,24 @@ class MLAQuant(OpImpl):
         def lin(x, name, bias=None):
             return ks.fp8_linear(x, getattr(w, name), scales[name], bias)
 
-        fused = self.fused_a_proj(hidden, w, scales)
-        first, kv = fused if fused is not None else (None, None)
-        if w.q_proj is not None:
-            q = lin(hidden, "q_proj") if first is None else first
-        else:
-            qa = lin(hidden, "q_a_proj", w.q_a_bias) if first is None else first
-            q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), "q_b_proj")
-        q = q.view(num_tokens, w.num_heads, nope + rdim)
         prolog = ks.impl("mla_prolog")
-        q_latent = prolog.absorb_q(q, w)
-        if kv is None:
-            kv = lin(hidden, "kv_a_proj", w.kv_a_bias)
+
+        def q_branch(first=None):  # first: the query's first projection, already computed
+            if w.q_proj is not None:
+                q = lin(hidden, "q_proj") if first is None else first
+            else:
+                qa = lin(hidden, "q_a_proj", w.q_a_bias) if first is None else first
+                q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), "q_b_proj")
+            q = q.view(num_tokens, w.num_heads, nope + rdim)
+            return q, prolog.absorb_q(q, w)
+
+        fused = self.fused_a_proj(hidden, w, scales)
+        if fused is not None:  # one row: one GEMM for both projections
+            first, kv = fused
+            q, q_latent = q_branch(first)
+        else:  # kv_a does not wait for the query's GEMMs (a second stream at decode sizes, as the bf16 prolog)
+            (q, q_latent), kv = ks.run_parallel(q_branch, lambda: lin(hidden, "kv_a_proj", w.kv_a_bias),
+                                                rows=num_tokens)
         self.note("mla_prolog_quant", "fp8_linear projections, W_UK and the tail as mla_prolog", True)
         # the bf16 prolog's tail: kernels_cuda.mla_rope_cache (norm, ropes, cache write in one launch) where it
         # applies, else composed torch with a sync-free cache write
