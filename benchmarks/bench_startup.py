@@ -11,6 +11,9 @@ summary (configurations and their seconds) comes along. One JSON line per run::
      "kernel_warmup_s": w, "background_build_s": b, "background_done_after_ready_s": d, "token_ids": [...],
      "date": ..., "commit": ..., "hardware": ..., "command": ...}
 
+``first_request_builds``: ``[kernel, seconds]`` of every TileLang build in the run's own process during its first
+request (a configuration the start-up warm-up did not build, which that request waits for; empty when the warm-up
+covered it; None without TileLang).
 ``background_build_s``: the wall time of the fallback-only kernels' build, which starts when the warm-up ends and
 which the engine does not wait for (``backends/cuda/warmup_background.py``); ``background_done_after_ready_s``:
 when it ended, counted from ready (the run waits for it after its request, so the warm run finds it cached).
@@ -50,6 +53,19 @@ t_import = time.perf_counter()
 kw = json.loads(sys.argv[1])
 llm = LLM(**kw)
 t_ready = time.perf_counter()
+late = []  # kernels TileLang builds in this process after ready: the first request waits for them
+try:
+    import tilelang
+    _build = tilelang.compile
+    def _timed_build(func, *a, **k):
+        t = time.perf_counter()
+        kernel = _build(func, *a, **k)
+        late.append([str(getattr(func, "attrs", {}).get("global_symbol", "?")), round(time.perf_counter() - t, 2)])
+        return kernel
+    tilelang.compile = _timed_build
+except ImportError:
+    late = None
+t_asked = time.perf_counter()  # tilelang's import (a CPU run's) is not the request's
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}],
                    SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
 t_first = time.perf_counter()
@@ -57,9 +73,10 @@ from deepinfer_npu.backends.cuda import warmup_background
 background = warmup_background.wait(1200)  # the fallback-only kernels, built after start-up
 worker = llm.llm_engine.worker
 print("STARTUP_RESULT " + json.dumps({
-    "import_s": t_import - t0, "ready_s": t_ready - t_import, "first_request_s": t_first - t_ready,
+    "import_s": t_import - t0, "ready_s": t_ready - t_import, "first_request_s": t_first - t_asked,
     "background_build_s": background[0] if background else None,
     "background_done_after_ready_s": background[1] - t_ready if background else None,
+    "first_request_builds": late,
     "tokens": len(out[0].outputs[0].token_ids), "token_ids": list(out[0].outputs[0].token_ids),
     "kernel_warmup": getattr(worker, "kernel_warmup", None),
     "graphs": worker.graphs is not None}), flush=True)

@@ -128,7 +128,8 @@ for l in open('$OUT/h200_throughput.jsonl'):
 import json
 for l in open('$OUT/h200_startup.jsonl'):
     r = json.loads(l); print(r['run'], 'import', r['import_s'], 'ready', r['ready_s'], 'warm-up', r.get('kernel_warmup_s'),
-                             'first request', r['first_request_s'], 'background', r.get('background_build_s'),
+                             'first request', r['first_request_s'], 'its builds', r.get('first_request_builds'),
+                             'background', r.get('background_build_s'),
                              'done after ready', r.get('background_done_after_ready_s'), 'log lines',
                              r.get('log_lines'), 'repeated', r.get('repeated_log_lines', [])[:5])
     print('   ', r.get('kernel_warmup'))
