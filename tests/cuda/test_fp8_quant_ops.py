@@ -134,7 +134,11 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
                                     want=want.flatten()[i].item(), product=product.flatten()[i].item(),
                                     magnitude=magnitude.flatten()[i].item(), bound=bound.flatten()[i].item())
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
-    assert ks.op_report()["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
+    report = ks.op_report()["fp8_linear"]
+    if rows <= 64:
+        assert report == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)", report
+    else:  # cuBLASLt's block-scaled GEMM where its first call agreed with the tile kernel (scaled_mm.py)
+        assert report.startswith("native (kernels_cuda.fp8_quant + ") and "torch._scaled_mm" in report, report
     assert ks.syncing_ops() == {}
 
 

@@ -1,8 +1,9 @@
 """``fp8_linear`` and ``fp8_grouped_mlp`` on the FP8 kernels (DeepGEMM's numerics, Hopper).
 
 ``fp8_linear``: the activations quantised per 1 x 128 group by ``kernels_cuda.fp8_quant``, then
-``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above);
-two or three launches, no host read.
+``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above;
+above 64 rows outside CUDA-graph capture cuBLASLt's block-scaled ``torch._scaled_mm`` where its first call of a
+shape agreed with the tile kernel, ``scaled_mm.py``); two or three launches, no host read after that check.
 ``fp8_dense_mlp`` (dense layers, shared experts): the same two GEMMs with the SwiGLU fused into the second
 quantisation (``fp8_quant`` gated); four launches.
 ``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
@@ -20,6 +21,7 @@ from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
+from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
 
@@ -34,6 +36,10 @@ class QuantOps(OpImpl):
         "second quantisation, w2); else the reference (per-expert loop, syncs)",
     }
     SYNCING = {"fp8_grouped_mlp": "tokens_per_expert.tolist()"}
+
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self.scaled_mm = ScaledMM()  # which FP8 shapes cuBLASLt's block-scaled GEMM serves, found on the device
 
     def refuses(self, name: str, cfg: OpConfig) -> str | None:
         if not cfg.sm90:
@@ -94,13 +100,24 @@ class QuantOps(OpImpl):
 
     def _linear(self, quant, gemm, x2d, weight, scale, gated: bool = False) -> torch.Tensor:
         """The activations quantised (``gated``: after the SwiGLU) and the FP8 GEMM: inside the GEMM for up to
-        ``QUANT_MAX_ROWS`` rows where ``DEEPINFER_FP8_QUANT_IN_GEMM=1`` (one launch fewer), else fp8_quant then
-        fp8_gemm."""
-        if x2d.shape[0] <= gemm.QUANT_MAX_ROWS and envs.FP8_QUANT_IN_GEMM:
+        ``QUANT_MAX_ROWS`` rows where ``DEEPINFER_FP8_QUANT_IN_GEMM=1`` (one launch fewer); past the swapped form's
+        rows cuBLASLt's block-scaled GEMM where it was checked on the device (``scaled_mm.py``); else fp8_quant
+        then fp8_gemm."""
+        rows = x2d.shape[0]
+        if rows <= gemm.QUANT_MAX_ROWS and envs.FP8_QUANT_IN_GEMM:
             self.note("fp8_linear", f"kernels_cuda.fp8_gemm quantising its rows (<= {gemm.QUANT_MAX_ROWS})", True)
             return gemm.fp8_linear_rows(x2d, weight, scale, gated=gated)
+        aq, sa = quant.quantize(x2d, gated=gated)
+        if rows > gemm.SWAP_MAX_ROWS and self.scaled_mm.available() is None:
+            out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda: gemm.fp8_gemm(aq, sa, weight, scale))
+            if out is not None:
+                self.note("fp8_linear", f"kernels_cuda.fp8_quant + torch._scaled_mm (cuBLASLt block scales, rows > "
+                          f"{gemm.SWAP_MAX_ROWS})", True)
+                return out
+            if why in self.scaled_mm.errors.values():
+                self.note("fp8_linear", f"kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm ({why})", True)
         self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
-        return gemm.fp8_gemm(*quant.quantize(x2d, gated=gated), weight, scale)
+        return gemm.fp8_gemm(aq, sa, weight, scale)
 
     def fp8_grouped_mlp(self, sorted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
                         w13_scale_inv: torch.Tensor, w2: torch.Tensor, w2_scale_inv: torch.Tensor) -> torch.Tensor:
