@@ -140,6 +140,10 @@ def _rank_main(rank: int, port: int) -> None:
             CALLS.clear()
             _check_counts_and_replan(rank, groups.device_group, AscendKernelSet, [5, 2, 9])
             assert CALLS["npu_moe_init_routing_v2"] > 0  # the counts came from the routing op
+        # every rank past its last collective before any tears the group down: a rank that destroyed it while a
+        # peer still exchanged the last all-reduce's data aborted that peer (gloo: "terminate called without an
+        # active exception") on a loaded machine
+        dist.barrier(group=groups.device_group)
     finally:
         destroy_process_groups()
 
