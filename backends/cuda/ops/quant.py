@@ -90,7 +90,6 @@ class QuantOps(OpImpl):
                    or (None if gate_up.shape[0] == 2 * inter else f"gate_up {list(gate_up.shape)} for I={inter}"))
         if why is not None:  # the parts report their own paths
             return ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, gate_up, gate_up_scale_inv)), down, down_scale_inv)
-        self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
         self.note("silu_and_mul", "kernels_cuda.fp8_quant gated (FP8 MLPs: SwiGLU fused into the down projection's "
                   "quantisation)", True)
         x2d = x.reshape(-1, x.shape[-1])
@@ -114,8 +113,9 @@ class QuantOps(OpImpl):
                 self.note("fp8_linear", f"kernels_cuda.fp8_quant + torch._scaled_mm (cuBLASLt block scales, rows > "
                           f"{gemm.SWAP_MAX_ROWS})", True)
                 return out
-            if why in self.scaled_mm.errors.values():
+            if why in self.scaled_mm.errors.values():  # refused or disagreed (not: not checked yet, in a capture)
                 self.note("fp8_linear", f"kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm ({why})", True)
+                return gemm.fp8_gemm(aq, sa, weight, scale)
         self.note("fp8_linear", "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm", True)
         return gemm.fp8_gemm(aq, sa, weight, scale)
 
