@@ -85,7 +85,7 @@ class QuantOps(OpImpl):
         quant, gemm, why = self._modules(x, "fp8_gemm")
         inter = down.shape[1]
         if gemm is not None:
-            why = (gemm.reason(1, *gate_up.shape) or gemm.reason(1, *down.shape) or quant_reason(quant, inter, inter)
+            why = (gemm.reason(1, *gate_up.shape) or gemm.reason(1, *down.shape) or quant_reason(quant, gate_up.shape[1], inter)
                    or (None if gate_up.dtype == down.dtype == FP8 else f"weight dtype {gate_up.dtype}")
                    or (None if gate_up.shape[0] == 2 * inter else f"gate_up {list(gate_up.shape)} for I={inter}"))
         if why is not None:  # the parts report their own paths

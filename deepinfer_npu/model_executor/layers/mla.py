@@ -66,10 +66,7 @@ class MLAAttention(nn.Module):
         kv_a = self.kv_a_proj_with_mqa
         rows = first.weight.shape[0]
         if not bias and self.quant is None:
-            fused = torch.empty(rows + kv_a.weight.shape[0], d, **kw)
-            first.weight = nn.Parameter(fused[:rows], requires_grad=False)
-            kv_a.weight = nn.Parameter(fused[rows:], requires_grad=False)
-            self.fused_a_proj = fused
+            (self.fused_a_proj,) = _share_rows(first, kv_a, "weight")
         elif not bias and self.quant.method == "fp8" and rows % self.quant.scheme.part_alignment == 0:
             self.fused_a_proj, self.fused_a_proj_scale = _share_rows(first, kv_a, "weight", first.scale_name)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS, kernels, **kw)
