@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -140,12 +141,12 @@ def _rank_main(rank: int, port: int) -> None:
             CALLS.clear()
             _check_counts_and_replan(rank, groups.device_group, AscendKernelSet, [5, 2, 9])
             assert CALLS["npu_moe_init_routing_v2"] > 0  # the counts came from the routing op
-        # every rank past its last collective before any tears the group down: a rank that destroyed it while a
-        # peer still exchanged the last all-reduce's data aborted that peer (gloo: "terminate called without an
-        # active exception") on a loaded machine
-        dist.barrier(group=groups.device_group)
     finally:
         destroy_process_groups()
+    # Every check passed and the group is gone: leave without the interpreter's C++ teardown. In about one run in
+    # 60 (more inside the whole suite) a rank aborted there ("terminate called without an active exception", no
+    # Python frame left), after all of the above had passed.
+    os._exit(0)
 
 
 def test_moves_counts_and_replan_over_three_ranks():
