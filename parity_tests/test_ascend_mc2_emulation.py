@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from deepinfer_npu.backends.ascend import capabilities as caps
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from parity_tests.npu_emulation import CALLS, ContractError, emulated_npu, ops_ep
+from tests.distributed.rank_exit import leave_rank
 
 # world-size set lifted (the op and the kernel set's decision alike); every other A3 limit as documented, H and
 # dtype as the emulation profile lifts them for every op
@@ -172,6 +173,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, case: dict) -> No
             torch.save(results, f"{out_dir}/rank{rank}.pt")
         finally:
             destroy_process_groups()
+    leave_rank()
 
 
 def _spawn(world: int, tmp_path, case: dict) -> list[dict]:

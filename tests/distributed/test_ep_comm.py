@@ -18,6 +18,7 @@ from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from deepinfer_npu.distributed.step_vote import agree_decode_size, confirm_step, vote_prefill
 from deepinfer_npu.hal.types import GatingParams
+from tests.distributed.rank_exit import leave_rank
 
 E, D, I, K = 8, 32, 16, 3
 
@@ -84,6 +85,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tokens_per_rank: 
                     "size": size}, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
+    leave_rank()
 
 
 def _spawn(world: int, tmp_path, tokens_per_rank, replicas=False):

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
+from tests.distributed.rank_exit import leave_rank
 
 D = 64
 SLOTS_PER_RANK = 4
@@ -96,6 +97,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
+    leave_rank()
 
 
 def _moe_layer(world: int, rank: int, group) -> bool:

@@ -13,12 +13,13 @@ import torch
 import torch.multiprocessing as mp
 
 from deepinfer_npu.backends.cpu.kernels import CpuKernelSet
-from deepinfer_npu.distributed.ep_decode_path import FixedCapacityAtDecode, agreed_ep_tokens
+from deepinfer_npu.distributed.ep_decode_path import agreed_ep_tokens
 from deepinfer_npu.distributed.ep_fixed_capacity import (FixedCapacityHandle, check_capacity, ep_combine_fixed,
                                                          ep_dispatch_fixed)
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from deepinfer_npu.hal import sync_guard
+from tests.distributed.rank_exit import leave_rank
 
 D = 16
 SLOTS_PER_RANK = 4
@@ -181,6 +182,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
+    leave_rank()
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -18,6 +18,7 @@ from deepinfer_npu.distributed.ep_fixed_capacity import FixedCapacityHandle, ep_
 from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from tests.distributed.test_ep_fixed_capacity import SLOTS_PER_RANK, _case, _expert, _free_port
+from tests.distributed.rank_exit import leave_rank
 
 pytestmark = pytest.mark.gpu
 WORLD = 2
@@ -87,6 +88,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         torch.save(out, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
+    leave_rank()
 
 
 def test_fixed_capacity_on_nccl_is_exact_sync_free_and_capturable(tmp_path):

@@ -16,6 +16,7 @@ from deepinfer_npu.distributed.expert_placement import ExpertPlacement
 from deepinfer_npu.distributed.parallel_state import DistributedConfig, destroy_process_groups, init_process_groups
 from deepinfer_npu.model_executor.layers.moe import DeepseekMoE
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+from tests.distributed.rank_exit import leave_rank
 
 CONFIGS = {
     "v2": dict(model_type="deepseek_v2", scoring_func="softmax", topk_method="group_limited_greedy", n_group=4,
@@ -52,6 +53,7 @@ def _rank_main(rank, world, port, kind, out_dir):
         torch.save({"got": got, "want": want}, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
+    leave_rank()
 
 
 @pytest.mark.parametrize("kind,world", [("v2", 2), ("v3", 2)])  # 4 ranks: test_ep_engine's V3 checkpoint

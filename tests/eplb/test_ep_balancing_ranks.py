@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 
 import torch
@@ -25,6 +24,7 @@ from deepinfer_npu.eplb.balancer import ExpertBalancer, initial_placement
 from deepinfer_npu.eplb.weight_move import align, apply_moves, plan_moves
 from deepinfer_npu.model_executor.layers.moe import DeepseekMoE
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
+from tests.distributed.rank_exit import leave_rank
 
 WORLD, EXPERTS = 3, 8
 
@@ -143,10 +143,7 @@ def _rank_main(rank: int, port: int) -> None:
             assert CALLS["npu_moe_init_routing_v2"] > 0  # the counts came from the routing op
     finally:
         destroy_process_groups()
-    # Every check passed and the group is gone: leave without the interpreter's C++ teardown. In about one run in
-    # 60 (more inside the whole suite) a rank aborted there ("terminate called without an active exception", no
-    # Python frame left), after all of the above had passed.
-    os._exit(0)
+    leave_rank()
 
 
 def test_moves_counts_and_replan_over_three_ranks():
