@@ -17,7 +17,7 @@ from deepinfer_npu.config import EngineConfig
 
 from .control_link import connect_store, control_group, read_hello
 from .parallel_state import DEFAULT_MASTER_PORT
-from .rank_worker import RankSpec, rank_main
+from .rank_worker import RankSpec, rank_process_main
 from .remote_ranks import RemoteInbox, RemoteNode, RemoteRank
 from .torchrun import ThreadRank, launched_by_torchrun, rendezvous, torchrun_config
 
@@ -53,7 +53,7 @@ def spawn_ranks(config: EngineConfig, ctx, outbox, *, node_rank: int, master_add
                         master_addr=master_addr, local_rank=local_rank, shared_store=config.nnodes > 1,
                         parent_pid=os.getpid())
         inbox = ctx.Queue()
-        proc = ctx.Process(target=rank_main, args=(spec, inbox, outbox), name=f"deepinfer-dp-rank{rank}",
+        proc = ctx.Process(target=rank_process_main, args=(spec, inbox, outbox), name=f"deepinfer-dp-rank{rank}",
                            daemon=True)
         proc.start()
         procs.append(proc)

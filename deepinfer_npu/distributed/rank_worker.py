@@ -13,6 +13,7 @@ import logging
 import os
 import queue as queue_mod
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -112,6 +113,21 @@ def rank_main(spec: RankSpec, inbox, outbox, store=None) -> None:
             destroy_process_groups()
     except Exception:
         outbox.put(("fatal", spec.rank, traceback.format_exc()))
+
+
+def rank_process_main(spec: RankSpec, inbox, outbox) -> None:
+    """A rank in a process of its own (``spawn_ranks``): ``rank_main``, then out without the interpreter's teardown.
+
+    By then the rank has stopped and destroyed its groups, and failures have travelled as ``("fatal", ...)``; what
+    it sent is flushed first. At teardown gloo's C++ objects are released in no fixed order, and a rank that had
+    stopped cleanly could abort there ("terminate called without an active exception"): exit code -6 for a clean
+    stop, which a node server reports as a failed node."""
+    rank_main(spec, inbox, outbox)
+    outbox.close()
+    outbox.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _graphs_under_expert_parallel(rank: int, config: EngineConfig, kernels) -> EngineConfig:

@@ -33,6 +33,8 @@ def dp_llm():
     llm = LLM(max_num_seqs=8, seed=3, data_parallel_size=2, enable_expert_parallel=False, distributed_timeout_s=60)
     yield llm
     llm.llm_engine.shutdown()
+    # a clean stop is exit code 0 for every rank process (no abort in the interpreter's teardown)
+    assert [p.exitcode for p in llm.llm_engine._procs] == [0, 0]
 
 
 def test_generate_equals_one_engine_and_requests_spread(dp_llm):
