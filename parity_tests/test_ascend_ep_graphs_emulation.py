@@ -143,7 +143,7 @@ def _one_process(model, requests, **kw) -> tuple[dict[str, list[int]], int]:
 
 def _two_ranks(model, requests, monkeypatch, **kw) -> tuple[dict[str, list[int]], list[int], dict]:
     """-> (tokens by request, requests per rank after adding them all, merged stats with ``per_rank``)."""
-    monkeypatch.setattr(rank_launch, "rank_main", _emulated_rank_main)
+    monkeypatch.setattr(rank_launch, "rank_process_main", _emulated_rank_main)
     with emulated_npu():
         llm = LLM(model, data_parallel_size=2, distributed_timeout_s=60, **{**ENGINE, **kw})
         engine = llm.llm_engine
