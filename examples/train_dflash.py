@@ -48,7 +48,9 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR as DEFAULT_TARGET
-from deepinfer_npu.spec.dflash import DFlashConfig, DFlashModel, save_dflash
+from deepinfer_npu.spec.dflash import save_dflash
+from deepinfer_npu.spec.dflash_config import DFlashConfig
+from deepinfer_npu.spec.dflash_model import DFlashModel
 from examples.reference_model.model import load_ref_model, rope_cos_sin
 
 

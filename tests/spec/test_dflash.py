@@ -15,7 +15,9 @@ import torch
 from deepinfer_npu.config import REFERENCE_MODEL_DIR
 from deepinfer_npu.hal import get_backend
 from deepinfer_npu.model_executor import DeepseekModelConfig, build_model, load_weights
-from deepinfer_npu.spec.dflash import DFlashConfig, DFlashDrafter, DFlashModel, save_dflash
+from deepinfer_npu.spec.dflash import DFlashDrafter, save_dflash
+from deepinfer_npu.spec.dflash_config import DFlashConfig
+from deepinfer_npu.spec.dflash_model import DFlashModel
 from examples import train_dflash
 from examples.reference_model.model import DeepseekV3Ref, RefConfig, export_state_dict
 from tests.reference_assets import needs_dflash
