@@ -22,6 +22,7 @@ import torch
 
 from deepinfer_npu.backends.cpu import moe as ref
 from deepinfer_npu.hal.types import DispatchState, GatingParams
+from deepinfer_npu.kernels_cuda import _moe_gating as gating_kernel
 from deepinfer_npu.kernels_cuda import moe_routing as mr
 from deepinfer_npu.kernels_cuda._testing import (
     GATINGS,
@@ -203,15 +204,15 @@ def _order(fn, k):
 
 def test_summation_orders():
     # torch's last-dim sum (block.x = last_pow2(k) threads, then a shfl_down tree, offsets decreasing)
-    assert _order(mr._sum_last_dim_torch, 8) == "(((0+4)+(2+6))+((1+5)+(3+7)))"
-    assert _order(mr._sum_last_dim_torch, 6) == "(((0+4)+2)+((1+5)+3))"
-    assert _order(mr._sum_last_dim_torch, 3) == "((0+2)+1)"
-    assert _order(mr._sum_last_dim_torch, 1) == "0"
+    assert _order(gating_kernel._sum_last_dim_torch, 8) == "(((0+4)+(2+6))+((1+5)+(3+7)))"
+    assert _order(gating_kernel._sum_last_dim_torch, 6) == "(((0+4)+2)+((1+5)+3))"
+    assert _order(gating_kernel._sum_last_dim_torch, 3) == "((0+2)+1)"
+    assert _order(gating_kernel._sum_last_dim_torch, 1) == "0"
     # torch's strided-dim sum (one thread per output, four interleaved accumulators)
-    assert _order(mr._sum_strided_dim_torch, 8) == "((((0+4)+(1+5))+(2+6))+(3+7))"
-    assert _order(mr._sum_strided_dim_torch, 6) == "((((0+4)+(1+5))+2)+3)"
-    assert _order(mr._sum_strided_dim_torch, 3) == "((0+1)+2)"
-    assert _order(mr._sum_sequential, 4) == "(((0+1)+2)+3)"
+    assert _order(gating_kernel._sum_strided_dim_torch, 8) == "((((0+4)+(1+5))+(2+6))+(3+7))"
+    assert _order(gating_kernel._sum_strided_dim_torch, 6) == "((((0+4)+(1+5))+2)+3)"
+    assert _order(gating_kernel._sum_strided_dim_torch, 3) == "((0+1)+2)"
+    assert _order(gating_kernel._sum_sequential, 4) == "(((0+1)+2)+3)"
 
 
 def test_reasons():
