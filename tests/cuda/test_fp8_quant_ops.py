@@ -107,11 +107,13 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("rows", [1, 48, 300])  # 48 and 300: partial 64- and 128-row tiles
-def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
+# 48 and 300: partial 64- and 128-row tiles; past 64 rows M % 4 = 1, 2, 3 and K / 128 = 11 (not a multiple of 4):
+# the forms cuBLASLt's block-scaled GEMM is checked in (scaled_mm.py)
+@pytest.mark.parametrize("rows,k", [(1, 2048), (48, 2048), (300, 2048), (97, 2048), (98, 1408), (299, 1408)])
+def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, k):
     ks = CudaKernelSet()
-    x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
-    w, s = quantize_fp8_block(torch.randn(3072, 2048, device="cuda") * 0.02)
+    x = (torch.randn(rows, k, device="cuda") * 0.3).to(BF16)
+    w, s = quantize_fp8_block(torch.randn(3072, k, device="cuda") * 0.02)
     bias = torch.randn(3072, device="cuda").to(BF16)
     # The reference runs on the CPU: torch on CUDA divides by a scalar through its reciprocal, one ulp off the IEEE
     # quotient the kernel (and the CPU) computes, which moves some e4m3 codes by a step. The kernel path rounds the
@@ -119,11 +121,11 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
     # run's final rounding (2**-8 of its value), the kernel's rounding of the product before the bias (2**-8 of
     # it), and the fp8 wgmma accumulation (2**-12 of the products' magnitudes, as tests/kernels_cuda/
     # test_fp8_gemm.py); a wrong scale or row moves an element by its own size.
-    xc, wc, sc = x.cpu().view(1, rows, 2048), w.cpu(), s.cpu()
+    xc, wc, sc = x.cpu().view(1, rows, k), w.cpu(), s.cpu()
     product = ref.fp8_linear(xc, wc, sc).float()
     magnitude = ref.quantize_activations(x.cpu()).abs() @ dequantize_fp8_block(wc, sc).abs().t()
     for b in (None, bias):
-        got = ks.fp8_linear(x.view(1, rows, 2048), w, s, b)
+        got = ks.fp8_linear(x.view(1, rows, k), w, s, b)
         want = ref.fp8_linear(xc, wc, sc, None if b is None else b.cpu())
         assert got.shape == want.shape == (1, rows, 3072) and got.dtype == BF16
         got, want = got.float().cpu(), want.float()
@@ -137,7 +139,7 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows):
     report = ks.op_report()["fp8_linear"]
     if rows <= 64:
         assert report == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)", report
-    else:  # cuBLASLt's block-scaled GEMM where its first call agreed with the tile kernel (scaled_mm.py)
+    else:  # cuBLASLt's block-scaled GEMM where its check agreed with the tile kernel (scaled_mm.py)
         assert report.startswith("native (kernels_cuda.fp8_quant + ") and "torch._scaled_mm" in report, report
     assert ks.syncing_ops() == {}
 

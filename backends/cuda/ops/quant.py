@@ -2,8 +2,8 @@
 
 ``fp8_linear``: the activations quantised per 1 x 128 group by ``kernels_cuda.fp8_quant``, then
 ``kernels_cuda.fp8_gemm`` (swapped operands up to 64 rows, K in slices where N is narrow, 128 x 128 tiles above;
-above 64 rows outside CUDA-graph capture cuBLASLt's block-scaled ``torch._scaled_mm`` where its first call of a
-shape agreed with the tile kernel, ``scaled_mm.py``); two or three launches, no host read after that check.
+above 64 rows cuBLASLt's block-scaled ``torch._scaled_mm`` where an eager check of the shape and M % 4 on random
+activations agreed with the tile kernel, ``scaled_mm.py``); two or three launches, no host read after that check.
 ``fp8_dense_mlp`` (dense layers, shared experts): the same two GEMMs with the SwiGLU fused into the second
 quantisation (``fp8_quant`` gated); four launches.
 ``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
@@ -108,7 +108,7 @@ class QuantOps(OpImpl):
             return gemm.fp8_linear_rows(x2d, weight, scale, gated=gated)
         aq, sa = quant.quantize(x2d, gated=gated)
         if rows > gemm.SWAP_MAX_ROWS and self.scaled_mm.available() is None:
-            out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda: gemm.fp8_gemm(aq, sa, weight, scale))
+            out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda a, s: gemm.fp8_gemm(a, s, weight, scale))
             if out is not None:
                 self.note("fp8_linear", f"kernels_cuda.fp8_quant + torch._scaled_mm (cuBLASLt block scales, rows > "
                           f"{gemm.SWAP_MAX_ROWS})", True)
