@@ -144,7 +144,7 @@ def _launch(extra: str) -> tuple[subprocess.Popen, str]:
 def _offline_tok_s(launch: str, prompts: list, output_len: int) -> float:
     """Output tokens/s of ``LLM.generate`` on ``prompts`` with the engine options of ``--launch``."""
     from deepinfer_npu import LLM, SamplingParams
-    from deepinfer_npu.run import engine_kwargs
+    from deepinfer_npu.engine_args import engine_kwargs
     from deepinfer_npu.serve import build_parser
 
     opts = build_parser().parse_args(shlex.split(launch))

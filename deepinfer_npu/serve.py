@@ -17,7 +17,7 @@ logger = logging.getLogger("deepinfer_npu.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from deepinfer_npu.run import build_parser as engine_parser
+    from deepinfer_npu.engine_args import build_parser as engine_parser
 
     p = engine_parser(prog="python -m deepinfer_npu.serve", description=__doc__.splitlines()[0], engine_only=True)
     s = p.add_argument_group("server")
@@ -63,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
+    from deepinfer_npu.engine_args import engine_kwargs
     from deepinfer_npu.entrypoints.async_llm import AsyncLLM
     from deepinfer_npu.entrypoints.chat_template import ChatTemplateError, load_chat_template
     from deepinfer_npu.entrypoints.metrics import ServerMetrics
     from deepinfer_npu.entrypoints.openai.api_server import build_app, describe_routes
-    from deepinfer_npu.run import engine_kwargs, run_headless_node
+    from deepinfer_npu.run import run_headless_node
 
     if args.model is None and not (REFERENCE_MODEL_DIR / "config.json").exists():
         return _error(f"no --model given and the reference model is not installed at {REFERENCE_MODEL_DIR}")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer_npu.config import REFERENCE_MODEL_DIR, EngineConfig
-from deepinfer_npu.run import build_parser, main
+from deepinfer_npu.engine_args import build_parser
+from deepinfer_npu.run import main
 
 from .conftest import needs_ref
 

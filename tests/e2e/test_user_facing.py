@@ -39,7 +39,7 @@ def test_cli_bad_prompt_token_ids_is_a_clean_error():
 
 
 def test_cli_advertised_dtype_float16_is_usable_or_not_offered():
-    from deepinfer_npu.run import build_parser
+    from deepinfer_npu.engine_args import build_parser
 
     choices = next(a.choices for a in build_parser()._actions if a.dest == "dtype")
     if "float16" not in choices:

@@ -83,7 +83,7 @@ def test_presets_are_the_published_settings():
 
 
 def test_cli_flags_build_the_config():
-    from deepinfer_npu.run import build_parser, engine_kwargs
+    from deepinfer_npu.engine_args import build_parser, engine_kwargs
 
     def kwargs(*argv):
         return engine_kwargs(build_parser().parse_args(list(argv)))

@@ -12,7 +12,7 @@ from deepinfer_npu.hal.graph_runner import EagerReplayRunner
 from deepinfer_npu.hal.kernel_set import KernelSet
 from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.hal.types import KernelWarmupPlan
-from deepinfer_npu.run import build_parser
+from deepinfer_npu.engine_args import build_parser
 from tests.reference_assets import needs_reference_model
 
 SMALL_KV = dict(block_size=16, num_kv_blocks=64)
