@@ -24,6 +24,7 @@ from deepinfer_npu.config import EngineConfig
 logger = logging.getLogger(__name__)
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
+OUTBOX_FLUSH_TIMEOUT_S = 10.0  # a stopped rank process waits this long for its last messages to be written
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,18 @@ def rank_process_main(spec: RankSpec, inbox, outbox) -> None:
     """A rank in a process of its own (``spawn_ranks``): ``rank_main``, then out without the interpreter's teardown.
 
     By then the rank has stopped and destroyed its groups, and failures have travelled as ``("fatal", ...)``; what
-    it sent is flushed first. At teardown gloo's C++ objects are released in no fixed order, and a rank that had
-    stopped cleanly could abort there ("terminate called without an active exception"): exit code -6 for a clean
-    stop, which a node server reports as a failed node."""
+    it sent is flushed first, for at most ``OUTBOX_FLUSH_TIMEOUT_S`` (a front-end that is gone reads nothing, and
+    a full pipe would hold the flush forever). At teardown gloo's C++ objects are released in no fixed order, and a
+    rank that had stopped cleanly could abort there ("terminate called without an active exception"): exit code -6
+    for a clean stop, which a node server reports as a failed node."""
     rank_main(spec, inbox, outbox)
     outbox.close()
-    outbox.join_thread()
+    flush = threading.Thread(target=outbox.join_thread, name="outbox-flush", daemon=True)
+    flush.start()
+    flush.join(OUTBOX_FLUSH_TIMEOUT_S)
+    if flush.is_alive():
+        logger.warning("rank %d: its last messages were not read within %.0f s; leaving without them", spec.rank,
+                       OUTBOX_FLUSH_TIMEOUT_S)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
