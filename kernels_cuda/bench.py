@@ -592,7 +592,6 @@ def grouped_decode_variants(base: tuple) -> list[tuple]:
     return [c for c in cfgs if c != tuple(base)]
 
 
-@bench
 def fused_quantisation(m, fp8_quant, a, wq, sw, out, us_two_launches: float) -> dict:
     """``fp8_linear_rows`` (the swapped GEMM quantising its own rows; gated: after the SwiGLU) against
     ``fp8_quant`` + ``fp8_gemm`` on the same rows, and whether the results are bit-identical."""
@@ -614,6 +613,7 @@ def fused_quantisation(m, fp8_quant, a, wq, sw, out, us_two_launches: float) -> 
     return row
 
 
+@bench
 def bench_fp8_gemm(args, copy):
     """Dense FP8 GEMM TFLOP/s: DeepGEMM's V3 shapes at M = 4096 and decode rows, V2-Lite's projections at decode
     rows; the kernel alone and with the activation quantisation (what ``fp8_linear`` costs), against
