@@ -114,6 +114,10 @@ class DecodeGraphs:
             if self.drafter_hook is not None:
                 self.buf["slots_per_token"] = torch.zeros(s, dtype=i64, device=dev)
             self._arange = torch.arange(s + 1, dtype=i32, device=dev)
+        # What the last ``_fill`` left in the buffers: (size, tokens, rows, hook slots given, table rows, table
+        # width). The padding a fill writes depends only on the first four, so a step like the last one (steady
+        # decode) rewrites its real rows and leaves the padding in place: about a dozen fewer small launches a step.
+        self._filled: tuple[int, int, int, bool, int, int] | None = None
 
     # ---------------------------------------------------------------- selection
     def size_for(self, num_tokens: int, block_table_width: int) -> int | None:
@@ -150,35 +154,46 @@ class DecodeGraphs:
         st = self._static(size)
         t, b = attn.num_tokens, attn.num_seqs
         p = size - t
+        width = attn.block_tables.shape[1]
+        key = (size, t, b, slots_per_token is not None)
+        last = self._filled
+        pad = last is None or last[:4] != key  # the padding of this shape is not in the buffers yet
         st["input_ids"][:t].copy_(ids)
-        st["input_ids"][t:].zero_()
         st["positions"][:t].copy_(attn.positions)
-        st["positions"][t:].zero_()
         st["slot_mapping"][:t].copy_(attn.slot_mapping)
-        st["slot_mapping"][t:].fill_(-1)
         for name, real in (("seqlens_q", attn.seqlens_q), ("seqlens_k", attn.seqlens_k)):
             st[name][:b].copy_(real)
-            st[name][b : b + p].fill_(1)
-            st[name][b + p :].zero_()
-        cu = st["cu_seqlens_q"]
-        cu[: b + 1].copy_(attn.cu_seqlens_q)
-        cu[b + 1 : b + 1 + p].copy_(self._arange[1 : p + 1] + t)
-        cu[b + 1 + p :].fill_(size)
+        st["cu_seqlens_q"][: b + 1].copy_(attn.cu_seqlens_q)
+        if pad:
+            st["input_ids"][t:].zero_()
+            st["positions"][t:].zero_()
+            st["slot_mapping"][t:].fill_(-1)
+            for name in ("seqlens_q", "seqlens_k"):
+                st[name][b : b + p].fill_(1)
+                st[name][b + p :].zero_()
+            cu = st["cu_seqlens_q"]
+            cu[b + 1 : b + 1 + p].copy_(self._arange[1 : p + 1] + t)
+            cu[b + 1 + p :].fill_(size)
         bt = st["block_tables"]
-        bt.zero_()
-        bt[:b, : attn.block_tables.shape[1]].copy_(attn.block_tables)
+        if last is None or last[0] != size or last[4] > b or last[5] > width:  # the last rows not all overwritten
+            bt.zero_()
+        bt[:b, :width].copy_(attn.block_tables)
         if "slots_per_token" in st:  # None (varlen's timing runs): every token writes the dummy slot 0
             if slots_per_token is None:
-                st["slots_per_token"].zero_()
+                if pad:
+                    st["slots_per_token"].zero_()
             else:
                 st["slots_per_token"][:t].copy_(slots_per_token)
-                st["slots_per_token"][t:].zero_()
+                if pad:
+                    st["slots_per_token"][t:].zero_()
+        self._filled = (*key, b, width)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size now (start-up), on all-padding inputs (they write nothing outside block 0), largest
         first: under expert parallelism every rank captures the same sizes in the same order, each inside a
         declaration of its size (the capacity its all-to-all bakes in)."""
+        self._filled = None  # the buffers now hold all-padding inputs: the next step fills everything
         for size in reversed(self.sizes):  # largest first: later graphs reuse the pool
             if not self.disabled and not self.graphs.has(size):
                 st = self._static(size)
