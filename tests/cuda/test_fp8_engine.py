@@ -30,7 +30,7 @@ def _generate(prompts, backend: str, **kw):
     if backend == "cuda":  # the op report accumulates over the process (one backend): this engine's calls only
         from deepinfer_npu.hal import get_backend
 
-        get_backend("cuda").kernels.log.paths.clear()
+        get_backend("cuda").kernels.log.clear()
     llm = LLM(backend=backend, dtype=dtype, **ENGINE, **kw)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     report = {}

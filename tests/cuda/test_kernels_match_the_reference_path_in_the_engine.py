@@ -60,7 +60,7 @@ def _run(monkeypatch, enabled: bool, params, **kw):
 
 def _forget_paths(llm) -> None:
     """The op report accumulates over the process (one backend): keep only this run's generate calls."""
-    llm.llm_engine.backend.kernels.log.paths.clear()
+    llm.llm_engine.backend.kernels.log.clear()
 
 
 @needs_reference

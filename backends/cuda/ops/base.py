@@ -115,10 +115,12 @@ class KernelModules:
 
 
 class PathLog:
-    """op -> {path description: (native?, syncs?)}, filled as ops are called."""
+    """op -> {path description: (native?, syncs?)}, filled as ops are called; the syncing paths kept apart, since
+    every step asks for them (``forbid_sync`` arms the sync debug mode from them)."""
 
     def __init__(self) -> None:
         self.paths: dict[str, dict[str, tuple[bool, bool]]] = {}
+        self._syncing: dict[str, list[str]] = {}
         self.calls = 0
 
     def note(self, op: str, path: str, native: bool, syncs: bool = False) -> None:
@@ -127,11 +129,16 @@ class PathLog:
         if path not in d:
             d[path] = (native, syncs)
             if syncs:
+                self._syncing.setdefault(op, []).append(path)
                 logger.info("cuda backend: %s takes a syncing path: %s", op, path)
 
     def syncing_ops(self) -> dict[str, list[str]]:
-        return {op: [p for p, (_n, s) in d.items() if s] for op, d in self.paths.items()
-                if any(s for _n, s in d.values())}
+        return {op: list(paths) for op, paths in self._syncing.items()}
+
+    def clear(self) -> None:
+        """Forget the paths taken so far (the call count stays: the model has run)."""
+        self.paths.clear()
+        self._syncing.clear()
 
 
 @dataclass(frozen=True)
