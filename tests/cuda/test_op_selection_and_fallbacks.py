@@ -262,3 +262,19 @@ def test_grouped_mlp_bf16_matches_reference(cuda_backend):
     rel = ((out.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel
     assert "torch._grouped_mm" in ks.op_report()["grouped_mlp"], ks.op_report()["grouped_mlp"]
+
+
+def test_path_log_keeps_the_syncing_paths_as_they_are_noted():
+    from deepinfer_npu.backends.cuda.ops.base import PathLog
+
+    log = PathLog()
+    log.note("linear", "kernels_cuda.skinny_gemm", True)
+    log.note("moe_dispatch", "reference (host counts)", False, syncs=True)
+    log.note("moe_dispatch", "reference (host counts)", False, syncs=True)  # the same path again: one entry
+    log.note("linear", "reference (tensor not on a CUDA device)", False, syncs=True)
+    assert log.syncing_ops() == {"moe_dispatch": ["reference (host counts)"],
+                                 "linear": ["reference (tensor not on a CUDA device)"]}
+    log.syncing_ops()["linear"].append("changed by a caller")  # a copy: the log is not changed through it
+    assert log.syncing_ops()["linear"] == ["reference (tensor not on a CUDA device)"] and log.calls == 4
+    log.clear()
+    assert log.syncing_ops() == {} and log.paths == {} and log.calls == 4
