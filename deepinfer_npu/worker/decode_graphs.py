@@ -156,7 +156,7 @@ class DecodeGraphs:
         p = size - t
         width = attn.block_tables.shape[1]
         key = (size, t, b, slots_per_token is not None)
-        last = self._filled
+        last, self._filled = self._filled, None  # a fill that raises part-way leaves no state to trust
         pad = last is None or last[:4] != key  # the padding of this shape is not in the buffers yet
         st["input_ids"][:t].copy_(ids)
         st["positions"][:t].copy_(attn.positions)

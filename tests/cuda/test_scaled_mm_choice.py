@@ -72,8 +72,8 @@ def test_the_first_form_that_agrees_serves_the_key(monkeypatch):
     out, why = ops.gemm(aq, sa, w, sw, _tile(w, sw, tiles))
     assert why is None and torch.equal(out, _product(aq, sa, w, sw))
     assert ops.forms == {(256, 384, 0): sm.Form("padded")}
-    assert tiles == [128, 1024]  # the check's own random activations, at every CHECK_ROWS size
-    assert calls == [("plain", 128), ("padded", 128), ("padded", 1024), ("padded", 96)]
+    assert tiles == [68, 1024]  # the check's own random activations, at every CHECK_ROWS size
+    assert calls == [("plain", 68), ("padded", 68), ("padded", 1024), ("padded", 96)]
     out, why = ops.gemm(aq, sa, w, sw, lambda a, s: pytest.fail("checked twice"))
     assert why is None and calls[-1] == ("padded", 96)
 
@@ -85,9 +85,9 @@ def test_each_remainder_of_m_by_4_is_checked_and_padded_rows_serve_an_unaligned_
     aq, sa, w, sw = _operands(m=97)
     out, why = ops.gemm(aq, sa, w, sw, _tile(w, sw))
     assert why is None and torch.equal(out, _product(aq, sa, w, sw))
-    # the scales as they are misread rows at M = 129 and so does the padded-scales form; rows padded to 4 agree
+    # the scales as they are misread rows at M = 69 and so does the padded-scales form; rows padded to 4 agree
     assert ops.forms == {(256, 384, 1): sm.Form("plain", pad_rows=True)}
-    assert calls[-1] == ("plain", 100) and ("plain", 129) in calls and ("padded", 129) in calls
+    assert calls[-1] == ("plain", 100) and ("plain", 69) in calls and ("padded", 69) in calls
     aq, sa, w, sw = _operands(m=96)
     assert ops.gemm(aq, sa, w, sw, _tile(w, sw))[1] is None and ops.forms[(256, 384, 0)] == sm.Form("plain")
 
@@ -160,3 +160,26 @@ def test_disagreement_names_what_is_off():
     assert "1 of 128 elements off" in sm.disagreement(one, want) and "[3, 5]" in sm.disagreement(one, want)
     assert "non-finite" in sm.disagreement(torch.full_like(want, float("nan")), want)
     assert "expected" in sm.disagreement(want[:4], want)
+
+
+def test_running_out_of_memory_in_the_check_is_no_verdict(monkeypatch):
+    def oom(*a, **k):
+        raise sm.OUT_OF_MEMORY("CUDA out of memory (the check's operands)")
+
+    monkeypatch.setattr(torch, "_scaled_mm", oom)
+    ops = sm.ScaledMM()
+    aq, sa, w, sw = _operands()
+    out, why = ops.gemm(aq, sa, w, sw, _tile(w, sw))
+    assert out is None and "out of device memory" in why and ops.forms == {} and ops.errors == {}
+    monkeypatch.setattr(torch, "_scaled_mm", _stand_in([]))  # memory again: the key is checked now
+    assert ops.gemm(aq, sa, w, sw, _tile(w, sw))[1] is None and ops.forms == {(256, 384, 0): sm.Form("plain")}
+
+
+def test_padded_scales_follow_the_weight_not_its_address():
+    ops = sm.ScaledMM()
+    _, _, _, sw = _operands()
+    first = ops._scale_b(sw, "padded")
+    assert torch.equal(first.t(), sw) and ops._scale_b(sw, "padded").data_ptr() == first.data_ptr()  # cached
+    other = sw * 2
+    ops._padded[(other.data_ptr(), tuple(other.shape))] = ops._padded.pop((sw.data_ptr(), tuple(sw.shape)))
+    assert torch.equal(ops._scale_b(other, "padded").t(), other)  # an entry at its address for another tensor

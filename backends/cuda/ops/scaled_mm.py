@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-CHECK_ROWS = (128, 1024)  # plus M % 4: past the swapped GEMM's rows, one small and one tiled-in-M size
+CHECK_ROWS = (68, 1024)  # plus M % 4: just past the swapped GEMM's 64 rows, and a size tiled in M
 RTOL, ATOL_OF_MAX = 2e-2, 2e-3  # element-wise: two fp32-accumulated GEMMs rounded to bf16, in other orders
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class ScaledMM:
     def __init__(self) -> None:
         self.forms: dict[tuple[int, int, int], Form | None] = {}  # (N, K, M % 4) -> the form, or None: refused
         self.errors: dict[tuple[int, int, int], str] = {}
-        self._padded: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        # (address, shape) -> (the weight's scales, their padded copy); the scales are kept so that their address
+        # is not reused by another tensor while the copy is cached
+        self._padded: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def available(self) -> str | None:
         """Why cuBLASLt's block-scaled GEMM cannot run at all here, or None."""
@@ -63,7 +66,10 @@ class ScaledMM:
         if key not in self.forms:
             if capturing:
                 return None, "not checked yet (CUDA-graph capture)"
-            self._check(key, sa, w, sw, tile)
+            try:
+                self._check(key, sa, w, sw, tile)
+            except OUT_OF_MEMORY:  # not a verdict on cuBLASLt: the key is checked again at a later call
+                return None, "not checked yet (out of device memory for the check)"
         form = self.forms[key]
         if form is None:
             return None, self.errors[key]
@@ -94,15 +100,15 @@ class ScaledMM:
         if layout == "plain":
             return sw.t()
         key = (sw.data_ptr(), tuple(sw.shape))  # a weight's scales do not change after load
-        padded = self._padded.get(key)
-        if padded is None:
+        cached = self._padded.get(key)
+        if cached is None or cached[0] is not sw:
             if capturing:
                 return None
             kb = sw.shape[1]
             padded = torch.zeros(sw.shape[0], -(-kb // 4) * 4, device=sw.device, dtype=sw.dtype)
             padded[:, :kb] = sw
-            padded = self._padded[key] = padded[:, :kb]
-        return padded.t()
+            cached = self._padded[key] = (sw, padded[:, :kb])
+        return cached[1].t()
 
     def _check(self, key, sa, w, sw, tile) -> None:
         """Find the first form that agrees with the tile kernel on random activations of every ``CHECK_ROWS`` size
@@ -122,6 +128,8 @@ class ScaledMM:
                 for (a, s), want in zip(cases, wants):
                     try:
                         why = disagreement(self._run(a, s, w, self._scale_b(sw, form.scales), form.pad_rows), want)
+                    except OUT_OF_MEMORY:
+                        raise
                     except Exception as e:  # noqa: BLE001 - a refused form: try the next, then the tile kernel
                         why = _first_line(e)
                     if why is not None:
