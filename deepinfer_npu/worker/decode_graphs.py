@@ -117,6 +117,8 @@ class DecodeGraphs:
         # What the last ``_fill`` left in the buffers: (size, tokens, rows, hook slots given, table rows, table
         # width). The padding a fill writes depends only on the first four, so a step like the last one (steady
         # decode) rewrites its real rows and leaves the padding in place: about a dozen fewer small launches a step.
+        # This holds while only ``_fill`` and ``capture_all`` write the buffers (the captured forward reads them;
+        # a replay handed other inputs would write them behind this record).
         self._filled: tuple[int, int, int, bool, int, int] | None = None
 
     # ---------------------------------------------------------------- selection
