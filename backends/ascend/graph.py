@@ -246,11 +246,9 @@ class NpuGraphRunner(GraphRunner):
         self.num_captures += 1
         return out
 
-    def replay(self, size: int, inputs: dict[str, torch.Tensor] | None = None) -> Any:
-        """Issue the step's FIA host lists (task updates), then replay on the static buffers' contents.
-        ``inputs`` (optional; DecodeGraphs writes the buffers itself): device tensors copied in first."""
-        for name, value in (inputs or {}).items():
-            self.static_in[size][name][: value.shape[0]].copy_(value, non_blocking=True)
+    def replay(self, size: int) -> Any:
+        """Issue the step's FIA host lists (task updates), then replay on the static buffers' contents (their
+        owner writes them: ``DecodeGraphs`` keeps a record of what they hold)."""
         state = self.fia.get(size)
         if state is not None and state.tasks:
             if not state.pending:

@@ -30,7 +30,7 @@ def graph_sizes(max_tokens: int, interval: int | None = None) -> list[int]:
 
 
 class CudaGraphRunner(GraphRunner):
-    """Capture ``fn(**static_inputs)`` once per size; replay after copying fresh inputs into the buffers."""
+    """Capture ``fn(**static_inputs)`` once per size; replay on what the buffers' owner wrote into them."""
 
     def __init__(self, device_index: int = 0) -> None:
         super().__init__()
@@ -70,11 +70,9 @@ class CudaGraphRunner(GraphRunner):
         self.num_captures += 1
         return out
 
-    def replay(self, size: int, inputs: dict[str, torch.Tensor] | None = None) -> Any:
-        """Replay on the static buffers' contents. ``inputs`` (optional; the worker writes the buffers itself):
-        device tensors, each at most the buffer's length, copied in first (the rest keeps what was there)."""
-        for name, value in (inputs or {}).items():
-            self.static_in[size][name][: value.shape[0]].copy_(value, non_blocking=True)
+    def replay(self, size: int) -> Any:
+        """Replay on the static buffers' contents (their owner writes them: ``DecodeGraphs`` keeps a record of what
+        they hold)."""
         self.graphs[size].replay()
         self.num_replays += 1
         return self.static_out[size]
