@@ -114,12 +114,12 @@ class DecodeGraphs:
             if self.drafter_hook is not None:
                 self.buf["slots_per_token"] = torch.zeros(s, dtype=i64, device=dev)
             self._arange = torch.arange(s + 1, dtype=i32, device=dev)
-        # What the last ``_fill`` left in the buffers: (size, tokens, rows, hook slots given, table rows, table
-        # width). The padding a fill writes depends only on the first four, so a step like the last one (steady
-        # decode) rewrites its real rows and leaves the padding in place: about a dozen fewer small launches a step.
-        # This holds while only ``_fill`` and ``capture_all`` write the buffers (the captured forward reads them;
-        # a replay handed other inputs would write them behind this record).
-        self._filled: tuple[int, int, int, bool, int, int] | None = None
+        # What the last ``_fill`` left in the buffers: (size, tokens, rows, hook slots given, table width). The
+        # padding a fill writes depends only on the first four, so a step like the last one (steady decode) rewrites
+        # its real rows and leaves the padding in place: about a dozen fewer small launches a step. This holds
+        # while only ``_fill`` and ``capture_all`` write the buffers (the captured forward and the replays read
+        # them).
+        self._filled: tuple[int, int, int, bool, int] | None = None
 
     # ---------------------------------------------------------------- selection
     def size_for(self, num_tokens: int, block_table_width: int) -> int | None:
@@ -177,7 +177,7 @@ class DecodeGraphs:
             cu[b + 1 : b + 1 + p].copy_(self._arange[1 : p + 1] + t)
             cu[b + 1 + p :].fill_(size)
         bt = st["block_tables"]
-        if last is None or last[0] != size or last[4] > b or last[5] > width:  # the last rows not all overwritten
+        if last is None or last[0] != size or last[2] > b or last[4] > width:  # the last rows not all overwritten
             bt.zero_()
         bt[:b, :width].copy_(attn.block_tables)
         if "slots_per_token" in st:  # None (varlen's timing runs): every token writes the dummy slot 0
@@ -188,7 +188,7 @@ class DecodeGraphs:
                 st["slots_per_token"][:t].copy_(slots_per_token)
                 if pad:
                     st["slots_per_token"][t:].zero_()
-        self._filled = (*key, b, width)
+        self._filled = (*key, width)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
