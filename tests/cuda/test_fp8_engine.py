@@ -45,7 +45,10 @@ def _check(cpu, cuda, report, assert_logprobs_close, all_native: bool) -> None:
     assert all(len(o.token_ids) == PARAMS.max_tokens for o in cuda)
     assert_logprobs_close(cpu, cuda)
     assert report["fp8_grouped_mlp"].startswith("native (kernels_cuda.fp8_quant"), report["fp8_grouped_mlp"]
-    assert report["fp8_linear"].startswith("native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm"), report
+    # every route fp8_linear took quantises on the kernel; the GEMM is the tile kernel or, past 64 rows where the
+    # device check accepted the key, cuBLASLt (a key it refused says why, inside the tile kernel's entry)
+    assert report["fp8_linear"].startswith("native (kernels_cuda.fp8_"), report["fp8_linear"]
+    assert "kernels_cuda.fp8_gemm" in report["fp8_linear"], report["fp8_linear"]
     if all_native:
         assert "fallback" not in report["fp8_linear"], report["fp8_linear"]
 
