@@ -84,10 +84,6 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_COMPILE_WORKERS", "auto", _count_or_auto,
                "Processes the CUDA kernel warm-up builds in at start-up: auto (one a usable core, at most "
                "16) or a count (0 or 1: one at a time, e.g. several engines starting on one host)."),
-        EnvVar("DEEPINFER_FP8_QUANT_IN_GEMM", "0", _flag,
-               "1: FP8 projections of up to 16 rows quantise their activations inside the GEMM (kernels_cuda."
-               "fp8_gemm's \"swapq\" form, no fp8_quant launch); 0: a separate fp8_quant launch (the default "
-               "until the fused form has been checked and timed on a Hopper GPU)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )

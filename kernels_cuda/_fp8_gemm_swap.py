@@ -1,11 +1,9 @@
-"""The decode forms of ``fp8_gemm``: "swap" (weights on the wgmma's M side, tokens on its N side, K sliced over
-more CTAs where N / 64 is short of the multiprocessors), "swapq" (the swapped form quantising its own bf16 rows,
-optionally after the SwiGLU) and the one-launch reduction of the K slices' fp32 partial sums. The forms, their
-numerics and the host API: ``fp8_gemm``'s module docstring."""
+"""The decode form of ``fp8_gemm``: "swap" (weights on the wgmma's M side, tokens on its N side, K sliced over more
+CTAs where N / 64 is short of the multiprocessors) and the one-launch reduction of the K slices' fp32 partial sums.
+The forms, their numerics and the host API: ``fp8_gemm``'s module docstring."""
 
 from ._prim_func_cache import cached_prim_func
 from ._tilelang import T, tilelang
-from .fp8_quant import AMAX_EPS, FP8_MAX
 
 BLOCK_K = 128  # one scale block of K per pipeline stage: the promotion happens after every stage
 SCALE_BLOCK = 128
@@ -59,79 +57,6 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
                         Out[ks, mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], out_dtype)
 
     return fp8_gemm_swap
-
-
-@cached_prim_func
-def build_fp8_gemm_swap_quant(n: int, k: int, rt: int, split: int = 1, gated: bool = False, block_n: int = 64,
-                              num_stages: int = 4, threads: int = 128):
-    """PrimFunc of the swapped form that quantises its activations itself: ``X`` [M, K] bf16 (gated: [M, 2K] =
-    [gate | up], the SwiGLU first, with ``silu_mul``'s roundings) instead of e4m3 rows and their scales. Each CTA
-    quantises the [RT, 128] tile of its K step as ``fp8_quant`` does (fp32 amax, ``max(amax, 1e-10) / 448``, IEEE
-    division, clamp, round to nearest even: the same codes and scales), so ``fp8_linear`` of a few rows is one
-    launch (two with K slices) instead of two (three)."""
-    assert tilelang is not None, "tilelang is not installed"
-    KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
-    # RT 16 at most: the quantiser's [RT, 128] tile is 16 values a consumer thread (more rows: more registers)
-    assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16) and KB % split == 0, (n, k, rt, split)
-    N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
-    KIN = 2 * k if gated else k
-    tail = k % BLOCK_K != 0  # a partial last K block: its columns past K are zero (gated: the up half's, masked)
-    num_stages = max(1, min(num_stages, KBS))
-    fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
-    out_dtype = bf16 if split == 1 else f32
-    M = T.dynamic("num_rows")
-
-    @T.prim_func
-    def fp8_gemm_swap_quant(
-        X: T.Tensor([M, KIN], bf16),
-        W: T.Tensor([N, K], fp8),
-        SW: T.Tensor([NB, KB], f32),
-        Out: T.Tensor([S, M, N], out_dtype),
-    ):
-        with T.Kernel(N // BN, S, threads=threads) as (bn, ks):
-            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
-            T.pdl_trigger()
-            X_s = T.alloc_shared([RT, BK], bf16)
-            U_s = T.alloc_shared([RT, BK], bf16)
-            A_s = T.alloc_shared([RT, BK], fp8)
-            W_s = T.alloc_shared([BN, BK], fp8)
-            v = T.alloc_fragment([RT, BK], f32)
-            scale = T.alloc_fragment([RT], f32)
-            scale_s = T.alloc_shared([RT], f32)  # the promotion reads the scales from here: their fragment keeps
-            q = T.alloc_fragment([RT, BK], fp8)  # the quantiser's thread layout, not the accumulator's
-            C = T.alloc_fragment([BN, RT], f32)  # C^T: weight rows x token rows
-            Acc = T.alloc_fragment([BN, RT], f32)
-            for mb in T.serial(T.ceildiv(M, RT)):
-                T.clear(Acc)
-                for kk in T.Pipelined(KBS, num_stages=num_stages):
-                    kb = ks * KBS + kk
-                    T.copy(X[mb * RT, kb * BK], X_s)  # rows past M (and columns past KIN) read as zero
-                    if gated:
-                        T.copy(X[mb * RT, K + kb * BK], U_s)
-                    T.copy(W[bn * BN, kb * BK], W_s)
-                    for i, j in T.Parallel(RT, BK):
-                        if gated:  # silu_mul's roundings: bf16 silu, bf16 product
-                            gf = T.cast(X_s[i, j], f32)
-                            s = T.cast(gf / (T.float32(1) + T.exp(-gf)), bf16)
-                            y = T.cast(T.cast(T.cast(s, f32) * T.cast(U_s[i, j], f32), bf16), f32)
-                        else:
-                            y = T.cast(X_s[i, j], f32)
-                        v[i, j] = T.if_then_else(kb * BK + j < K, y, T.float32(0)) if tail else y
-                    T.reduce_absmax(v, scale, dim=1)
-                    for i in T.Parallel(RT):
-                        scale[i] = T.max(scale[i], T.float32(AMAX_EPS)) / T.float32(FP8_MAX)
-                    T.copy(scale, scale_s)
-                    for i, j in T.Parallel(RT, BK):
-                        q[i, j] = T.cast(T.clamp(v[i, j] / scale[i], T.float32(-FP8_MAX), T.float32(FP8_MAX)), fp8)
-                    T.copy(q, A_s)
-                    T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
-                    for j, i in T.Parallel(BN, RT):
-                        Acc[j, i] += C[j, i] * (scale_s[i] * SW[(bn * BN + j) // SCALE_BLOCK, kb])
-                for j, i in T.Parallel(BN, RT):
-                    if mb * RT + i < M:
-                        Out[ks, mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], out_dtype)
-
-    return fp8_gemm_swap_quant
 
 
 @cached_prim_func

@@ -592,27 +592,6 @@ def grouped_decode_variants(base: tuple) -> list[tuple]:
     return [c for c in cfgs if c != tuple(base)]
 
 
-def fused_quantisation(m, fp8_quant, a, wq, sw, out, us_two_launches: float) -> dict:
-    """``fp8_linear_rows`` (the swapped GEMM quantising its own rows; gated: after the SwiGLU) against
-    ``fp8_quant`` + ``fp8_gemm`` on the same rows, and whether the results are bit-identical."""
-    row = {}
-    gated_in = torch.cat([a, a.flip(0)], dim=1)  # [M, 2K] = [gate | up]
-    for gated, x in ((False, a), (True, gated_in)):
-        name = "quant_in_gemm_gated" if gated else "quant_in_gemm"
-        fused_out = torch.empty_like(out)
-        us_fused, _ = time_us(lambda x=x, gated=gated: m.fp8_linear_rows(x, wq, sw, gated=gated, out=fused_out))
-        if gated:
-            us_two_launches, _ = time_us(lambda: m.fp8_gemm(*fp8_quant.quantize(gated_in, gated=True), wq, sw,
-                                                            out=out))
-        else:
-            m.fp8_gemm(*fp8_quant.quantize(a), wq, sw, out=out)
-        m.fp8_linear_rows(x, wq, sw, gated=gated, out=fused_out)
-        row.update({f"{name}_us": round(us_fused, 2), f"{name}_two_launches_us": round(us_two_launches, 2),
-                    f"{name}_speedup": round(us_two_launches / us_fused, 3),
-                    f"{name}_bit_identical": bool(torch.equal(fused_out, out))})
-    return row
-
-
 @bench
 def bench_fp8_gemm(args, copy):
     """Dense FP8 GEMM TFLOP/s: DeepGEMM's V3 shapes at M = 4096 and decode rows, V2-Lite's projections at decode
@@ -624,13 +603,9 @@ def bench_fp8_gemm(args, copy):
     from . import fp8_quant
 
     cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in ((1, 16, 64, 4096) if n != 576 else (1, 16, 64))]
-    fused = [(n, k, rows, gated) for n, k, rows in cases if rows <= m.QUANT_MAX_ROWS for gated in (False, True)]
     precompile_in_processes([("fp8_gemm", c) for n, k, rows in cases for c in m.configs_for(n, k, rows)
                              + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])]
-                            + [("fp8_quant", fp8_quant.config_for(k, rows)) for _n, k, rows in cases]
-                            + [("fp8_gemm", c) for n, k, rows, gated in fused
-                               for c in m.quant_configs_for(n, k, rows, gated)]
-                            + [("fp8_quant", fp8_quant.config_for(k, rows, True)) for _n, k, rows, _g in fused])
+                            + [("fp8_quant", fp8_quant.config_for(k, rows)) for _n, k, rows in cases])
     for n, k, rows in cases:
         a, aq, sa, wq, sw = fp8_operands(rows, n, k)
         out = torch.empty(rows, n, dtype=torch.bfloat16, device="cuda")
@@ -651,8 +626,6 @@ def bench_fp8_gemm(args, copy):
             cos = torch.nn.functional.cosine_similarity(fn().float().flatten(), out.float().flatten(), dim=0)
             row.update(scaled_mm_us=round(us_sm, 2), scaled_mm_TFLOPs=tflops(rows, n, k, us_sm),
                        speedup_vs_scaled_mm=round(us_sm / us, 3), scaled_mm_cos=round(cos.item(), 5))
-        if rows <= m.QUANT_MAX_ROWS:  # "swapq": the quantisation inside the GEMM against the two launches
-            row.update(fused_quantisation(m, fp8_quant, a, wq, sw, out, us_linear))
         nbytes = n * k + rows * k + rows * n * 2
         yield rate(row, nbytes, us, copy) if rows <= m.SWAP_MAX_ROWS else row
         for cfg in fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else ():

@@ -23,24 +23,21 @@ Two forms, picked on the host from M (no device value):
     the pipeline carries weight tiles and no 64-row A tile is padded for a single token. BN = 64 weight rows a CTA,
     for N / 64 CTAs streaming the weights (the step is a read of the weights); where N / 64 is short of the
     multiprocessors, K is sliced over more CTAs (fp32 partial sums, then a one-launch reduction to bf16).
-  - "swapq" (up to ``QUANT_MAX_ROWS`` bf16 rows, :func:`fp8_linear_rows`): the swapped form quantising its
-    activations itself: each CTA loads the [16, 128] bf16 tile of its K step (TMA, in the weights' pipeline),
-    quantises it as ``fp8_quant`` does (optionally after the SwiGLU) into the wgmma's shared operand and promotes
-    with those scales, so a few-row ``fp8_linear`` needs no quantisation launch. Every CTA of a K step quantises
-    the same tile again: 16 x 128 values against its 64 x 128 weight bytes.
+
+A form that quantised its own bf16 rows inside the swapped GEMM (no ``fp8_quant`` launch) was built and measured on
+an H200: bit-identical to the two launches but 0.14-0.74x their speed at 1-16 rows (every CTA quantised the same
+tile again, in series before its wgmma); docs/kernels/fp8.md records it.
 """
 
 import torch
 
 from ._kernel_cache import KernelCache
 from ._tilelang import T, tilelang
-from ._fp8_gemm_swap import (BLOCK_K, MULT_K, SCALE_BLOCK, build_fp8_gemm_swap, build_fp8_gemm_swap_quant,
-                             build_split_reduce)
+from ._fp8_gemm_swap import BLOCK_K, MULT_K, SCALE_BLOCK, build_fp8_gemm_swap, build_split_reduce
 from ._prim_func_cache import cached_prim_func
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 SWAP_MAX_ROWS = 64  # rows up to this: the swapped form
-QUANT_MAX_ROWS = 16  # bf16 rows up to this: the swapped form quantises them itself (fp8_linear_rows)
 NUM_SMS = 132  # H100 / H200 SXM: the swapped form slices K until its CTAs would exceed one wave
 MIN_SLICE_BLOCKS = 4
 MULT_N = 64
@@ -100,8 +97,7 @@ def _compile(func, target=None):
     return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))
 
 
-_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "swapq": build_fp8_gemm_swap_quant,
-                      "reduce": build_split_reduce},
+_CACHE = KernelCache({"tile": build_fp8_gemm_tile, "swap": build_fp8_gemm_swap, "reduce": build_split_reduce},
                      _compile,
                      available=tilelang is not None)
 _KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
@@ -143,48 +139,6 @@ def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
         swap = ("swap", (int(n), int(k), rows_tile(m), split))
         return [swap] if split == 1 else [swap, ("reduce", (int(n), split, reduce_block(n)))]
     return [("tile", (int(n), int(k), 128, 128 if n % 128 == 0 else 64))]
-
-
-def quant_configs_for(n: int, k: int, m: int, gated: bool = False) -> list[tuple[str, tuple]]:
-    """The ``(kind, cfg)`` of every kernel :func:`fp8_linear_rows` launches for ``m`` (<= ``QUANT_MAX_ROWS``) bf16
-    rows: "swapq" (and "reduce" when K is sliced, as the swapped form)."""
-    split = split_for(n, k)
-    swapq = ("swapq", (int(n), int(k), 16, split, bool(gated)))
-    return [swapq] if split == 1 else [swapq, ("reduce", (int(n), split, reduce_block(n)))]
-
-
-def fp8_linear_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [M, K] bf16 (gated: [M, 2K] = [gate | up], the SwiGLU first), M <= ``QUANT_MAX_ROWS``, quantised per
-    1 x 128 group inside the GEMM, times ``w`` [N, K] e4m3 with ``w_scale`` [ceil(N / 128), ceil(K / 128)] ->
-    [M, N] bf16: what ``fp8_quant.quantize`` then :func:`fp8_gemm` give, bit for bit, in one launch (two with K
-    slices). No host read of device values."""
-    m, kin = x.shape
-    n, k = w.shape
-    if x.dtype != torch.bfloat16 or kin != (2 * k if gated else k):
-        raise ValueError(f"fp8_linear_rows: x must be bf16 [M, {2 * k if gated else k}] for w [{n}, {k}]"
-                         f"{' (gated)' if gated else ''}, got {x.dtype} {list(x.shape)}")
-    if not 0 <= m <= QUANT_MAX_ROWS:
-        raise ValueError(f"fp8_linear_rows: {m} rows; the fused quantisation takes at most {QUANT_MAX_ROWS}")
-    if (why := reason(m, n, k)) is not None:
-        raise ValueError(why)
-    kb, nb = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
-    if tuple(w_scale.shape) != (nb, kb) or w.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_linear_rows: w must be float8_e4m3fn with w_scale [{nb}, {kb}], got {w.dtype} and "
-                         f"{list(w_scale.shape)}")
-    if out is None:
-        out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    if m == 0:
-        return out
-    (kind, cfg), *reduce = quant_configs_for(n, k, m, gated)
-    args = (x.contiguous(), w.contiguous(), w_scale.float().contiguous())
-    if not reduce:
-        _CACHE.get(kind, cfg)(*args, out.view(1, m, n))
-        return out
-    partial = torch.empty(cfg[3], m, n, dtype=torch.float32, device=x.device)
-    _CACHE.get(kind, cfg)(*args, partial)
-    _CACHE.get(*reduce[0])(partial, out)
-    return out
 
 
 def precompile(configs) -> None:
@@ -236,8 +190,6 @@ CI_CONFIGS = [
     ("swap", (3648, 2048, 16, 2)),  # V2-Lite q_proj + kv_a_proj at 1 row (fused_a_proj)
     ("swap", (2048, 10944, 16, 2)),  # V2-Lite dense down projection: a partial last K block
     ("reduce", (576, 4, 64)),  # kv_a_proj's 4 K slices summed
-    ("swapq", (3648, 2048, 16, 2, False)),  # V2-Lite q_proj + kv_a_proj at 1 row, quantised in the GEMM
-    ("swapq", (2048, 10944, 16, 2, True)),  # V2-Lite dense down projection, SwiGLU + quantisation in the GEMM
 ]
 
 

@@ -66,10 +66,9 @@ def test_decode_graphs_may_capture_fp8_only_with_its_kernels():
 
 
 @pytest.mark.tilelang
-def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
+def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
     from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_grouped_gemm, fp8_quant
 
-    monkeypatch.delenv("DEEPINFER_FP8_QUANT_IN_GEMM", raising=False)
     # q_proj, kv_a_proj, o_proj; the dense layer's and the shared experts' down projections
     shapes = ((3072, 2048), (576, 2048), (2048, 2048), (2048, 10944), (2048, 2816))
     base = v2_lite_plan()
@@ -89,15 +88,6 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     assert ("expert_scan", (g.num_experts,)) in cfgs["moe_gemm"]
     # fp8_dense_mlp's gated quantisation at the dense / shared-expert widths
     assert {fp8_quant.config_for(i, 1, True) for i in plan.mlp_intermediate_sizes} <= set(cfgs["fp8_quant"])
-    assert not any(c[0] == "swapq" for c in cfgs["fp8_gemm"])
-    # DEEPINFER_FP8_QUANT_IN_GEMM=1: up to 16 rows the GEMM quantises its rows (gated for the down projections)
-    monkeypatch.setenv("DEEPINFER_FP8_QUANT_IN_GEMM", "1")
-    in_gemm = ks.warmup_configs(plan, 132)
-    small = {c for n, k in shapes for m in range(1, 17) for c in fp8_gemm.quant_configs_for(n, k, m)}
-    small |= {c for i in plan.mlp_intermediate_sizes for c in fp8_gemm.quant_configs_for(2048, i, 1, gated=True)}
-    large = {c for n, k in shapes for m in range(17, hi + 1) for c in fp8_gemm.configs_for(n, k, m)}
-    assert set(in_gemm["fp8_gemm"]) == small | large
-    monkeypatch.delenv("DEEPINFER_FP8_QUANT_IN_GEMM")
     # the fused q / kv_a projection: one row only
     fused = ks.warmup_configs(fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),)), 132)
     assert set(fused["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
@@ -218,13 +208,10 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("in_gemm", ["0", "1"])
 @pytest.mark.parametrize("rows", [1, 16, 100])
-def test_fp8_dense_mlp_is_the_composition_gpu(rows, in_gemm, monkeypatch):
+def test_fp8_dense_mlp_is_the_composition_gpu(rows):
     """The shared experts' width (2 x 1408): the gated quantisation (SwiGLU fused) gives exactly the composition
-    ``fp8_linear(silu_and_mul(fp8_linear(x)))`` on the same kernels (same roundings, same GEMMs); with
-    DEEPINFER_FP8_QUANT_IN_GEMM=1 the GEMMs of up to 16 rows quantise (and run the SwiGLU) themselves."""
-    monkeypatch.setenv("DEEPINFER_FP8_QUANT_IN_GEMM", in_gemm)
+    ``fp8_linear(silu_and_mul(fp8_linear(x)))`` on the same kernels (same roundings, same GEMMs)."""
     ks = CudaKernelSet()
     ks.select(OpConfig(dtype=BF16, sm90=True))
     x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
@@ -234,4 +221,3 @@ def test_fp8_dense_mlp_is_the_composition_gpu(rows, in_gemm, monkeypatch):
     want = ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, w13, s13)), w2, s2)
     assert got.shape == (rows, 2048) and torch.equal(got, want)
     assert "SwiGLU fused into the down projection's quantisation" in ks.op_report()["silu_and_mul"]
-    assert ("quantising its rows" in ks.op_report()["fp8_linear"]) == (in_gemm == "1" and rows <= 16)

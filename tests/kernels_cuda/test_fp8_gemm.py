@@ -11,8 +11,6 @@ Tolerances, against the fp32 product of the dequantised operands (``dequantize_p
   14 mantissa bits before the fp32 promotion (DeepSeek-V3 report, section 3.3.2), so an element may move by a few
   2**-14 of the sum of its products' magnitudes; cosine >= 0.99999. The operands carry random per-group and
   per-block magnitudes, so a scale applied to the wrong row, column or K block fails both.
-- ``fp8_linear_rows`` (the swapped form quantising its own rows, optionally after the SwiGLU): bit-identical to
-  ``fp8_quant.quantize`` then ``fp8_gemm`` (the same codes and scales reach the same wgmma and promotion).
 Shapes: the DeepSeek-V2-Lite projections (q_proj, kv_a_proj, o_proj, the dense down projection with K = 10944, a
 partial last K block) and V3's (q_a / q_b, kv_a, o_proj, the dense gate/up and down), at M in {1, 16, 64, 512, 4096}.
 
@@ -113,18 +111,6 @@ def test_rejects_bad_operands_with_the_parameter_named():
         fp8_quant.quantize(torch.zeros(2, 128))
 
 
-def test_fused_quantisation_checks_its_inputs():
-    w, sw = quantize_fp8_block(torch.randn(128, 256))
-    with pytest.raises(ValueError, match=r"x must be bf16 \[M, 256\]"):
-        fp8_gemm.fp8_linear_rows(torch.zeros(2, 256), w, sw)
-    with pytest.raises(ValueError, match=r"\[M, 512\] for w \[128, 256\] \(gated\)"):
-        fp8_gemm.fp8_linear_rows(torch.zeros(2, 256, dtype=torch.bfloat16), w, sw, gated=True)
-    with pytest.raises(ValueError, match="17 rows; the fused quantisation takes at most 16"):
-        fp8_gemm.fp8_linear_rows(torch.zeros(17, 256, dtype=torch.bfloat16), w, sw)
-    assert fp8_gemm.quant_configs_for(3648, 2048, 1) == [("swapq", (3648, 2048, 16, 2, False)),
-                                                         ("reduce", (3648, 2, 64))]
-
-
 def test_configurations_by_rows():
     assert fp8_gemm.configs_for(2048, 2048, 1) == [("swap", (2048, 2048, 16, 4)), ("reduce", (2048, 4, 256))]
     assert fp8_gemm.configs_for(7168, 16384, 64) == [("swap", (7168, 16384, 64, 1))]  # 112 tiles: no slicing
@@ -209,21 +195,3 @@ def test_other_forms_on_row_counts_they_do_not_divide_gpu(config):
         wq, sw = fp8_weight(n=3072, k=2048)
         check_close(fp8_gemm.fp8_gemm(aq, sa, wq, sw, config=config), gemm_fp32(aq, sa, wq, sw),
                     magnitude=gemm_fp32(aq, sa, wq, sw, magnitude=True))
-
-
-@pytest.mark.gpu
-@pytest.mark.tilelang
-@pytest.mark.parametrize("n,k,gated", [(3648, 2048, False), (2048, 2048, False), (2048, 1408, True),
-                                       (2048, 10944, True), (576, 7168, False)])
-def test_fused_quantisation_equals_quant_then_gemm_gpu(n, k, gated):
-    """V2-Lite's fused q / kv_a projection and o_proj, the shared experts' and the dense layer's down projections
-    (SwiGLU first; K = 10944: a partial last K block), V3's kv_a (14 K slices); 1, 5 and 16 rows."""
-    cfgs = [c for m in (1, 5, 16) for c in fp8_gemm.quant_configs_for(n, k, m, gated) + fp8_gemm.configs_for(n, k, m)]
-    precompile_in_processes([("fp8_gemm", c) for c in cfgs] + [("fp8_quant", fp8_quant.config_for(k, m, gated))
-                                                                 for m in (1, 5, 16)])
-    wq, sw = fp8_weight(n=n, k=k)
-    for m in (1, 5, 16):
-        x = activations(m, 2 * k if gated else k, seed=m)
-        want = fp8_gemm.fp8_gemm(*fp8_quant.quantize(x, gated=gated), wq, sw)
-        got = fp8_gemm.fp8_linear_rows(x, wq, sw, gated=gated)
-        assert got.shape == (m, n) and torch.equal(got, want), (m, (got.float() - want.float()).abs().max().item())

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
@@ -98,14 +97,10 @@ class QuantOps(OpImpl):
         return out.view(*x.shape[:-1], down.shape[0])
 
     def _linear(self, quant, gemm, x2d, weight, scale, gated: bool = False) -> torch.Tensor:
-        """The activations quantised (``gated``: after the SwiGLU) and the FP8 GEMM: inside the GEMM for up to
-        ``QUANT_MAX_ROWS`` rows where ``DEEPINFER_FP8_QUANT_IN_GEMM=1`` (one launch fewer); past the swapped form's
-        rows cuBLASLt's block-scaled GEMM where it was checked on the device (``scaled_mm.py``); else fp8_quant
-        then fp8_gemm."""
+        """The activations quantised by fp8_quant (``gated``: after the SwiGLU), then the FP8 GEMM: past the swapped
+        form's rows cuBLASLt's block-scaled GEMM where it was checked on the device (``scaled_mm.py``), else
+        fp8_gemm."""
         rows = x2d.shape[0]
-        if rows <= gemm.QUANT_MAX_ROWS and envs.FP8_QUANT_IN_GEMM:
-            self.note("fp8_linear", f"kernels_cuda.fp8_gemm quantising its rows (<= {gemm.QUANT_MAX_ROWS})", True)
-            return gemm.fp8_linear_rows(x2d, weight, scale, gated=gated)
         aq, sa = quant.quantize(x2d, gated=gated)
         if rows > gemm.SWAP_MAX_ROWS and self.scaled_mm.available() is None:
             out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda a, s: gemm.fp8_gemm(a, s, weight, scale))
@@ -177,18 +172,12 @@ class QuantOps(OpImpl):
             shapes += [(n, k, range(1, 2)) for n, k in plan.fp8_one_row_shapes if lo <= 1]
             # fp8_dense_mlp's down projections, their SwiGLU fused into the quantisation
             gated = {(plan.hidden_size, inter) for inter in plan.mlp_intermediate_sizes if fq.supported(inter)}
-            in_gemm = fg.QUANT_MAX_ROWS if envs.FP8_QUANT_IN_GEMM else 0  # rows quantised inside the GEMM
             for n, k, rows in shapes:
                 if not fg.supported(n, k):
                     continue
                 for m in rows:
-                    if m <= in_gemm:
-                        out["fp8_gemm"] += fg.quant_configs_for(n, k, m)
-                        out["fp8_gemm"] += fg.quant_configs_for(n, k, m, True) if (n, k) in gated else []
-                    else:
-                        out["fp8_gemm"] += fg.configs_for(n, k, m)
-                        out["fp8_quant"] += [fq.config_for(k, m)] + ([fq.config_for(k, m, True)]
-                                                                     if (n, k) in gated else [])
+                    out["fp8_gemm"] += fg.configs_for(n, k, m)
+                    out["fp8_quant"] += [fq.config_for(k, m)] + ([fq.config_for(k, m, True)] if (n, k) in gated else [])
         g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
         if self.wants("fp8_grouped_gemm") and g is not None and inter:
             gg = kernel_module("fp8_grouped_gemm")
