@@ -11,7 +11,10 @@ import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
+from deepinfer_npu import envs
+
 from .base import BF16, NOT_ON_DEVICE, OpImpl, kernel_module, ref, step_token_bounds
+from .router_gemm import RouterGemm
 
 # The router's fp32 GEMM on bf16 rows takes skinny_gemm up to this many rows: measured on an H200 (V2-Lite router,
 # 64 x 2048, graph replays) 7.3 us at 16 rows against 9.9 us for cuBLAS' fp32 GEMM, which also needs the rows cast
@@ -27,6 +30,10 @@ class Linear(OpImpl):
         "silu_and_mul": "kernels_cuda.silu_mul for bf16 with I a multiple of 8; else the reference (sync-free)",
     }
     FALLBACK = {"linear": "reference op on CUDA tensors: F.linear -> cuBLAS; sync-free"}
+
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self.router_gemm = RouterGemm()
 
     def skinny(self, x2d: torch.Tensor, weight: torch.Tensor, gated: bool = False, grouped: bool = False):
         """(kernels_cuda.skinny_gemm, None) when it takes these operands, else (None, why); also the MLA prolog's
@@ -56,9 +63,17 @@ class Linear(OpImpl):
 
     def router_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Up to ROUTER_SKINNY_MAX_ROWS bf16 rows and an fp32 router: skinny_gemm on the bf16 rows (exact fp32
-        conversion in the kernel, fp32 out), no cast launch; else ``linear(hidden.float(), weight)``."""
+        conversion in the kernel, fp32 out), no cast launch; more rows with ``DEEPINFER_ROUTER_TENSOR_CORES=1``:
+        bf16 tensor-core GEMMs of the weight's exact bf16 split (``router_gemm.py``); else
+        ``linear(hidden.float(), weight)``."""
         mod = self.router_skinny(hidden, weight)
         if mod is None:
+            if envs.ROUTER_TENSOR_CORES and hidden.is_cuda:
+                out = self.router_gemm.logits(hidden, weight)
+                if out is not None:
+                    self.note("linear", "cuBLAS bf16 GEMM, fp32 out (the fp32 router past "
+                              f"{ROUTER_SKINNY_MAX_ROWS} rows, its weight split into exact bf16 parts)", True)
+                    return out
             return self.ks.linear(hidden.float(), weight)
         self.note("linear", f"kernels_cuda.skinny_gemm (the fp32 router on up to {ROUTER_SKINNY_MAX_ROWS} bf16 rows)",
                   True)
