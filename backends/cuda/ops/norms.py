@@ -1,15 +1,21 @@
 """``rms_norm`` / ``add_rms_norm``: ``kernels_cuda.rms_norm`` (one row in registers) for bf16 rows of the widths it
-was checked at, else the CPU reference op on CUDA tensors (sync-free)."""
+was checked at, else the CPU reference op on CUDA tensors (sync-free).
+
+FP8 models with ``DEEPINFER_FP8_NORM_QUANT=1``: the norms whose outputs feed FP8 projections (the hidden size's,
+and the q-LoRA rank's) also write those outputs' FP8 codes and scales in the same launch and hand them to the
+quantised ops (``QuantOps.offer``), so the projections after them launch no quantisation."""
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
-from .base import BF16, NOT_ON_DEVICE, OpImpl, ref
+from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, ref
 
 NORM_MIN, NORM_MAX, NORM_MULT = 512, 7168, 256  # widths kernels_cuda.rms_norm was checked at (one row in regs)
+QUANT_GROUP = 128  # the FP8 activation groups (fp8_quant's)
 
 
 def width_ok(n: int) -> bool:
@@ -29,6 +35,20 @@ class Norms(OpImpl):
         "add_rms_norm": "kernels_cuda.rms_norm (fused add) for bf16, width 512..7168 (x256); else the reference",
     }
 
+    def __init__(self, ks) -> None:
+        super().__init__(ks)
+        self.quant_widths: frozenset[int] = frozenset()  # FP8 models: the norms whose outputs FP8 projections read
+
+    def select(self, cfg: OpConfig) -> None:
+        super().select(cfg)
+        widths = {cfg.hidden_size, cfg.q_lora_rank} if cfg.quantization == "fp8" else set()
+        self.quant_widths = frozenset(n for n in widths if n is not None and n % QUANT_GROUP == 0)
+
+    def _quantised(self, x: torch.Tensor) -> bool:
+        """Whether this norm also writes its output's FP8 codes (``DEEPINFER_FP8_NORM_QUANT=1``)."""
+        return (x.dim() == 2 and x.shape[-1] in self.quant_widths and envs.FP8_NORM_QUANT
+                and self.ks.impl("quant").takes_norm_codes(x))
+
     def _reason(self, x: torch.Tensor, weight: torch.Tensor):
         n = x.shape[-1]
         if not x.is_cuda:
@@ -46,6 +66,11 @@ class Norms(OpImpl):
         if mod is None:
             self.note("rms_norm", f"reference ({why})", False)
             return ref("norm").rms_norm(x, weight, eps)
+        if self._quantised(x):
+            self.note("rms_norm", f"kernels_cuda.rms_norm + FP8 codes (bf16, N={x.shape[-1]})", True)
+            y, codes, scales = mod.rms_norm_quant(x.contiguous(), weight.contiguous(), float(eps))
+            self.ks.impl("quant").offer(y, codes, scales)
+            return y
         self.note("rms_norm", f"kernels_cuda.rms_norm (bf16, N={x.shape[-1]})", True)
         return mod.rms_norm(x.contiguous(), weight.contiguous(), float(eps))
 
@@ -56,6 +81,12 @@ class Norms(OpImpl):
         if mod is None:
             self.note("add_rms_norm", f"reference ({why})", False)
             return ref("norm").add_rms_norm(x, residual, weight, eps)
+        if self._quantised(x):
+            self.note("add_rms_norm", f"kernels_cuda.rms_norm fused add + FP8 codes (bf16, N={x.shape[-1]})", True)
+            y, summed, codes, scales = mod.add_rms_norm_quant(x.contiguous(), residual.contiguous(),
+                                                              weight.contiguous(), float(eps))
+            self.ks.impl("quant").offer(y, codes, scales)
+            return y, summed
         self.note("add_rms_norm", f"kernels_cuda.rms_norm fused add (bf16, N={x.shape[-1]})", True)
         return mod.add_rms_norm(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps))
 
@@ -67,4 +98,11 @@ class Norms(OpImpl):
         want = [(plan.hidden_size, False, plan.rms_norm_eps), (plan.hidden_size, True, plan.rms_norm_eps)]
         if plan.drafter_rms_norm_eps is not None:
             want.append((plan.hidden_size, False, plan.drafter_rms_norm_eps))
-        return {"rms_norm": norm_configs(want)}
+        configs = norm_configs(want)
+        if plan.quantization == "fp8" and envs.FP8_NORM_QUANT and self.ks.impl("quant").wants("fp8_quant"):
+            # the decoder's norms before FP8 projections, and the q-LoRA norm (the MLA prolog lists its plain one)
+            quantised = [(plan.hidden_size, False, plan.rms_norm_eps), (plan.hidden_size, True, plan.rms_norm_eps)]
+            if plan.q_lora_rank:
+                quantised.append((plan.q_lora_rank, False, plan.latent_norm_eps))
+            configs += [(*c, True) for c in norm_configs(quantised) if c[0] % QUANT_GROUP == 0]
+        return {"rms_norm": configs}

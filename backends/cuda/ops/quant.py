@@ -39,6 +39,28 @@ class QuantOps(OpImpl):
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self.scaled_mm = ScaledMM()  # which FP8 shapes cuBLASLt's block-scaled GEMM serves, found on the device
+        # (a norm's output, its version counter, its FP8 codes, its scales): written by the norm's launch
+        # (``Norms``, DEEPINFER_FP8_NORM_QUANT=1); the projections reading that very tensor take them
+        self._normed: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+
+    def takes_norm_codes(self, x: torch.Tensor) -> bool:
+        """Whether the projections after a norm can use its FP8 codes: ``fp8_quant`` serves these rows."""
+        return x.is_cuda and x.dtype == BF16 and self.use("fp8_quant")[0] is not None
+
+    def offer(self, y: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """A norm's output ``y`` [T, K] with the codes and scales ``fp8_quant.quantize(y)`` gives (same bits)."""
+        self._normed = (y, y._version, codes, scales)
+
+    def _quantize(self, quant, x2d: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``quant.quantize(x2d, gated)``, or the codes the norm that wrote ``x2d`` made: ``x2d`` is that output
+        or a view of it with its shape and strides (``fp8_linear`` reshapes), unchanged since (views share the
+        version counter, which every in-place write moves). The norm's output is held here, so its memory is not
+        another tensor's while the codes are offered."""
+        normed = self._normed
+        if not gated and normed is not None and _same_rows(x2d, normed[0]) and x2d._version == normed[1]:
+            self.note("fp8_linear", "kernels_cuda.rms_norm's FP8 codes of the norm before (no fp8_quant launch)", True)
+            return normed[2], normed[3]
+        return quant.quantize(x2d, gated=gated)
 
     def refuses(self, name: str, cfg: OpConfig) -> str | None:
         if not cfg.sm90:
@@ -101,7 +123,7 @@ class QuantOps(OpImpl):
         form's rows cuBLASLt's block-scaled GEMM where it was checked on the device (``scaled_mm.py``), else
         fp8_gemm."""
         rows = x2d.shape[0]
-        aq, sa = quant.quantize(x2d, gated=gated)
+        aq, sa = self._quantize(quant, x2d, gated)
         if rows > gemm.SWAP_MAX_ROWS and self.scaled_mm.available() is None:
             out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda a, s: gemm.fp8_gemm(a, s, weight, scale))
             if out is not None:
@@ -188,6 +210,11 @@ class QuantOps(OpImpl):
                 out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
                 out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
         return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
+
+
+def _same_rows(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return (x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
+            and x.device == y.device)
 
 
 def grouped_shape_reason(gg, quant, d: int, inter: int) -> str | None:
