@@ -2,9 +2,9 @@
 ``DEEPINFER_ROUTER_TENSOR_CORES=1``).
 
 Tolerances: the split is exact (the parts sum to the weight in float64, bit for bit). The logits against
-``F.linear(hidden.float(), weight)``: the same exact products summed in another order, so within 1e-6 of the
-largest |logit| plus 1e-6 relative (fp32 sums of 2048 products); on the GPU, the top-k experts of rows whose logits
-are apart at the cut are the same.
+``F.linear(hidden.float(), weight)``: on the CPU stand-in (exact products, an exact sum) within 1e-6 of the largest
+|logit| plus 1e-6 relative; on the GPU, where the tensor cores' fp32 sums round in their own way, within 2**-15 of
+the sum of the products' magnitudes, and the top-k experts of rows whose logits are apart at the cut are the same.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_the_split_is_made_once_per_weight_and_tied_to_it():
     first = gemm.parts(w)[0]
     assert gemm.parts(w)[0] is first
     other = _weight(8, 256, 4)
-    gemm._parts[id(other)] = (w, first, 3)  # an entry left at a reused id belongs to another weight
+    gemm._parts[id(other)] = (w, w.data_ptr(), first, 3)  # an entry at a reused id: another weight's
     assert torch.equal(sum(p.double() for p in gemm.parts(other)[0].view(3, 8, 256)), other.double())
 
 
@@ -90,8 +90,11 @@ def test_router_on_tensor_cores_matches_the_fp32_gemm_gpu(rows, bf16_valued, mon
     hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
     got = ks.router_logits(hidden, w)
     want = F.linear(hidden.float(), w)
-    assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-6 * want.abs().max()).all()
-    assert "fp32 router past 16 rows" in ks.op_report()["linear"], ks.op_report()["linear"]
+    # exact products; the tensor cores' fp32 sums round inside blocks of products in a way NVIDIA does not
+    # document (truncation after alignment): within 2**-15 of the sum of the products' magnitudes
+    magnitude = F.linear(hidden.float().abs(), w.abs())
+    assert ((got - want).abs() <= 2.0**-15 * magnitude + 1e-30).all(), (got - want).abs().max().item()
+    assert "fp32 router on bf16 rows" in ks.op_report()["linear"], ks.op_report()["linear"]
     # rows whose 6th and 7th logits are apart (no near-tie at the cut) route to the same experts
     top = want.topk(7).values
     rows_apart = (top[:, 5] - top[:, 6]) > 1e-4

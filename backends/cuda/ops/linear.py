@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_npu.hal.types import KernelWarmupPlan
-
 from deepinfer_npu import envs
+from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpImpl, kernel_module, ref, step_token_bounds
 from .router_gemm import RouterGemm
@@ -71,9 +70,12 @@ class Linear(OpImpl):
             if envs.ROUTER_TENSOR_CORES and hidden.is_cuda:
                 out = self.router_gemm.logits(hidden, weight)
                 if out is not None:
-                    self.note("linear", "cuBLAS bf16 GEMM, fp32 out (the fp32 router past "
-                              f"{ROUTER_SKINNY_MAX_ROWS} rows, its weight split into exact bf16 parts)", True)
+                    self.note("linear", "cuBLAS bf16 GEMM, fp32 out (the fp32 router on bf16 rows skinny_gemm does "
+                              "not take, its weight split into exact bf16 parts)", True)
                     return out
+                why = self.router_gemm.reason(hidden, weight)
+                if why is not None:
+                    self.note("linear", f"reference (the fp32 router: {why})", False)
             return self.ks.linear(hidden.float(), weight)
         self.note("linear", f"kernels_cuda.skinny_gemm (the fp32 router on up to {ROUTER_SKINNY_MAX_ROWS} bf16 rows)",
                   True)

@@ -15,6 +15,8 @@ one loops over experts after ``tokens_per_expert.tolist()``, a sync), with the r
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
@@ -23,6 +25,7 @@ from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_sy
 from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
+NORM_OFFERS_KEPT = 4  # norms' codes held (QuantOps.offer): a layer offers at most three (V3: input, q-LoRA, post)
 
 
 class QuantOps(OpImpl):
@@ -39,27 +42,35 @@ class QuantOps(OpImpl):
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self.scaled_mm = ScaledMM()  # which FP8 shapes cuBLASLt's block-scaled GEMM serves, found on the device
-        # (a norm's output, its version counter, its FP8 codes, its scales): written by the norm's launch
-        # (``Norms``, DEEPINFER_FP8_NORM_QUANT=1); the projections reading that very tensor take them
-        self._normed: tuple[torch.Tensor, int, torch.Tensor, torch.Tensor] | None = None
+        # (a norm's output, its FP8 codes, its scales), the latest last: written by the norm's launch (``Norms``,
+        # DEEPINFER_FP8_NORM_QUANT=1); the projections reading those very rows take them
+        self._normed: collections.deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = collections.deque(
+            maxlen=NORM_OFFERS_KEPT)
 
     def takes_norm_codes(self, x: torch.Tensor) -> bool:
         """Whether the projections after a norm can use its FP8 codes: ``fp8_quant`` serves these rows."""
         return x.is_cuda and x.dtype == BF16 and self.use("fp8_quant")[0] is not None
 
     def offer(self, y: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """A norm's output ``y`` [T, K] with the codes and scales ``fp8_quant.quantize(y)`` gives (same bits)."""
-        self._normed = (y, y._version, codes, scales)
+        """A norm's output ``y`` [T, K] with the codes and scales ``fp8_quant.quantize(y)`` gives (same bits).
+
+        The last ``NORM_OFFERS_KEPT`` offers are held: a held output's memory cannot become another tensor's, so
+        an address match is that output; and codes read by a branch on the second stream (``run_parallel``: kv_a
+        beside the query's GEMMs, whose q-LoRA norm offers again) are not freed before the branches join, which
+        happens within the layer, before the next layer's norms have made that many offers."""
+        self._normed.append((y, codes, scales))
 
     def _quantize(self, quant, x2d: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``quant.quantize(x2d, gated)``, or the codes the norm that wrote ``x2d`` made: ``x2d`` is that output
-        or a view of it with its shape and strides (``fp8_linear`` reshapes), unchanged since (views share the
-        version counter, which every in-place write moves). The norm's output is held here, so its memory is not
-        another tensor's while the codes are offered."""
-        normed = self._normed
-        if not gated and normed is not None and _same_rows(x2d, normed[0]) and x2d._version == normed[1]:
-            self.note("fp8_linear", "kernels_cuda.rms_norm's FP8 codes of the norm before (no fp8_quant launch)", True)
-            return normed[2], normed[3]
+        or a view of it with its shape and strides (``fp8_linear`` reshapes). Nothing writes a norm's output in
+        place before the projections that read it (the decoder layer, the MLA prologs and the MLPs only read
+        it)."""
+        if not gated:
+            for y, codes, scales in reversed(self._normed):
+                if _same_rows(x2d, y):
+                    self.note("fp8_linear", "kernels_cuda.rms_norm's FP8 codes of the norm before (no fp8_quant "
+                              "launch)", True)
+                    return codes, scales
         return quant.quantize(x2d, gated=gated)
 
     def refuses(self, name: str, cfg: OpConfig) -> str | None:
@@ -106,7 +117,8 @@ class QuantOps(OpImpl):
         quant, gemm, why = self._modules(x, "fp8_gemm")
         inter = down.shape[1]
         if gemm is not None:
-            why = (gemm.reason(1, *gate_up.shape) or gemm.reason(1, *down.shape) or quant_reason(quant, gate_up.shape[1], inter)
+            why = (gemm.reason(1, *gate_up.shape) or gemm.reason(1, *down.shape)
+                   or quant_reason(quant, gate_up.shape[1], inter)
                    or (None if gate_up.dtype == down.dtype == FP8 else f"weight dtype {gate_up.dtype}")
                    or (None if gate_up.shape[0] == 2 * inter else f"gate_up {list(gate_up.shape)} for I={inter}"))
         if why is not None:  # the parts report their own paths

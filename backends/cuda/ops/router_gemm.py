@@ -5,17 +5,20 @@ Why: the composed form casts the rows to fp32 (one launch) and runs cuBLAS' fp32
 is a few CUDA-core tiles over the whole of K. On an H200 at batch 256 (V2-Lite) the two took about 0.8 ms of kernel
 spans a decode step (``docs/performance.md``).
 
-Exactness: the weight is split once into bf16 parts whose sum is the weight, ``hi = bf16(w)``, ``mid = bf16(w -
+Numerics: the weight is split once into bf16 parts whose sum is the weight, ``hi = bf16(w)``, ``mid = bf16(w -
 hi)``, ``lo = bf16(w - hi - mid)``. Each part takes the next 8 bits of the 24-bit significand, so the sum is exact
-for every fp32 weight away from the subnormal range. A bf16 row times a bf16 part is exact in fp32, and the tensor
-cores accumulate in fp32. So the logits are the fp32 GEMM's up to the order of the sums, as cuBLAS' fp32 GEMM's
-are. A weight that is bf16-valued (checkpoints ship the gate in bf16) has zero ``mid`` and ``lo``: one part, one
-GEMM, no reduction. Otherwise the parts are stacked as [P x E, D] for one GEMM [T, P x E], and the P column blocks
-are summed (two launches, as the cast and the fp32 GEMM were).
+for fp32 weights of magnitude between about 2**-110 and 3e38 (router weights are; beyond, the lower parts underflow
+or ``hi`` overflows). A bf16 row times a bf16 part is exact in fp32; the tensor cores add the products in fp32, with
+an internal rounding NVIDIA does not document (measurements describe block-wise alignment with truncation), so the
+logits may differ from the fp32 GEMM's by a few 2**-23 of the sum of the products' magnitudes. A weight that is
+bf16-valued (checkpoints ship the gate in bf16) has zero ``mid`` and ``lo``: one part, one GEMM, no reduction.
+Otherwise the parts are stacked as [P x E, D] for one GEMM [T, P x E], and the P column blocks are summed (two
+launches, as the cast and the fp32 GEMM were).
 
 The split reads on the host whether the lower parts are zero, so it is made outside CUDA-graph capture, at a
 weight's first eager call (the graph runner runs each size eagerly before capturing it). A call inside a capture
-with no split yet, or a torch whose ``mm`` has no ``out_dtype``, keeps the composed form, with the reason.
+with no split yet, or a torch whose ``mm`` has no ``out_dtype`` (then for good), keeps the composed form; the op
+report names the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 BF16 = torch.bfloat16
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", MemoryError)
 
 
 def split_bf16(weight: torch.Tensor) -> list[torch.Tensor]:
@@ -50,9 +54,9 @@ class RouterGemm:
 
     def __init__(self, mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = _mm_fp32_out) -> None:
         self._mm = mm  # bf16 [T, D] x bf16 [D, N] -> fp32 [T, N]
-        # id(weight) -> (the weight, its stacked parts [P x E, D], P): the weight is kept so that its id is not
-        # reused by another tensor while the split is cached
-        self._parts: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        # id(weight) -> (the weight, its address, its stacked parts [P x E, D], P): the weight is kept so that its id
+        # is not reused by another tensor while the split is cached; its address changes if its storage is replaced
+        self._parts: dict[int, tuple[torch.Tensor, int, torch.Tensor, int]] = {}
         self.error: str | None = None  # set when the GEMM failed once: the composed form from then on
 
     def reason(self, hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -63,20 +67,25 @@ class RouterGemm:
             return f"rows {hidden.dtype}, router {weight.dtype}: bf16 rows and an fp32 router only"
         if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
             return f"rows {list(hidden.shape)}, router {list(weight.shape)}: not [T, D] x [E, D]"
-        cached = self._parts.get(id(weight))
-        if (cached is None or cached[0] is not weight) and _capturing():
+        if self._cached(weight) is None and _capturing():
             return "the router's bf16 split is not made yet (CUDA-graph capture)"
         return None
 
+    def _cached(self, weight: torch.Tensor):
+        cached = self._parts.get(id(weight))
+        ok = cached is not None and cached[0] is weight and cached[1] == weight.data_ptr()
+        return cached if ok else None
+
     def parts(self, weight: torch.Tensor) -> tuple[torch.Tensor, int]:
         """(the stacked bf16 parts [P x E, D], P), made at the weight's first call."""
-        cached = self._parts.get(id(weight))
-        if cached is None or cached[0] is not weight:
+        cached = self._cached(weight)
+        if cached is None:
             sync_mode = torch.cuda.get_sync_debug_mode() if weight.is_cuda else 0
             with _sync_allowed(sync_mode):  # once per weight: whether the lower parts are zero is read on the host
                 parts = split_bf16(weight)
-            cached = self._parts[id(weight)] = (weight, torch.cat(parts).contiguous(), len(parts))
-        return cached[1], cached[2]
+            cached = self._parts[id(weight)] = (weight, weight.data_ptr(), torch.cat(parts).contiguous(),
+                                                len(parts))
+        return cached[2], cached[3]
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """fp32 [T, E] logits, or None where :meth:`reason` refuses or the GEMM failed (the caller composes)."""
@@ -85,9 +94,12 @@ class RouterGemm:
         stacked, count = self.parts(weight)
         try:
             out = self._mm(hidden, stacked.t())
-        except Exception as e:  # noqa: BLE001 - e.g. a torch whose mm has no out_dtype: the composed form
+        except OUT_OF_MEMORY:
+            return None  # not a verdict on the form: this call composes, the next tries again
+        except Exception as e:  # noqa: BLE001 - e.g. a torch whose mm has no out_dtype: the composed form for good
             text = str(e).strip().splitlines()
             self.error = f"bf16 GEMM with fp32 output failed: {type(e).__name__}: {text[0][:160] if text else ''}"
+            self._parts.clear()
             return None
         if count == 1:
             return out
