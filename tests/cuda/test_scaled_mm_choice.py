@@ -41,11 +41,12 @@ def _tile(w, sw, calls=None):
     return tile
 
 
-def _stand_in(calls, refuse=(), wrong=(), rows_of_4=False, fail_at=None):
+def _stand_in(calls, refuse=(), wrong=(), rows_of_4=False, fail_at=None, aligned_only=False):
     """torch._scaled_mm on dequantised operands. ``refuse`` / ``wrong``: scale layouts ("plain": a view of the
     weight's scales, "padded": of a padded copy) it raises for / answers with a wrong scale; ``rows_of_4``: it reads
     the activations' scales with a leading dimension rounded up to 4 rows (the layout some cuBLASLt users assume):
-    rows past the first misread their scales when M % 4 != 0; ``fail_at``: an M it raises for."""
+    rows past the first misread their scales when M % 4 != 0; ``fail_at``: an M it raises for; ``aligned_only``: it
+    raises unless N is a multiple of 128, K of 512 and M of 4."""
 
     def scaled_mm(a, b, scale_a, scale_b, out_dtype):
         layout = "plain" if scale_b.t().is_contiguous() else "padded"
@@ -53,6 +54,8 @@ def _stand_in(calls, refuse=(), wrong=(), rows_of_4=False, fail_at=None):
         calls.append((layout, m))
         if layout in refuse or m == fail_at:
             raise RuntimeError(f"Invalid scaling configuration ({layout}, M={m})")
+        if aligned_only and (b.shape[1] % 128 or a.shape[1] % 512 or m % 4):
+            raise RuntimeError(f"Invalid scaling configuration (M={m}, N={b.shape[1]}, K={a.shape[1]})")
         assert scale_a.stride(0) == 1  # M-major activation scales
         if rows_of_4 and m % 4:
             ld = -(-m // 4) * 4
@@ -100,7 +103,7 @@ def test_a_scale_read_from_the_wrong_row_is_caught_where_equal_rows_would_hide_i
     assert len({tuple(r.tolist()) for r in s}) > 100  # distinct rows of scales
     _, _, w, sw = _operands()
     ops = sm.ScaledMM()
-    got = ops._run(a, s, w, ops._scale_b(sw, "plain"), pad_rows=False)
+    got = ops._run(a, s, *ops._weight(w, sw, sm.Form("plain")), sm.Form("plain"))
     assert "elements off" in sm.disagreement(got, _product(a, s, w, sw))
 
 
@@ -183,3 +186,28 @@ def test_padded_scales_follow_the_weight_not_its_address():
     other = sw * 2
     ops._padded[(other.data_ptr(), tuple(other.shape))] = ops._padded.pop((sw.data_ptr(), tuple(sw.shape)))
     assert torch.equal(ops._scale_b(other, "padded").t(), other)  # an entry at its address for another tensor
+
+
+def test_unaligned_n_and_k_are_served_zero_padded(monkeypatch):
+    """kv_a's N = 576 and a K of 11 groups, where cuBLASLt takes only aligned operands: the weight padded once (zeros,
+    scales of one), the activations' K and rows per call, the output's columns sliced back; the product is the
+    unpadded one."""
+    calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _stand_in(calls, aligned_only=True))
+    ops = sm.ScaledMM()
+    aq, sa, w, sw = _operands(m=71, n=576, k=1408)
+    out, why = ops.gemm(aq, sa, w, sw, _tile(w, sw))
+    assert why is None and out.shape == (71, 576) and out.is_contiguous()
+    assert torch.equal(out, _product(aq, sa, w, sw))
+    assert ops.forms == {(576, 1408, 3): sm.Form("plain", pad_nk=True)}
+    assert calls[-1] == ("plain", 72)
+    wp, swp = ops._padded_nk[id(w)][1:]
+    assert wp.shape == (640, 1536) and swp.shape == (5, 12) and not wp[576:].float().any()
+    out, why = ops.gemm(aq, sa, w, sw, lambda a, s: pytest.fail("checked twice"))
+    assert why is None and ops._padded_nk[id(w)][1] is wp  # padded once
+    # another weight of the key, first seen inside a capture: its padded copy is not made there
+    other_w, other_sw = _operands(n=576, k=1408, seed=1)[2:]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    out, why = ops.gemm(aq, sa, other_w, other_sw, lambda a, s: pytest.fail("no check"))
+    assert out is None and "not made yet" in why

@@ -11,8 +11,10 @@ an unaligned M does is found, not assumed): the first eager call of a key runs b
 ``CHECK_ROWS`` sizes with that remainder (distinct rows and per-group scales, so a scale read from the wrong row or
 group shows) and the layer's own weight, and keeps cuBLASLt only where every element agrees with the tile kernel
 (``disagreement``); the forms tried, in order: the scales as they are, then K / 128 padded to a multiple of 4, then
-(unaligned M) the rows padded to a multiple of 4. A key it refuses or gets wrong stays on the tile kernel, with the
-reason in the op report; so does a key whose accepted form later raises (another M picks another cuBLASLt kernel).
+(unaligned M) the rows padded to a multiple of 4, then every operand zero-padded to aligned N (128), K (512) and rows
+(4) (on an H200 with torch 2.11, one engine key at M % 4 = 3 was refused in every other form). A key it refuses or
+gets wrong stays on the tile kernel, with the reason in the op report; so does a key whose accepted form later
+raises (another M picks another cuBLASLt kernel).
 The check reads its result on the host, so it never runs inside CUDA-graph capture: a captured step takes
 cuBLASLt where the eager run before the capture checked its key, else the tile kernel.
 """
@@ -31,13 +33,19 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", MemoryError)
 @dataclass(frozen=True)
 class Form:
     """How cuBLASLt takes one key's operands: ``scales`` "plain" (the weight's scales as they are) or "padded"
-    (K / 128 padded to a multiple of 4); ``pad_rows``: the activations padded to a multiple of 4 rows."""
+    (K / 128 padded to a multiple of 4); ``pad_rows``: the activations padded to a multiple of 4 rows;
+    ``pad_nk``: the weight zero-padded to N a multiple of 128 and K of 512 (its block scales with ones), the
+    activations' K likewise, rows to a multiple of 4, and the output's columns sliced back: every operand aligned,
+    for shapes such as kv_a's N = 576 or a down projection's K / 128 = 11. Zeros add nothing to the product."""
 
     scales: str
     pad_rows: bool = False
+    pad_nk: bool = False
 
 
-FORMS = (Form("plain"), Form("padded"), Form("plain", pad_rows=True), Form("padded", pad_rows=True))
+FORMS = (Form("plain"), Form("padded"), Form("plain", pad_rows=True), Form("padded", pad_rows=True),
+         Form("plain", pad_nk=True))
+N_ALIGN, K_ALIGN = 128, 512  # pad_nk: one weight block of N; four scale groups of K
 
 
 class ScaledMM:
@@ -47,6 +55,8 @@ class ScaledMM:
         # (address, shape) -> (the weight's scales, their padded copy); the scales are kept so that their address
         # is not reused by another tensor while the copy is cached
         self._padded: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(weight) -> (the weight, its zero-padded copy, its padded scales): Form.pad_nk
+        self._padded_nk: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def available(self) -> str | None:
         """Why cuBLASLt's block-scaled GEMM cannot run at all here, or None."""
@@ -73,26 +83,56 @@ class ScaledMM:
         form = self.forms[key]
         if form is None:
             return None, self.errors[key]
-        scale_b = self._scale_b(sw, form.scales, capturing)
-        if scale_b is None:
+        operands = self._weight(w, sw, form, capturing)
+        if operands is None:
             return None, "this weight's padded scales are not made yet (CUDA-graph capture)"
         try:
-            return self._run(aq, sa, w, scale_b, form.pad_rows), None
+            return self._run(aq, sa, *operands, form), None
         except Exception as e:  # noqa: BLE001 - an M the check did not try: this key goes back to the tile kernel
             self.forms[key] = None
             self.errors[key] = (f"torch._scaled_mm failed at M={m}, N={key[0]}, K={key[1]} after its check passed "
                                 f"({_first_line(e)})")
             return None, self.errors[key]
 
-    def _run(self, aq, sa, w, scale_b, pad_rows: bool) -> torch.Tensor:
-        m = aq.shape[0]
-        if pad_rows and m % 4:
+    def _weight(self, w, sw, form: Form, capturing: bool = False) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(the weight as ``form`` passes it, its scales as cuBLASLt takes them, the output's N), or None where a
+        padded copy would first be made inside a capture."""
+        if form.pad_nk:
+            padded = self._padded_weight(w, sw, capturing)
+            return None if padded is None else (padded[0], padded[1].t(), int(w.shape[0]))
+        scale_b = self._scale_b(sw, form.scales, capturing)
+        return None if scale_b is None else (w, scale_b, int(w.shape[0]))
+
+    def _padded_weight(self, w, sw, capturing: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cached = self._padded_nk.get(id(w))
+        if cached is None or cached[0] is not w:
+            if capturing:
+                return None
+            (n, k), (nb, kb) = w.shape, sw.shape
+            np_, kp = -(-n // N_ALIGN) * N_ALIGN, -(-k // K_ALIGN) * K_ALIGN
+            wp = torch.zeros(np_, kp, dtype=w.dtype, device=w.device)
+            wp[:n, :k] = w
+            swp = torch.ones(np_ // 128, kp // 128, dtype=sw.dtype, device=sw.device)
+            swp[:nb, :kb] = sw
+            cached = self._padded_nk[id(w)] = (w, wp, swp)
+        return cached[1], cached[2]
+
+    def _run(self, aq, sa, w, scale_b, n: int, form: Form) -> torch.Tensor:
+        m, k = aq.shape
+        if form.pad_nk and w.shape[1] != k:  # the activations' K as the padded weight's
+            a2 = torch.zeros(m, w.shape[1], dtype=aq.dtype, device=aq.device)
+            a2[:, :k] = aq
+            s2 = torch.ones(m, w.shape[1] // 128, dtype=sa.dtype, device=sa.device)
+            s2[:, : sa.shape[1]] = sa
+            aq, sa = a2, s2
+        if (form.pad_rows or form.pad_nk) and m % 4:
             extra = 4 - m % 4
             aq = torch.cat([aq, aq.new_zeros(extra, aq.shape[1])])
             sa = torch.cat([sa, sa.new_ones(extra, sa.shape[1])])
         scale_a = sa.t().contiguous().t()  # M-major, as cuBLASLt reads the activations' group scales
         out = torch._scaled_mm(aq, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
-        return out[:m] if out.shape[0] != m else out
+        out = out[:m] if out.shape[0] != m else out
+        return out[:, :n].contiguous() if out.shape[1] != n else out
 
     def _scale_b(self, sw: torch.Tensor, layout: str, capturing: bool = False) -> torch.Tensor | None:
         """The weight's scales as cuBLASLt takes them; None where the padded copy would first be made inside a
@@ -127,7 +167,7 @@ class ScaledMM:
                 why = None
                 for (a, s), want in zip(cases, wants):
                     try:
-                        why = disagreement(self._run(a, s, w, self._scale_b(sw, form.scales), form.pad_rows), want)
+                        why = disagreement(self._run(a, s, *self._weight(w, sw, form), form), want)
                     except OUT_OF_MEMORY:
                         raise
                     except Exception as e:  # noqa: BLE001 - a refused form: try the next, then the tile kernel
@@ -138,7 +178,7 @@ class ScaledMM:
                 if why is None:
                     self.forms[key] = form
                     return
-                errors.append(f"{form.scales} scales{', rows padded' if form.pad_rows else ''}: {why}")
+                errors.append(f"{_describe(form)}: {why}")
         finally:
             if sync_mode:
                 torch.cuda.set_sync_debug_mode(sync_mode)
@@ -154,6 +194,12 @@ def _random_activations(rows: int, k: int, groups: int, device, seed: int) -> tu
     a = torch.randn(rows, k, generator=g, device=device).to(torch.float8_e4m3fn)
     s = torch.exp2(torch.randint(-4, 5, (rows, groups), generator=g, device=device).float())
     return a, s
+
+
+def _describe(form: Form) -> str:
+    if form.pad_nk:
+        return f"N, K and rows padded to {N_ALIGN}, {K_ALIGN} and 4"
+    return f"{form.scales} scales{', rows padded' if form.pad_rows else ''}"
 
 
 def _first_line(e: Exception) -> str:
