@@ -23,10 +23,13 @@ report names the reason.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
+
+from deepinfer_npu.hal.sync_guard import allow_sync
+
+from .scaled_mm import _first_line
 
 BF16 = torch.bfloat16
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", MemoryError)
@@ -80,8 +83,7 @@ class RouterGemm:
         """(the stacked bf16 parts [P x E, D], P), made at the weight's first call."""
         cached = self._cached(weight)
         if cached is None:
-            sync_mode = torch.cuda.get_sync_debug_mode() if weight.is_cuda else 0
-            with _sync_allowed(sync_mode):  # once per weight: whether the lower parts are zero is read on the host
+            with allow_sync("the router's bf16 split reads on the host whether its lower parts are zero, once"):
                 parts = split_bf16(weight)
             cached = self._parts[id(weight)] = (weight, weight.data_ptr(), torch.cat(parts).contiguous(),
                                                 len(parts))
@@ -97,8 +99,7 @@ class RouterGemm:
         except OUT_OF_MEMORY:
             return None  # not a verdict on the form: this call composes, the next tries again
         except Exception as e:  # noqa: BLE001 - e.g. a torch whose mm has no out_dtype: the composed form for good
-            text = str(e).strip().splitlines()
-            self.error = f"bf16 GEMM with fp32 output failed: {type(e).__name__}: {text[0][:160] if text else ''}"
+            self.error = f"bf16 GEMM with fp32 output failed: {_first_line(e)}"
             self._parts.clear()
             return None
         if count == 1:
@@ -109,13 +110,3 @@ class RouterGemm:
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-
-@contextlib.contextmanager
-def _sync_allowed(sync_mode):
-    if sync_mode:
-        torch.cuda.set_sync_debug_mode(0)
-    try:
-        yield
-    finally:
-        if sync_mode:
-            torch.cuda.set_sync_debug_mode(sync_mode)

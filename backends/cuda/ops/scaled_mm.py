@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_npu.hal.sync_guard import allow_sync
+
 CHECK_ROWS = (68, 1024)  # plus M % 4: just past the swapped GEMM's 64 rows, and a size tiled in M
 RTOL, ATOL_OF_MAX = 2e-2, 2e-3  # element-wise: two fp32-accumulated GEMMs rounded to bf16, in other orders
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", MemoryError)
@@ -157,10 +159,7 @@ class ScaledMM:
                  for seed, rows in enumerate(CHECK_ROWS)]
         wants = [tile(a, s) for a, s in cases]
         errors = []
-        sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-        if sync_mode:
-            torch.cuda.set_sync_debug_mode(0)  # this once per key: the comparison is read on the host
-        try:
+        with allow_sync("the cuBLASLt check reads its comparison on the host, once per key"):
             for form in FORMS:
                 if form.pad_rows and key[2] == 0:
                     continue  # nothing to pad
@@ -179,9 +178,6 @@ class ScaledMM:
                     self.forms[key] = form
                     return
                 errors.append(f"{_describe(form)}: {why}")
-        finally:
-            if sync_mode:
-                torch.cuda.set_sync_debug_mode(sync_mode)
         self.forms[key] = None
         self.errors[key] = (f"torch._scaled_mm refused or disagreed at N={key[0]}, K={key[1]}, M % 4 = {key[2]} "
                             f"({'; '.join(errors)})")
