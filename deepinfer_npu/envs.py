@@ -84,14 +84,9 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_COMPILE_WORKERS", "auto", _count_or_auto,
                "Processes the CUDA kernel warm-up builds in at start-up: auto (one a usable core, at most "
                "16) or a count (0 or 1: one at a time, e.g. several engines starting on one host)."),
-        EnvVar("DEEPINFER_FP8_NORM_QUANT", "0", _flag,
-               "1: in FP8 models the CUDA backend's RMSNorms before FP8 projections also write their outputs' FP8 "
-               "codes and scales in the same launch (no fp8_quant launch for those projections); 0: a separate "
-               "fp8_quant launch (the default until the fused form is checked and timed on a Hopper GPU)."),
-        EnvVar("DEEPINFER_ROUTER_TENSOR_CORES", "0", _flag,
-               "1: the CUDA backend's MoE router past 16 rows runs as bf16 tensor-core GEMMs of its fp32 weight's "
-               "exact bf16 split, fp32 out; 0: the rows cast to fp32 and cuBLAS' fp32 GEMM (the default until "
-               "the tensor-core form is timed on a Hopper GPU)."),
+        EnvVar("DEEPINFER_ROUTER_TENSOR_CORES", "1", _flag,
+               "1 (the default): the CUDA backend's MoE router past 16 rows runs as bf16 tensor-core GEMMs of its "
+               "fp32 weight's exact bf16 split, fp32 out; 0: the rows cast to fp32 and cuBLAS' fp32 GEMM."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )

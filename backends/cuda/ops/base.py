@@ -155,9 +155,6 @@ class OpConfig:
     block_size: int | None = None
     sm90: bool = False
     skip: frozenset[str] = field(default_factory=frozenset)
-    quantization: str | None = None  # the weights' scheme ("fp8"), None: unquantised
-    hidden_size: int | None = None
-    q_lora_rank: int | None = None
 
     @property
     def known(self) -> bool:
@@ -166,16 +163,14 @@ class OpConfig:
     @classmethod
     def from_plan(cls, plan: KernelWarmupPlan, sm90: bool, skip: frozenset[str] = frozenset()) -> OpConfig:
         return cls(plan.dtype, plan.num_heads, plan.qk_nope_head_dim, plan.qk_rope_head_dim, plan.kv_lora_rank,
-                   plan.block_size, sm90, skip, plan.quantization, plan.hidden_size, plan.q_lora_rank)
+                   plan.block_size, sm90, skip)
 
     @classmethod
     def from_model(cls, model_config: Any, dtype: torch.dtype, block_size: int, sm90: bool,
                    skip: frozenset[str] = frozenset()) -> OpConfig:
         mc = model_config
-        quant = getattr(mc, "quant", None)
         return cls(dtype, mc.num_attention_heads, mc.qk_nope_head_dim, mc.qk_rope_head_dim, mc.kv_lora_rank,
-                   block_size, sm90, skip, quant.method if quant is not None else None,
-                   getattr(mc, "hidden_size", None), getattr(mc, "q_lora_rank", None))
+                   block_size, sm90, skip)
 
 
 class OpImpl:

@@ -15,8 +15,6 @@ one loops over experts after ``tokens_per_expert.tolist()``, a sync), with the r
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from deepinfer_npu.hal.types import KernelWarmupPlan
@@ -25,7 +23,6 @@ from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_sy
 from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
-NORM_OFFERS_KEPT = 4  # norms' codes held (QuantOps.offer): a layer offers at most three (V3: input, q-LoRA, post)
 
 
 class QuantOps(OpImpl):
@@ -42,36 +39,6 @@ class QuantOps(OpImpl):
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self.scaled_mm = ScaledMM()  # which FP8 shapes cuBLASLt's block-scaled GEMM serves, found on the device
-        # (a norm's output, its FP8 codes, its scales), the latest last: written by the norm's launch (``Norms``,
-        # DEEPINFER_FP8_NORM_QUANT=1); the projections reading those very rows take them
-        self._normed: collections.deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = collections.deque(
-            maxlen=NORM_OFFERS_KEPT)
-
-    def takes_norm_codes(self, x: torch.Tensor) -> bool:
-        """Whether the projections after a norm can use its FP8 codes: ``fp8_quant`` serves these rows."""
-        return x.is_cuda and x.dtype == BF16 and self.use("fp8_quant")[0] is not None
-
-    def offer(self, y: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        """A norm's output ``y`` [T, K] with the codes and scales ``fp8_quant.quantize(y)`` gives (same bits).
-
-        The last ``NORM_OFFERS_KEPT`` offers are held: a held output's memory cannot become another tensor's, so
-        an address match is that output; and codes read by a branch on the second stream (``run_parallel``: kv_a
-        beside the query's GEMMs, whose q-LoRA norm offers again) are not freed before the branches join, which
-        happens within the layer, before the next layer's norms have made that many offers."""
-        self._normed.append((y, codes, scales))
-
-    def _quantize(self, quant, x2d: torch.Tensor, gated: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """``quant.quantize(x2d, gated)``, or the codes the norm that wrote ``x2d`` made: ``x2d`` is that output
-        or a view of it with its shape and strides (``fp8_linear`` reshapes). Nothing writes a norm's output in
-        place before the projections that read it (the decoder layer, the MLA prologs and the MLPs only read
-        it)."""
-        if not gated:
-            for y, codes, scales in reversed(self._normed):
-                if _same_rows(x2d, y):
-                    self.note("fp8_linear", "kernels_cuda.rms_norm's FP8 codes of the norm before (no fp8_quant "
-                              "launch)", True)
-                    return codes, scales
-        return quant.quantize(x2d, gated=gated)
 
     def refuses(self, name: str, cfg: OpConfig) -> str | None:
         if not cfg.sm90:
@@ -135,7 +102,7 @@ class QuantOps(OpImpl):
         form's rows cuBLASLt's block-scaled GEMM where it was checked on the device (``scaled_mm.py``), else
         fp8_gemm."""
         rows = x2d.shape[0]
-        aq, sa = self._quantize(quant, x2d, gated)
+        aq, sa = quant.quantize(x2d, gated=gated)
         if rows > gemm.SWAP_MAX_ROWS and self.scaled_mm.available() is None:
             out, why = self.scaled_mm.gemm(aq, sa, weight, scale, lambda a, s: gemm.fp8_gemm(a, s, weight, scale))
             if out is not None:
@@ -222,11 +189,6 @@ class QuantOps(OpImpl):
                 out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
                 out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
         return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
-
-
-def _same_rows(x: torch.Tensor, y: torch.Tensor) -> bool:
-    return (x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
-            and x.device == y.device)
 
 
 def grouped_shape_reason(gg, quant, d: int, inter: int) -> str | None:
