@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 
 #: the order modules compile in: the forward's, then verification and the ZOS correction
 COMPILE_ORDER = ("rms_norm", "mla_rope_cache", "mla_decode", "mla_absorb", "skinny_gemm", "silu_mul", "moe_routing",
-                 "moe_gemm", "moe_gemm_swap", "fp8_quant", "fp8_gemm", "fp8_grouped_gemm", "spec_verify", "zos_fixup",
-                 "decode_inputs")
+                 "moe_gemm", "moe_gemm_swap", "fp8_quant", "fp8_gemm", "fp8_grouped_gemm", "fp8_skinny_gemm",
+                 "spec_verify", "zos_fixup", "decode_inputs")
 
 
 def reachable_configs(kernels: Any, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
@@ -174,7 +174,7 @@ def compile_workers(num_jobs: int) -> int:
 EXPECTED_BUILD_S = {
     "mla_decode": 10.5, "mla_decode:prefill": 9.0, "mla_decode:prefill_short": 14.0, "mla_decode:ws": 100.0,
     "moe_routing:route": 11.0, "spec_verify:accept": 10.0, "fp8_grouped_gemm": 10.0, "fp8_gemm": 9.0,
-    "moe_gemm:gemm": 8.5, "skinny_gemm": 7.5, "moe_gemm_swap": 7.5, "moe_routing:permute": 7.5,
+    "moe_gemm:gemm": 8.5, "skinny_gemm": 7.5, "fp8_skinny_gemm": 7.5, "moe_gemm_swap": 7.5, "moe_routing:permute": 7.5,
     "spec_verify:argmax": 6.0, "decode_inputs": 6.0, "moe_gemm:expert_scan": 0.0,
 }
 DEFAULT_BUILD_S = 4.0  # the elementwise and norm kernels: nvcc's fixed cost of TileLang's headers, most of it

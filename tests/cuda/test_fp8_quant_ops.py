@@ -91,8 +91,15 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
     # the fused q / kv_a projection: one row only
     fused = ks.warmup_configs(fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),)), 132)
     assert set(fused["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
+    # one-row steps: the one-launch FP8 GEMM at each projection's K, the dense MLPs' gated gate/up, one token's
+    # experts (w13 gated, w2) at the grouped launch's row block
+    from deepinfer_npu.kernels_cuda import fp8_skinny_gemm as fs
+
+    assert set(cfgs["fp8_skinny_gemm"]) == {fs.config_for(2048, 1), fs.config_for(2816, 1),
+                                            fs.config_for(2048, 1, True), fs.config_for(d, 2, True, True),
+                                            fs.config_for(inter, 2, False, True)}
     # a bf16 engine compiles none of them
-    assert not {"fp8_gemm", "fp8_grouped_gemm", "fp8_quant"} & set(ks.warmup_configs(base, 132))
+    assert not {"fp8_gemm", "fp8_grouped_gemm", "fp8_quant", "fp8_skinny_gemm"} & set(ks.warmup_configs(base, 132))
 
 
 @pytest.mark.gpu
@@ -127,7 +134,9 @@ def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, k):
                                     magnitude=magnitude.flatten()[i].item(), bound=bound.flatten()[i].item())
         assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.9999
     report = ks.op_report()["fp8_linear"]
-    if rows <= 64:
+    if rows == 1:  # the quantisation inside the one-row GEMM (kernels_cuda.fp8_skinny_gemm)
+        assert report == "native (kernels_cuda.fp8_skinny_gemm (one row: the quantisation inside the GEMM))", report
+    elif rows <= 64:
         assert report == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)", report
     else:  # cuBLASLt's block-scaled GEMM where its check agreed with the tile kernel (scaled_mm.py)
         assert report.startswith("native (kernels_cuda.fp8_quant + ") and "torch._scaled_mm" in report, report
@@ -203,7 +212,9 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
     assert report["mla_prolog_quant"].startswith("native (fp8_linear projections"), report["mla_prolog_quant"]
     # the bf16 prolog's tail: kv_a layernorm, both ropes and the cache write in one launch
     assert "kernels_cuda.mla_rope_cache" in report["mla_prolog_quant"], report["mla_prolog_quant"]
-    assert report["fp8_linear"] == "native (kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm)"
+    one_row = "native (kernels_cuda.fp8_skinny_gemm (one row: the quantisation inside the GEMM))"
+    assert report["fp8_linear"] == (one_row if tokens == 1 else "native (kernels_cuda.fp8_quant + "
+                                    "kernels_cuda.fp8_gemm)"), report["fp8_linear"]
 
 
 @pytest.mark.gpu
@@ -220,4 +231,5 @@ def test_fp8_dense_mlp_is_the_composition_gpu(rows):
     got = ks.fp8_dense_mlp(x, w13, s13, w2, s2)
     want = ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, w13, s13)), w2, s2)
     assert got.shape == (rows, 2048) and torch.equal(got, want)
-    assert "SwiGLU fused into the down projection's quantisation" in ks.op_report()["silu_and_mul"]
+    want_path = "SwiGLU in the gate/up GEMM" if rows == 1 else "SwiGLU fused into the down projection's quantisation"
+    assert want_path in ks.op_report()["silu_and_mul"], ks.op_report()["silu_and_mul"]

@@ -161,10 +161,12 @@ def test_kernel_set_one_row_paths_match_reference_gpu():
     got = ks.dense_mlp(x, gate_up, down).float()
     assert ((got - want).abs() <= 4 * 2.0**-8 * want.abs() + 2e-2).all()
     router = torch.randn(64, 2048, device="cuda", generator=g) * 2048**-0.5
-    for rows in (1, 5, 16, 17):  # skinny_gemm up to 16 rows (two row blocks of 8 at 16), cuBLAS above
+    for rows in (1, 5, 16, 17):  # skinny_gemm up to 16 rows (two row blocks of 8 at 16), tensor cores above
         xr = torch.randn(rows, 2048, device="cuda", generator=g).to(bf)
         want = F.linear(xr.float(), router)
-        assert torch.allclose(ks.router_logits(xr, router), want, rtol=1e-5, atol=1e-5), rows
+        # past 16 rows: the bf16 split on the tensor cores (tests/cuda/test_router_tensor_cores.py's tolerance)
+        tol = 1e-5 * want.abs() + 1e-5 + (2.0**-15 * (xr.float().abs() @ router.abs().t()) if rows > 16 else 0)
+        assert ((ks.router_logits(xr, router) - want).abs() <= tol).all(), rows
     assert "the fp32 router on up to 16 bf16 rows" in ks.op_report()["linear"]
     assert ks.op_report()["linear"].startswith("native (kernels_cuda.skinny_gemm"), ks.op_report()["linear"]
 

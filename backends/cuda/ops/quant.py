@@ -17,16 +17,22 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
 from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
+# fp8_skinny_gemm (the quantisation inside the GEMM, one launch a projection) serves the dense projections of
+# one-row steps and the experts' GEMMs of up to this many rows (one token's top-k; DEEPINFER_FP8_SKINNY=0: never)
+SKINNY_DENSE_MAX_ROWS = 1
+SKINNY_GROUPED_MAX_ROWS = 8
+SKINNY_DENSE_MAX_K = 8192  # past it one CTA walks too much of K (skinny_gemm.DENSE_MAX_K's reason)
 
 
 class QuantOps(OpImpl):
-    KERNELS = ("fp8_quant", "fp8_gemm", "fp8_grouped_gemm")
+    KERNELS = ("fp8_quant", "fp8_gemm", "fp8_grouped_gemm", "fp8_skinny_gemm")
     PRIMARY = {"fp8_linear": "fp8_gemm", "fp8_grouped_mlp": "fp8_grouped_gemm"}
     PLANNED = {
         "fp8_linear": "kernels_cuda.fp8_quant + kernels_cuda.fp8_gemm (bf16 rows, K % 16 == 0, N % 64 == 0); "
@@ -59,6 +65,24 @@ class QuantOps(OpImpl):
         mod, why = self.use(gemm)
         return (quant, mod, None) if mod is not None else (None, None, why)
 
+    def _skinny(self, x2d: torch.Tensor, *weights: tuple[torch.Tensor, torch.Tensor, bool], grouped: bool = False):
+        """kernels_cuda.fp8_skinny_gemm when it takes ``x2d``'s rows against every ``(weight, scale, gated)``,
+        else None."""
+        limit = SKINNY_GROUPED_MAX_ROWS if grouped else SKINNY_DENSE_MAX_ROWS
+        if not envs.FP8_SKINNY or x2d.dim() != 2 or not 0 < x2d.shape[0] <= limit:
+            return None
+        mod, _why = self.use("fp8_skinny_gemm")
+        if mod is None:
+            return None
+        (w, scale, gated), *rest = weights
+        if mod.reason(x2d, w, scale, gated, grouped) is not None:
+            return None
+        if any(mod.weight_reason(*more, grouped=grouped) is not None for more in rest):
+            return None
+        if not grouped and any(more[0].shape[-1] > SKINNY_DENSE_MAX_K for more in weights):
+            return None
+        return mod
+
     # ---- ops -----------------------------------------------------------------------------------------------
     def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,7 +94,12 @@ class QuantOps(OpImpl):
             self.note("fp8_linear", f"reference ({why})", False)
             return ref("quant").fp8_linear(x, weight, weight_scale_inv, bias)
         x2d = x.reshape(-1, k)
-        out = self._linear(quant, gemm, x2d, weight, weight_scale_inv)
+        skinny = self._skinny(x2d, (weight, weight_scale_inv, False))
+        if skinny is not None:
+            self.note("fp8_linear", "kernels_cuda.fp8_skinny_gemm (one row: the quantisation inside the GEMM)", True)
+            out = skinny.fp8_skinny_gemm(x2d, weight, weight_scale_inv)
+        else:
+            out = self._linear(quant, gemm, x2d, weight, weight_scale_inv)
         if bias is not None:
             out = out.float().add_(bias.float()).to(x.dtype)  # rounded twice (the reference rounds the fp32 sum once)
         return out.view(*x.shape[:-1], n)
@@ -90,9 +119,15 @@ class QuantOps(OpImpl):
                    or (None if gate_up.shape[0] == 2 * inter else f"gate_up {list(gate_up.shape)} for I={inter}"))
         if why is not None:  # the parts report their own paths
             return ks.fp8_linear(ks.silu_and_mul(ks.fp8_linear(x, gate_up, gate_up_scale_inv)), down, down_scale_inv)
+        x2d = x.reshape(-1, x.shape[-1])
+        skinny = self._skinny(x2d, (gate_up, gate_up_scale_inv, True), (down, down_scale_inv, False))
+        if skinny is not None:
+            self.note("silu_and_mul", "kernels_cuda.fp8_skinny_gemm gated (one row: SwiGLU in the gate/up GEMM)", True)
+            self.note("fp8_linear", "kernels_cuda.fp8_skinny_gemm (one row: the quantisation inside the GEMM)", True)
+            h = skinny.fp8_skinny_gemm(x2d, gate_up, gate_up_scale_inv, gated=True)
+            return skinny.fp8_skinny_gemm(h, down, down_scale_inv).view(*x.shape[:-1], down.shape[0])
         self.note("silu_and_mul", "kernels_cuda.fp8_quant gated (FP8 MLPs: SwiGLU fused into the down projection's "
                   "quantisation)", True)
-        x2d = x.reshape(-1, x.shape[-1])
         h = self._linear(quant, gemm, x2d, gate_up, gate_up_scale_inv)
         out = self._linear(quant, gemm, h, down, down_scale_inv, gated=True)
         return out.view(*x.shape[:-1], down.shape[0])
@@ -126,6 +161,12 @@ class QuantOps(OpImpl):
         quant, gg = self.modules.get("fp8_quant"), self.modules.get("fp8_grouped_gemm")
         grouped = self.ks.impl("grouped_mlp")
         starts = grouped.expert_starts(self.modules.get("moe_gemm"), tokens_per_expert)  # the dispatch's scan
+        skinny = self._skinny(sorted_hidden, (w13, w13_scale_inv, True), (w2, w2_scale_inv, False), grouped=True)
+        if skinny is not None:
+            self.note("fp8_grouped_mlp", f"kernels_cuda.fp8_skinny_gemm (up to {SKINNY_GROUPED_MAX_ROWS} rows: w13 "
+                      "with the SwiGLU, w2; the quantisations inside the GEMMs)", True)
+            h = skinny.fp8_skinny_gemm(sorted_hidden, w13, w13_scale_inv, gated=True, scan=starts)
+            return skinny.fp8_skinny_gemm(h, w2, w2_scale_inv, scan=starts)
         self.note("fp8_grouped_mlp", "kernels_cuda.fp8_quant + kernels_cuda.fp8_grouped_gemm (w13, gated quant, "
                   "w2)", True)
         h = gg.fp8_grouped_gemm(*quant.quantize(sorted_hidden), w13, w13_scale_inv, starts)
@@ -188,7 +229,27 @@ class QuantOps(OpImpl):
                                             ((2 * inter, d), (d, inter)) for m in rows]
                 out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
                 out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
+        out["fp8_skinny_gemm"] = self._skinny_configs(plan, lo, hi)
         return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
+
+    def _skinny_configs(self, plan: KernelWarmupPlan, lo: int, hi: int) -> list[tuple]:
+        """``fp8_skinny_gemm`` where ``_skinny`` can send a step of ``lo`` .. ``hi`` tokens: each dense FP8
+        projection (and the dense MLPs' gated gate/up) at one row, the experts' w13 (gated) / w2 at one token."""
+        if not (envs.FP8_SKINNY and self.wants("fp8_skinny_gemm")):
+            return []
+        fs = kernel_module("fp8_skinny_gemm")
+        cfgs = []
+        if lo <= SKINNY_DENSE_MAX_ROWS:
+            ks = {k for _n, k in (*plan.fp8_linear_shapes, *plan.fp8_one_row_shapes)}
+            cfgs += [fs.config_for(k, 1) for k in sorted(ks) if fs.supported(k) and k <= SKINNY_DENSE_MAX_K]
+            if plan.mlp_intermediate_sizes and fs.supported(plan.hidden_size):
+                cfgs.append(fs.config_for(plan.hidden_size, 1, gated=True))
+        g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
+        if g is not None and inter and fs.supported(d) and fs.supported(inter):
+            for m in range(max(1, lo * g.top_k), min(hi * g.top_k, SKINNY_GROUPED_MAX_ROWS) + 1):
+                rows = min(m, 2)  # fp8_skinny_gemm's row block for a grouped launch of m rows
+                cfgs += [fs.config_for(d, rows, True, True), fs.config_for(inter, rows, False, True)]
+        return cfgs
 
 
 def grouped_shape_reason(gg, quant, d: int, inter: int) -> str | None:
