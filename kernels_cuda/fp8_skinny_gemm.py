@@ -35,7 +35,7 @@ VEC = 16  # e4m3 weights a 16-byte vector
 FP8_MAX = 448.0
 AMAX_EPS = 1e-10  # fp8_quant.AMAX_EPS
 MAX_ROWS = 2  # row block RB (shared memory holds RB rows of codes)
-MAX_K = 12288  # RB * K bf16 codes + scales within the default 48 KB of shared memory
+MAX_K = 12288  # RB * K bf16 codes + scales: 49.9 KB at RB = 2 (TileLang raises the 48 KB default)
 THREADS = 128
 ROWS_PER_WARP = 1
 UNROLL = 4
@@ -304,6 +304,9 @@ def fp8_skinny_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gat
                              f"{scan.dtype} {list(scan.shape)}")
     if out is None:
         out = torch.empty(m, n_out, dtype=torch.bfloat16, device=a.device)
+    elif tuple(out.shape) != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"fp8_skinny_gemm: out {out.dtype} {list(out.shape)}: expected a contiguous bf16 "
+                         f"[{m}, {n_out}]")
     if m == 0:
         return out
     # grouped: a row block serves one expert's rows (1 at batch 1); dense: every row block its own CTA row

@@ -27,11 +27,11 @@ FP8 = torch.float8_e4m3fn
 DENSE = [  # (rows, N, K, gated)
     (1, 3072, 2048, False), (1, 576, 2048, False), (1, 3648, 2048, False), (1, 2048, 10944, False),
     (1, 5632, 2048, True), (1, 21888, 2048, True), (2, 2048, 1408, False), (3, 2816, 2048, True),
-    (1, 576, 7168, False), (1, 200, 96, False),
+    (1, 576, 7168, False), (1, 200, 96, False), (2, 576, 96, False), (3, 2048, 10944, False),
 ]
 GROUPED = [  # (tokens, top_k, experts, N, K, gated, skew)
     (1, 6, 64, 2816, 2048, True, False), (1, 6, 64, 2048, 1408, False, False),
-    (4, 6, 16, 2816, 2048, True, True), (3, 8, 8, 2048, 1408, False, True),
+    (4, 6, 16, 2816, 2048, True, True), (3, 8, 8, 2048, 1408, False, True), (2, 4, 8, 384, 96, True, True),
 ]
 
 
@@ -97,13 +97,29 @@ def test_reason_rejects_bad_operands_gpu():
     assert "a has K=256, w has K=128" == fs.reason(a, w[:, :128].contiguous(), torch.zeros(1, 1, device="cuda"))
     assert "takes 2-D bf16 rows" in fs.reason(a.float(), w, sw)
     assert "multiple of 16" in fs.reason(a[:, :200], w[:, :200].contiguous(), sw)
+    with pytest.raises(ValueError, match=r"out torch.bfloat16 \[1, 64\]: expected a contiguous bf16 \[1, 128\]"):
+        fs.fp8_skinny_gemm(a, w, sw, out=torch.empty(1, 64, dtype=torch.bfloat16, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("n,k", [(5632, 2048), (384, 96)])
+def test_gated_equals_silu_and_mul_of_the_plain_kernel_gpu(n, k):
+    """The gate and up sums are the plain kernel's (same order), so the gated output is bit for bit
+    ``silu_and_mul`` of the plain output (the CPU reference's op, run on the device)."""
+    from deepinfer_npu.backends.cpu.linear import silu_and_mul
+
+    a = rows(1, k, seed=5)
+    w, sw = weight(n=n, k=k, seed=6)
+    want = silu_and_mul(fs.fp8_skinny_gemm(a, w, sw))
+    assert torch.equal(fs.fp8_skinny_gemm(a, w, sw, gated=True), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
 @pytest.mark.parametrize("m,n,k,gated", DENSE, ids=lambda c: str(c))
-def test_dense_matches_the_w8a8_reference_gpu(m, n, k, gated):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_dense_matches_the_w8a8_reference_gpu(m, n, k, gated, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     a = rows(m, k)
     w, sw = weight(n=n, k=k)
     out = fs.fp8_skinny_gemm(a, w, sw, gated=gated)
@@ -114,13 +130,13 @@ def test_dense_matches_the_w8a8_reference_gpu(m, n, k, gated):
 @pytest.mark.gpu
 @pytest.mark.tilelang
 @pytest.mark.parametrize("tokens,top_k,experts,n,k,gated,skew", GROUPED, ids=lambda c: str(c))
-def test_grouped_matches_the_w8a8_reference_per_expert_gpu(tokens, top_k, experts, n, k, gated, skew):
+def test_grouped_matches_the_w8a8_reference_per_expert_gpu(tokens, top_k, experts, n, k, gated, skew, monkeypatch):
     """Rows sorted by expert with the engine's scan; ``skew``: one expert with a row per token (row blocks in a
     loop), many with none."""
     from deepinfer_npu.kernels_cuda._testing import expert_rows
     from deepinfer_npu.kernels_cuda.moe_gemm import expert_starts
 
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     _, _, counts = expert_rows(tokens, top_k, experts, 16, 16, skew=skew)
     a = rows(tokens * top_k, k, seed=3)
     w, sw = weight(experts, n=n, k=k, seed=4)
