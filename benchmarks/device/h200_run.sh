@@ -56,8 +56,9 @@ for phase in "$@"; do
     tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist worksteal"
              rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
              export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
-             timeout $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
+             timeout -k 10 $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
              | filt | grep -v "PytestBenchmarkWarning\|warner(" > "$OUT/tests.log"; tail -40 "$OUT/tests.log"
+             pkill -9 -f "python3 -m pytest" 2>/dev/null; pkill -9 -f "xdist" 2>/dev/null  # workers a timeout left
              [ -f "$OUT/test_failures.log" ] && grep "^==== FAILED" "$OUT/test_failures.log" | sort -u | head -40
              [ -f "$OUT/test_durations.log" ] && { echo "slowest:"; sort -rn "$OUT/test_durations.log" | head -15
                awk '{n[$2]++} END {for (k in n) printf "%s %d  ", k, n[k]; print ""}' "$OUT/test_durations.log"; } ;;
@@ -73,7 +74,11 @@ for l in open('$OUT/h200_kernels.jsonl'):
              for ab in "" ${E2E_AB:-}; do [ -n "$ab" ] && echo "== again with $ab"
              env $ab timeout $LIM python3 -m benchmarks.bench_decode_e2e --backend cuda --batch ${E2E_BATCH:-1 16 64} \
              --prompt-len ${E2E_PROMPT:-512} --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} \
-             --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt >> /tmp/e2e.log; done
+             --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e_one.log
+             # each run's end now (a later timeout of the whole call must not hide it), and the whole log in $OUT
+             echo "   exit ${PIPESTATUS[0]}: $(grep -v '^{' /tmp/e2e_one.log | grep -c 'engine batch=') batches timed"
+             grep -v '^{' /tmp/e2e_one.log | grep -v "kernel_cache" | grep -i "error\|traceback\|timed out" | tail -4
+             cat /tmp/e2e_one.log >> /tmp/e2e.log; cp /tmp/e2e.log "$OUT/e2e.log"; done
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -24 ;;
     zos) timeout $LIM python3 -m benchmarks.bench_zos --backend cuda --batch 1 64 --graphs \
              --out "$OUT/h200_zos.jsonl" 2>&1 | filt > "$OUT/zos.log"; grep -v '^{' "$OUT/zos.log" | tail -8 ;;

@@ -66,7 +66,8 @@ def test_decode_graphs_may_capture_fp8_only_with_its_kernels():
 
 
 @pytest.mark.tilelang
-def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
+def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_grouped_gemm, fp8_quant
 
     # q_proj, kv_a_proj, o_proj; the dense layer's and the shared experts' down projections
@@ -98,6 +99,8 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
     assert set(cfgs["fp8_skinny_gemm"]) == {fs.config_for(2048, 1), fs.config_for(2816, 1),
                                             fs.config_for(2048, 1, True), fs.config_for(d, 2, True, True),
                                             fs.config_for(inter, 2, False, True)}
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "0")
+    assert "fp8_skinny_gemm" not in ks.warmup_configs(plan, 132)
     # a bf16 engine compiles none of them
     assert not {"fp8_gemm", "fp8_grouped_gemm", "fp8_quant", "fp8_skinny_gemm"} & set(ks.warmup_configs(base, 132))
 
@@ -107,7 +110,8 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan):
 # 48 and 300: partial 64- and 128-row tiles; past 64 rows M % 4 = 1, 2, 3 and K / 128 = 11 (not a multiple of 4):
 # the forms cuBLASLt's block-scaled GEMM is checked in (scaled_mm.py)
 @pytest.mark.parametrize("rows,k", [(1, 2048), (48, 2048), (300, 2048), (97, 2048), (98, 1408), (299, 1408)])
-def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, k):
+def test_fp8_linear_runs_the_kernels_and_matches_the_reference_gpu(rows, k, monkeypatch):
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     ks = CudaKernelSet()
     x = (torch.randn(rows, k, device="cuda") * 0.3).to(BF16)
     w, s = quantize_fp8_block(torch.randn(3072, k, device="cuda") * 0.02)
@@ -182,13 +186,14 @@ def _mla_fp8_weights(device, q_lora: bool, dtype=BF16, heads: int = 16, hidden: 
 @pytest.mark.tilelang
 @pytest.mark.parametrize("q_lora", [False, True])
 @pytest.mark.parametrize("tokens", [1, 40])
-def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
+def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens, monkeypatch):
     """Same quantised projections, the same activation quantisation: close to the reference op on the device
     (bf16 roundings of intermediate results differ): relative Frobenius error < 1e-2; with a q-LoRA, q (its latent
     and rope parts) goes through two quantised GEMMs with a requantisation between them, where a bf16 ulp moves
     some e4m3 values by a step: < 2.5e-2 (measured on an H200: 0.0115-0.0142)."""
     from types import SimpleNamespace
 
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     w, scales = _mla_fp8_weights("cuda", q_lora)
     hidden = (torch.randn(tokens, 2048, device="cuda") * 0.5).to(BF16)
     inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))
@@ -220,9 +225,10 @@ def test_mla_quant_ops_match_the_reference_ops_gpu(q_lora, tokens):
 @pytest.mark.gpu
 @pytest.mark.tilelang
 @pytest.mark.parametrize("rows", [1, 16, 100])
-def test_fp8_dense_mlp_is_the_composition_gpu(rows):
+def test_fp8_dense_mlp_is_the_composition_gpu(rows, monkeypatch):
     """The shared experts' width (2 x 1408): the gated quantisation (SwiGLU fused) gives exactly the composition
     ``fp8_linear(silu_and_mul(fp8_linear(x)))`` on the same kernels (same roundings, same GEMMs)."""
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     ks = CudaKernelSet()
     ks.select(OpConfig(dtype=BF16, sm90=True))
     x = (torch.randn(rows, 2048, device="cuda") * 0.3).to(BF16)
