@@ -28,6 +28,7 @@ import torch
 from ._kernel_cache import KernelCache
 from ._prim_func_cache import cached_prim_func
 from ._tilelang import T, tilelang
+from .skinny_gemm import reduce_and_store
 
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 GROUP = 128  # values per activation scale and per weight block side
@@ -71,6 +72,7 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
     E = T.dynamic("num_experts")
     S = T.dynamic("scan_len")
     NB = T.dynamic("weight_row_blocks")
+    store = reduce_and_store(RB, R, G, "bfloat16")
 
     @T.macro
     def quantise(A, Aq, Sa, first, cnt, tid, xb, xf, am):
@@ -147,19 +149,7 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
                                             f32, w[((u * R + r) * G + g) * VEC + v])
                                     acc[(m * R + r) * G + g] = acc[(m * R + r) * G + g] + am[1] * (
                                         Sa[m, ((o * U + u) * 32 + lane) // 8] * ws[(u * R + r) * G + g])
-        for i in T.unroll(NACC, explicit=True):
-            acc[i] = T.warp_reduce_sum(acc[i])
-        if lane == 0:
-            for m in T.unroll(RB, explicit=True):
-                for r in T.unroll(R, explicit=True):
-                    if (mb * RB + m < cnt) & (n0 + r < NO):
-                        if gated:  # silu_and_mul's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
-                            gv = T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G]))
-                            s = T.Cast(bf16, gv / (T.float32(1) + T.exp(-gv)))
-                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(
-                                bf16, T.Cast(f32, s) * T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G + 1])))
-                        else:
-                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(bf16, acc[m * R + r])
+        store(Out, acc, row0, cnt, mb, n0, lane, NO)  # silu_and_mul's roundings when gated
 
     @T.macro
     def body(A, W, SW, Out, e, row0, cnt, bx, row_blocks):

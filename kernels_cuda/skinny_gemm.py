@@ -53,6 +53,33 @@ def rows_block(m: int) -> int:
     return min(MAX_ROWS, 1 << max(0, (int(m) - 1).bit_length()))
 
 
+def reduce_and_store(rb: int, r: int, g: int, out_dtype: str):
+    """The warp's epilogue (also ``fp8_skinny_gemm``'s): each of the ``rb * r * g`` per-lane fp32 sums reduced
+    over the warp, then lane 0 writes rows ``row0 + mb * rb ..`` (those below ``cnt``) of its ``r`` columns from
+    ``n0`` (those below ``out_cols``); ``g == 2``: the gated SwiGLU with the reference's roundings (bf16 GEMM outputs,
+    bf16 silu, bf16 product; precise expf)."""
+    RB, R, G = rb, r, g
+    f32, bf16 = T.float32, T.bfloat16
+
+    @T.macro
+    def store(Out, acc, row0, cnt, mb, n0, lane, out_cols):  # out_cols: the kernel's dynamic NO (its name)
+        for i in T.unroll(RB * R * G, explicit=True):
+            acc[i] = T.warp_reduce_sum(acc[i])
+        if lane == 0:
+            for m in T.unroll(RB, explicit=True):
+                for rr in T.unroll(R, explicit=True):
+                    if (mb * RB + m < cnt) & (n0 + rr < out_cols):
+                        if G == 2:
+                            gv = T.Cast(f32, T.Cast(bf16, acc[(m * R + rr) * G]))
+                            s = T.Cast(bf16, gv / (T.float32(1) + T.exp(-gv)))
+                            Out[row0 + mb * RB + m, n0 + rr] = T.Cast(
+                                bf16, T.Cast(f32, s) * T.Cast(f32, T.Cast(bf16, acc[(m * R + rr) * G + 1])))
+                        else:
+                            Out[row0 + mb * RB + m, n0 + rr] = T.Cast(out_dtype, acc[m * R + rr])
+
+    return store
+
+
 @cached_prim_func
 def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = False, a_dtype: str = "bfloat16",
                       w_dtype: str = "bfloat16", out_dtype: str = "bfloat16", rows_per_warp: int = ROWS_PER_WARP,
@@ -78,12 +105,13 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
     RC = NW * R  # output columns a CTA (per column group)
     C = col_iters
     NACC = RB * R * G
-    f32, i32, bf16 = T.float32, T.int32, T.bfloat16
+    f32, i32 = T.float32, T.int32
     M = T.dynamic("num_rows")
     N = T.dynamic("weight_rows")
     NO = T.dynamic("out_cols")
     E = T.dynamic("num_experts")
     S = T.dynamic("scan_len")
+    store = reduce_and_store(RB, R, G, out_dtype)
 
     @T.macro
     def tile(A, W, Out, e, row0, cnt, mb, n0, lane, acc, w, x):
@@ -117,19 +145,7 @@ def build_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = Fals
                                     for v in T.unroll(VEC, explicit=True):
                                         acc[(m * R + r) * G + g] = acc[(m * R + r) * G + g] + T.Cast(
                                             f32, x[v]) * T.Cast(f32, w[((u * R + r) * G + g) * VEC + v])
-        for i in T.unroll(NACC, explicit=True):
-            acc[i] = T.warp_reduce_sum(acc[i])
-        if lane == 0:
-            for m in T.unroll(RB, explicit=True):
-                for r in T.unroll(R, explicit=True):
-                    if (mb * RB + m < cnt) & (n0 + r < NO):
-                        if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
-                            gv = T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G]))
-                            s = T.Cast(bf16, gv / (T.float32(1) + T.exp(-gv)))
-                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(
-                                bf16, T.Cast(f32, s) * T.Cast(f32, T.Cast(bf16, acc[(m * R + r) * G + 1])))
-                        else:
-                            Out[row0 + mb * RB + m, n0 + r] = T.Cast(out_dtype, acc[m * R + r])
+        store(Out, acc, row0, cnt, mb, n0, lane, NO)
 
     @T.macro
     def body(A, W, Out, e, row0, cnt, bx):
