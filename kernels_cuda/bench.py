@@ -705,58 +705,32 @@ def bench_fp8_grouped_gemm(args, copy):
 
 @bench
 def bench_fp8_skinny_gemm(args, copy):
-    """One-row FP8 projections: ``fp8_skinny_gemm`` (the quantisation inside the kernel, one launch) against the
-    two-kernel path it replaces at one row (``fp8_quant`` + ``fp8_gemm``; gated: + the gated quantisation of the
-    next projection is not counted), on the V2-Lite / V3 dense shapes and the experts hit by one token (grouped,
-    w13 gated and w2, against ``fp8_grouped_gemm`` with its quantisations); weight bytes / time."""
-    from . import fp8_gemm, fp8_grouped_gemm, fp8_quant, moe_gemm
+    """One-row FP8 projections: ``fp8_skinny_gemm`` (the quantisation inside the kernel, one launch) at the rule's
+    columns a warp and at each other count, against the two-kernel path it replaces at one row (``fp8_quant`` +
+    ``fp8_gemm``; gated: the gated quantisation of the next projection is not counted), on the V3 / V2-Lite dense
+    shapes, V2-Lite's fused q / kv_a projection and shared experts' down, and two gated gate/up; weight bytes /
+    time. The backend routes weights of at most ``ops/quant.py``'s SKINNY_MAX_WEIGHTS values to it."""
+    from . import fp8_gemm, fp8_quant
     from . import fp8_skinny_gemm as m
 
-    dense = [(n, k, False) for n, k in FP8_DENSE_SHAPES if m.supported(k)] + [(2 * 1408 * 2, 2048, True),
-                                                                                 (2 * 2048, 7168, True)]
-    grouped = [(name, e, top_k, d, inter) for name, e, top_k, d, inter in FP8_GROUPED_DECODE]
+    dense = [(n, k, False) for n, k in (*FP8_DENSE_SHAPES, (3648, 2048), (2048, 2816)) if m.supported(k)]
+    dense += [(2 * 1408 * 2, 2048, True), (2 * 2048, 7168, True)]
     precompile_in_processes(
-        [("fp8_skinny_gemm", m.config_for(k, 1, gated)) for _n, k, gated in dense]
-        + [("fp8_skinny_gemm", m.config_for(k, 2, gated, True)) for _nm, _e, _t, d, inter in grouped
-           for k, gated in ((d, True), (inter, False))]
+        [("fp8_skinny_gemm", m.config_for(k, 1, gated, rows_per_warp=r)) for _n, k, gated in dense
+         for r in m.ROWS_PER_WARP]
         + [("fp8_gemm", c) for n, k, _g in dense for c in fp8_gemm.configs_for(n, k, 1)]
-        + [("fp8_quant", fp8_quant.config_for(k, 1)) for _n, k, _g in dense]
-        + [("fp8_grouped_gemm", fp8_grouped_gemm.config_for(n, k, top_k, e)) for _nm, e, top_k, d, inter in grouped
-           for n, k in ((2 * inter, d), (d, inter))]
-        + [("fp8_quant", c) for _nm, _e, top_k, d, inter in grouped
-           for c in (fp8_quant.config_for(d, top_k), fp8_quant.config_for(inter, top_k, True))])
+        + [("fp8_quant", fp8_quant.config_for(k, 1)) for _n, k, _g in dense])
     for n, k, gated in dense:
         a, _aq, _sa, wq, sw = fp8_operands(1, n, k)
-        us, how = time_us(lambda: m.fp8_skinny_gemm(a, wq, sw, gated=gated))
+        rule = m.rows_per_warp_for(n // 2 if gated else n)
+        variants = {r: time_us(lambda: m.fp8_skinny_gemm(a, wq, sw, gated=gated, rows_per_warp=r))
+                    for r in m.ROWS_PER_WARP}
+        us, how = variants[rule]
         us_two, _ = time_us(lambda: fp8_gemm.fp8_gemm(*fp8_quant.quantize(a), wq, sw))
-        row = {"M": 1, "N": n, "K": k, "gated": gated, "timing": how}
+        row = {"M": 1, "N": n, "K": k, "weights_M": round(n * k / 2**20, 2), "gated": gated, "rows_per_warp": rule,
+               "us_by_rows_per_warp": {r: round(t, 2) for r, (t, _h) in variants.items()}, "timing": how}
         yield rate(against(row, us, "quant_plus_fp8_gemm", us_two), n * k, us, copy)
         del a, wq, sw
-    for name, experts, top_k, d, inter in grouped:
-        _, _, _, w13, s13 = fp8_operands(1, 2 * inter, d, experts)
-        _, _, _, w2, s2 = fp8_operands(1, d, inter, experts)
-        ids = torch.randperm(experts, device="cuda")[:top_k]
-        counts = torch.bincount(ids, minlength=experts)
-        hidden = torch.randn(top_k, d, device="cuda", dtype=torch.bfloat16)
-        starts = moe_gemm.expert_starts(counts)
-
-        def skinny_mlp():
-            return m.fp8_skinny_gemm(m.fp8_skinny_gemm(hidden, w13, s13, gated=True, scan=starts), w2, s2,
-                                     scan=starts)
-
-        def two_kernel_mlp():
-            h = fp8_grouped_gemm.fp8_grouped_gemm(*fp8_quant.quantize(hidden), w13, s13, starts)
-            return fp8_grouped_gemm.fp8_grouped_gemm(*fp8_quant.quantize(h, gated=True), w2, s2, starts)
-
-        us, how = time_us(skinny_mlp)
-        us_two, _ = time_us(two_kernel_mlp)
-        cos = torch.nn.functional.cosine_similarity(skinny_mlp().float().flatten(),
-                                                    two_kernel_mlp().float().flatten(), dim=0).item()
-        row = {"model": name, "tokens": 1, "experts_hit": top_k, "grouped_mlp": True, "timing": how,
-               "cos_vs_two_kernel": round(cos, 5)}
-        yield rate(against(row, us, "fp8_grouped_gemm_mlp", us_two), top_k * 3 * inter * d, us, copy)
-        del w13, s13, w2, s2
-
 
 # ---- command line --------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:

@@ -1,11 +1,10 @@
 """FP8 skinny GEMM for one-row decode steps, in TileLang: bf16 rows x block-scaled e4m3 weights, the rows'
 1 x 128 quantisation done inside the kernel, so a projection is one launch.
 
-Op: ``fp8_linear`` / ``fp8_dense_mlp`` / ``fp8_grouped_mlp`` (backends/cpu/quant.py) for the rows of a batch-1
-decode step (the backend's routing: ``ops/quant.py``). ``a`` [M, K] bf16, ``w`` [N, K] float8_e4m3fn with
-``w_scale`` [ceil(N / 128), ceil(K / 128)] fp32 (the checkpoint's ``weight_scale_inv``), or grouped ``w``
-[E, N, K] / ``w_scale`` [E, ...] with ``a``'s rows sorted by expert and ``moe_gemm.expert_starts``' scan.
-``gated=True`` fuses the SwiGLU (``w`` = [gate | up], output [M, N / 2]) with ``silu_and_mul``'s roundings.
+Op: ``fp8_linear`` / ``fp8_dense_mlp`` (backends/cpu/quant.py) for the row of a batch-1 decode step (the
+backend's routing: ``ops/quant.py``). ``a`` [M, K] bf16, ``w`` [N, K] float8_e4m3fn with ``w_scale``
+[ceil(N / 128), ceil(K / 128)] fp32 (the checkpoint's ``weight_scale_inv``). ``gated=True`` fuses the SwiGLU
+(``w`` = [gate | up], output [M, N / 2]) with ``silu_and_mul``'s roundings.
 
 Numerics: the reference's W8A8. Each row's 128-value groups are quantised exactly as ``fp8_quant`` /
 ``quantize_per_token_group`` do (fp32 amax, ``scale = max(amax, 1e-10) / 448``, IEEE division, clamp, round to
@@ -20,7 +19,11 @@ streaming weights: FP8 decode at batch 1 ran at 0.97x the bf16 engine on an H200
 rows along K, U vectors in flight before any FMA, the first ones issued before the wait for the previous kernel
 (PDL); a warp shuffle sums the lanes. The CTA's 128 threads first quantise its rows into shared memory (one
 16-value slice a thread per pass; a group's 8 slices sit in 8 neighbouring lanes, whose amax is one
-shuffle-xor tree), so the quantisation is done once a CTA, not once a warp.
+shuffle-xor tree), so the quantisation is done once a CTA, not once a warp. That repeated quantisation (each CTA
+reads and quantises the whole row for its 4 R columns) is what bounds the kernel on large weights: on an H200 it
+beat the two-kernel path up to about 12 M weights at one column a warp and lost past it (docs/kernels/fp8.md), so
+the backend routes only small weights to it. An expert form (one token's experts over the scan) ran at 0.24x the
+grouped two-kernel path and was dropped.
 """
 
 import torch
@@ -38,8 +41,9 @@ AMAX_EPS = 1e-10  # fp8_quant.AMAX_EPS
 MAX_ROWS = 2  # row block RB (shared memory holds RB rows of codes)
 MAX_K = 12288  # RB * K bf16 codes + scales: 49.9 KB at RB = 2 (TileLang raises the 48 KB default)
 THREADS = 128
-ROWS_PER_WARP = 1
+ROWS_PER_WARP = (1, 2, 4)  # output columns a warp: the CTA quantises its rows once for 4 * R columns
 UNROLL = 4
+VECTORS_IN_FLIGHT = 8  # a lane's weight vectors loaded before their FMAs: U = min(UNROLL, 8 // (R * G))
 
 
 def rows_block(m: int) -> int:
@@ -47,30 +51,27 @@ def rows_block(m: int) -> int:
 
 
 @cached_prim_func
-def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = False,
-                          rows_per_warp: int = ROWS_PER_WARP, unroll: int = UNROLL, threads: int = THREADS):
-    """PrimFunc for K = ``k`` and row block ``rb``; M, N (and E) dynamic. Dense: (A [M, K] bf16, W [N, K] e4m3,
-    SW [NB, KB] fp32, Out [M, NO] bf16), a CTA per row block; grouped: (A, W [E, N, K], SW [E, NB, KB],
-    Scan [2E + 1] i32, Out), a CTA row per hit expert. NO = N, or N / 2 gated."""
+def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, rows_per_warp: int = 1, threads: int = THREADS):
+    """PrimFunc for K = ``k``, row block ``rb`` and ``rows_per_warp`` output columns a warp; M, N dynamic:
+    (A [M, K] bf16, W [N, K] e4m3, SW [NB, KB] fp32, Out [M, NO] bf16), a CTA row per row block, NO = N, or N / 2
+    gated."""
     assert tilelang is not None, "tilelang is not installed"
     assert k % VEC == 0 and k <= MAX_K and 1 <= rb <= MAX_ROWS and threads % 32 == 0, (k, rb, threads)
+    assert rows_per_warp in ROWS_PER_WARP, rows_per_warp
     K, RB, R, G = k, rb, rows_per_warp, 2 if gated else 1
     KV = K // VEC  # weight vectors a row
     KB = -(-K // GROUP)
     QV = RB * KB * (GROUP // VEC)  # quantisation slices a row block (rows padded to whole groups)
     QIT = -(-QV // threads)
     ITER = -(-KV // 32)
-    U = min(unroll, ITER)
+    U = min(UNROLL, max(1, VECTORS_IN_FLIGHT // (R * G)), ITER)
     OUTER = -(-ITER // U)
     RC = (threads // 32) * R
     NACC = RB * R * G
-    EARLY_WEIGHTS = not grouped  # grouped: the expert comes from the scan, the previous kernel's output
     f32, i32, bf16, fp8 = T.float32, T.int32, T.bfloat16, T.float8_e4m3fn
     M = T.dynamic("num_rows")
     N = T.dynamic("weight_rows")
     NO = T.dynamic("out_cols")
-    E = T.dynamic("num_experts")
-    S = T.dynamic("scan_len")
     NB = T.dynamic("weight_row_blocks")
     store = reduce_and_store(RB, R, G, "bfloat16")
 
@@ -104,7 +105,7 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
                     Sa[m, kv // 8] = am[0]
 
     @T.macro
-    def tile(A, W, SW, Out, Aq, Sa, e, row0, cnt, mb, n0, tid, lane, acc, w, ws, xq, xb, xf, am):
+    def tile(A, W, SW, Out, Aq, Sa, row0, cnt, mb, n0, tid, lane, acc, w, ws, xq, xb, xf, am):
         # row block ``mb`` (rows row0 + mb * RB ..) against this warp's R columns from n0
         for i in T.unroll(NACC, explicit=True):
             acc[i] = T.float32(0)
@@ -115,22 +116,13 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
                         for g in T.unroll(G, explicit=True):
                             if n0 + r < NO:
                                 for v in T.vectorized(VEC):
-                                    if grouped:
-                                        w[((u * R + r) * G + g) * VEC + v] = W[
-                                            e, g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
-                                    else:
-                                        w[((u * R + r) * G + g) * VEC + v] = W[
-                                            g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
-                                if grouped:
-                                    ws[(u * R + r) * G + g] = SW[e, (g * NO + n0 + r) // GROUP,
-                                                                 ((o * U + u) * 32 + lane) // 8]
-                                else:
-                                    ws[(u * R + r) * G + g] = SW[(g * NO + n0 + r) // GROUP,
-                                                                 ((o * U + u) * 32 + lane) // 8]
+                                    w[((u * R + r) * G + g) * VEC + v] = W[
+                                        g * NO + n0 + r, ((o * U + u) * 32 + lane) * VEC + v]
+                                ws[(u * R + r) * G + g] = SW[(g * NO + n0 + r) // GROUP,
+                                                             ((o * U + u) * 32 + lane) // 8]
             if o == 0:  # the rows' codes, once the first weights are in flight
-                if EARLY_WEIGHTS:
-                    T.pdl_sync()
-                    T.pdl_trigger()
+                T.pdl_sync()
+                T.pdl_trigger()
                 T.sync_threads()  # the previous row block's reads of Aq are done
                 quantise(A, Aq, Sa, row0 + mb * RB, T.min(cnt - mb * RB, RB), tid, xb, xf, am)
                 T.sync_threads()
@@ -152,7 +144,7 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
         store(Out, acc, row0, cnt, mb, n0, lane, NO)  # silu_and_mul's roundings when gated
 
     @T.macro
-    def body(A, W, SW, Out, e, row0, cnt, bx, row_blocks):
+    def body(A, W, SW, Out, row0, cnt, bx, row_blocks):
         tid = T.get_thread_binding()
         lane = tid % 32
         Aq = T.alloc_shared([RB, K], bf16)
@@ -165,28 +157,8 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
         xf = T.alloc_local([VEC], f32)
         am = T.alloc_local([2], f32)
         for mb in T.serial(row_blocks):
-            tile(A, W, SW, Out, Aq, Sa, e, row0, cnt, mb, bx * RC + (tid // 32) * R, tid, lane, acc, w, ws, xq,
-                 xb, xf, am)
-
-    if grouped:
-
-        @T.prim_func
-        def fp8_skinny_gemm_grouped(
-            A: T.Tensor([M, K], bf16),
-            W: T.Tensor([E, N, K], fp8),
-            SW: T.Tensor([E, NB, KB], f32),
-            Scan: T.Tensor([S], i32),  # moe_gemm.expert_starts: row starts [E + 1], then the hit experts
-            Out: T.Tensor([M, NO], bf16),
-        ):
-            with T.Kernel(T.ceildiv(NO, RC), T.min(E, M), threads=threads) as (bx, slot):
-                T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
-                T.pdl_trigger()
-                hit = Scan[E + 1 + slot]
-                e = T.max(hit, 0)  # a slot past the hit experts does no row
-                cnt = T.if_then_else(hit >= 0, Scan[e + 1] - Scan[e], 0)
-                body(A, W, SW, Out, e, Scan[e], cnt, bx, T.ceildiv(cnt, RB))
-
-        return fp8_skinny_gemm_grouped
+            tile(A, W, SW, Out, Aq, Sa, row0, cnt, mb, bx * RC + (tid // 32) * R, tid, lane, acc, w, ws, xq, xb,
+                 xf, am)
 
     @T.prim_func
     def fp8_skinny_gemm(
@@ -196,7 +168,7 @@ def build_fp8_skinny_gemm(k: int, rb: int, gated: bool = False, grouped: bool = 
         Out: T.Tensor([M, NO], bf16),
     ):
         with T.Kernel(T.ceildiv(NO, RC), T.ceildiv(M, RB), threads=threads) as (bx, by):
-            body(A, W, SW, Out, 0, by * RB, T.min(M - by * RB, RB), bx, 1)
+            body(A, W, SW, Out, by * RB, T.min(M - by * RB, RB), bx, 1)
 
     return fp8_skinny_gemm
 
@@ -209,9 +181,16 @@ _CACHE = KernelCache({"fp8_skinny": build_fp8_skinny_gemm}, _compile, available=
 _KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
 
 
-def config_for(k: int, m: int, gated: bool = False, grouped: bool = False) -> tuple:
-    """The cache key :func:`fp8_skinny_gemm` launches for ``m`` rows (grouped: rows of one expert) of K = ``k``."""
-    return (int(k), rows_block(m), bool(gated), bool(grouped))
+def rows_per_warp_for(n_out: int) -> int:
+    """Output columns a warp for ``n_out`` columns: the most (each CTA quantises its rows once for 4 R columns)
+    that still leaves 256 CTAs, about two a streaming multiprocessor, to keep the weight stream full."""
+    return next((r for r in sorted(ROWS_PER_WARP, reverse=True) if n_out >= 256 * (THREADS // 32) * r), 1)
+
+
+def config_for(k: int, m: int, gated: bool = False, n_out: int = 0, rows_per_warp: int | None = None) -> tuple:
+    """The cache key :func:`fp8_skinny_gemm` launches for ``m`` rows of K = ``k`` and ``n_out`` output columns
+    (``rows_per_warp``: this one, not the rule's)."""
+    return (int(k), rows_block(m), bool(gated), int(rows_per_warp or rows_per_warp_for(n_out)))
 
 
 def get_kernel(*cfg):
@@ -224,10 +203,11 @@ def precompile(configs) -> None:
 
 
 CI_CONFIGS = [
-    ("fp8_skinny", (2048, 1, False, False)),  # V2-Lite q / kv_a / o_proj at one row
-    ("fp8_skinny", (2048, 1, True, False)),  # shared experts' gate/up, SwiGLU fused
-    ("fp8_skinny", (10944, 1, False, False)),  # the dense down projection: a partial last K group
-    ("fp8_skinny", (1408, 2, False, True)),  # expert w2, grouped, K not a multiple of 512
+    ("fp8_skinny", (2048, 1, False, 2)),  # V2-Lite q / o_proj at one row
+    ("fp8_skinny", (2048, 1, True, 2)),  # shared experts' gate/up, SwiGLU fused
+    ("fp8_skinny", (2816, 1, False, 1)),  # their down projection: K not a multiple of 512
+    ("fp8_skinny", (10944, 2, False, 4)),  # a partial last K group, two rows, four columns a warp
+    ("fp8_skinny", (7168, 1, True, 4)),  # gated, one vector in flight
 ]
 
 
@@ -240,19 +220,18 @@ def supported(k: int) -> bool:
     return 0 < k <= MAX_K and k % VEC == 0
 
 
-def weight_reason(w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False, grouped: bool = False) -> str | None:
+def weight_reason(w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False) -> str | None:
     """None when :func:`fp8_skinny_gemm` takes this weight (rows aside), else why not."""
     if not (w.is_cuda and w_scale.is_cuda):
         return "tensor not on a CUDA device"
-    if w.dim() != (3 if grouped else 2) or w_scale.dim() != w.dim():
-        return (f"w {list(w.shape)}, w_scale {list(w_scale.shape)}: {'[E, N, K]' if grouped else '[N, K]'} "
-                "weights and scales of the same rank")
+    if w.dim() != 2 or w_scale.dim() != 2:
+        return f"w {list(w.shape)}, w_scale {list(w_scale.shape)}: [N, K] weights and 2-D scales"
     if w.dtype != torch.float8_e4m3fn or w_scale.dtype != torch.float32:
         return f"w {w.dtype}, w_scale {w_scale.dtype}: takes e4m3 weights, fp32 scales"
-    n, k = w.shape[-2:]
+    n, k = w.shape
     if not supported(k):
         return f"K={k}: must be a multiple of {VEC} and at most {MAX_K}"
-    want = (*w.shape[:-2], -(-n // GROUP), -(-k // GROUP))
+    want = (-(-n // GROUP), -(-k // GROUP))
     if tuple(w_scale.shape) != want:
         return f"w_scale {list(w_scale.shape)}: expected {list(want)} (128 x 128 blocks of w {list(w.shape)})"
     if not (w.is_contiguous() and w_scale.is_contiguous()) or w.data_ptr() % 16:
@@ -262,14 +241,13 @@ def weight_reason(w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False, g
     return None
 
 
-def reason(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False,
-           grouped: bool = False) -> str | None:
+def reason(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False) -> str | None:
     """None when :func:`fp8_skinny_gemm` takes these operands, else why not (for the backend's op report)."""
     if not a.is_cuda:
         return "tensor not on a CUDA device"
     if a.dim() != 2 or a.dtype != torch.bfloat16:
         return f"a {a.dtype} {list(a.shape)}: takes 2-D bf16 rows"
-    why = weight_reason(w, w_scale, gated, grouped)
+    why = weight_reason(w, w_scale, gated)
     if why is None and a.shape[1] != w.shape[-1]:
         why = f"a has K={a.shape[1]}, w has K={w.shape[-1]}"
     if why is None and a.is_contiguous() and a.data_ptr() % 16:  # a non-contiguous a is copied (aligned)
@@ -278,20 +256,14 @@ def reason(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool 
 
 
 def fp8_skinny_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False,
-                    scan: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a`` [M, K] x ``w`` [N, K] (or [E, N, K] with ``scan``) -> [M, N] bf16 (gated: [M, N / 2]); no host
-    sync."""
-    grouped = scan is not None
-    why = reason(a, w, w_scale, gated, grouped)
+                    out: torch.Tensor | None = None, rows_per_warp: int | None = None) -> torch.Tensor:
+    """``a`` [M, K] x ``w`` [N, K] -> [M, N] bf16 (gated: [M, N / 2]); no host sync. ``rows_per_warp``: a
+    variant for benchmarks (default: :func:`rows_per_warp_for`)."""
+    why = reason(a, w, w_scale, gated)
     if why is not None:
         raise ValueError(f"fp8_skinny_gemm: {why}")
     m, k = a.shape
-    n_out = w.shape[-2] // 2 if gated else w.shape[-2]
-    if grouped:
-        e = w.shape[0]
-        if scan.dtype != torch.int32 or scan.shape[0] != 2 * e + 1:
-            raise ValueError(f"fp8_skinny_gemm: scan must be expert_starts' int32 [2E+1] = [{2 * e + 1}], got "
-                             f"{scan.dtype} {list(scan.shape)}")
+    n_out = w.shape[0] // 2 if gated else w.shape[0]
     if out is None:
         out = torch.empty(m, n_out, dtype=torch.bfloat16, device=a.device)
     elif tuple(out.shape) != (m, n_out) or out.dtype != torch.bfloat16 or not out.is_contiguous():
@@ -299,10 +271,5 @@ def fp8_skinny_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gat
                          f"[{m}, {n_out}]")
     if m == 0:
         return out
-    # grouped: a row block serves one expert's rows (1 at batch 1); dense: every row block its own CTA row
-    kern = get_kernel(*config_for(k, min(m, 2) if grouped else m, gated, grouped))
-    if grouped:
-        kern(a.contiguous(), w, w_scale, scan, out)
-    else:
-        kern(a.contiguous(), w, w_scale, out)
+    get_kernel(*config_for(k, m, gated, n_out, rows_per_warp))(a.contiguous(), w, w_scale, out)
     return out

@@ -69,13 +69,13 @@ def test_deepseek_dims_fp8_on_cuda_follows_the_cpu_fp8_engine(deepseek_dims_mode
 
 def test_deepseek_dims_fp8_one_row_gemms_follow_the_cpu_fp8_engine(deepseek_dims_model, assert_logprobs_close,
                                                                   monkeypatch):
-    """``DEEPINFER_FP8_SKINNY=1``: one prompt, so every decode step has one row: the projections, the dense MLP and
-    the token's experts run on ``fp8_skinny_gemm`` (the quantisation inside the GEMM), inside the decode graphs."""
+    """``DEEPINFER_FP8_SKINNY=1``: one prompt, so every decode step has one row: the projections and the shared
+    experts' MLP run on ``fp8_skinny_gemm`` (the quantisation inside the GEMM), inside the decode graphs."""
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     path = deepseek_dims_model()
     cpu, _ = _generate(TOKEN_PROMPTS[:1], "cpu", model=path, load_format="dummy_portable")
     cuda, report = _generate(TOKEN_PROMPTS[:1], "cuda", model=path, load_format="dummy_portable")
     assert len(cuda[0].token_ids) == PARAMS.max_tokens
     assert_logprobs_close(cpu, cuda)
-    for op in ("fp8_linear", "fp8_grouped_mlp"):
+    for op in ("fp8_linear", "silu_and_mul"):
         assert "kernels_cuda.fp8_skinny_gemm" in report[op], (op, report[op])

@@ -92,13 +92,15 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     # the fused q / kv_a projection: one row only
     fused = ks.warmup_configs(fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),)), 132)
     assert set(fused["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
-    # one-row steps: the one-launch FP8 GEMM at each projection's K, the dense MLPs' gated gate/up, one token's
-    # experts (w13 gated, w2) at the grouped launch's row block
+    # one-row steps: the one-launch FP8 GEMM for each projection of at most SKINNY_MAX_WEIGHTS values (not the
+    # dense layer's down projection, 2048 x 10944) and the shared experts' gated gate/up (2 x 2816 x 2048; not the
+    # dense layer's 2 x 10944 x 2048)
     from deepinfer_npu.kernels_cuda import fp8_skinny_gemm as fs
 
-    assert set(cfgs["fp8_skinny_gemm"]) == {fs.config_for(2048, 1), fs.config_for(2816, 1),
-                                            fs.config_for(2048, 1, True), fs.config_for(d, 2, True, True),
-                                            fs.config_for(inter, 2, False, True)}
+    assert set(cfgs["fp8_skinny_gemm"]) == {fs.config_for(2048, 1, n_out=3072), fs.config_for(2048, 1, n_out=576),
+                                            fs.config_for(2048, 1, n_out=2048), fs.config_for(2816, 1, n_out=2048),
+                                            fs.config_for(2048, 1, True, n_out=2816)}
+    assert {c[3] for c in cfgs["fp8_skinny_gemm"]} == {1, 2}  # 576 columns: one a warp; 2048 to 3072: two
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "0")
     assert "fp8_skinny_gemm" not in ks.warmup_configs(plan, 132)
     # a bf16 engine compiles none of them

@@ -1,6 +1,6 @@
 """Which FP8 calls the CUDA kernel set sends to ``kernels_cuda.fp8_skinny_gemm`` (``DEEPINFER_FP8_SKINNY=1``) and
 with which operands, without a GPU: the device checks are stood in for and the kernel module is replaced by the
-reference arithmetic it implements (W8A8 per expert, the SwiGLU after a gated GEMM), so each routed op must equal
+reference arithmetic it implements (W8A8, the SwiGLU after a gated GEMM), so each routed op must equal
 the CPU reference op bit for bit. The kernel itself is checked on a GPU (tests/kernels_cuda/test_fp8_skinny_gemm.py).
 """
 
@@ -16,40 +16,30 @@ from deepinfer_npu.backends.cpu.linear import silu_and_mul
 from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 from deepinfer_npu.backends.cuda.ops import OpConfig
 from deepinfer_npu.backends.cuda.ops import quant as quant_ops
-from deepinfer_npu.kernels_cuda._testing import expert_starts_ref
 from deepinfer_npu.model_executor.quantization.fp8 import quantize_fp8_block
 
 BF16 = torch.bfloat16
 
 
 class SkinnyStandIn:
-    """``fp8_skinny_gemm``'s contract on host tensors: the reference W8A8 GEMM (gated: then ``silu_and_mul``);
-    grouped over ``scan``'s row starts. Records each call's (rows, N, K, gated, grouped)."""
+    """``fp8_skinny_gemm``'s contract on host tensors: the reference W8A8 GEMM (gated: then ``silu_and_mul``).
+    Records each call's (rows, N, K, gated)."""
 
     def __init__(self):
         self.calls: list[tuple] = []
 
     @staticmethod
-    def reason(a, w, w_scale, gated=False, grouped=False):
+    def reason(a, w, w_scale, gated=False):
         return None
 
     @staticmethod
-    def weight_reason(w, w_scale, gated=False, grouped=False):
+    def weight_reason(w, w_scale, gated=False):
         return None
 
-    def fp8_skinny_gemm(self, a, w, w_scale, gated=False, scan=None):
-        self.calls.append((a.shape[0], w.shape[-2], w.shape[-1], gated, scan is not None))
-
-        def one(x, wt, st):
-            y = ref.fp8_linear(x, wt, st)
-            return silu_and_mul(y) if gated else y
-
-        if scan is None:
-            return one(a, w, w_scale)
-        e = w.shape[0]
-        starts = scan[: e + 1].tolist()
-        return torch.cat([one(a[starts[i] : starts[i + 1]], w[i], w_scale[i]) for i in range(e)
-                          if starts[i + 1] > starts[i]])
+    def fp8_skinny_gemm(self, a, w, w_scale, gated=False):
+        self.calls.append((a.shape[0], w.shape[0], w.shape[1], gated))
+        y = ref.fp8_linear(a, w, w_scale)
+        return silu_and_mul(y) if gated else y
 
 
 @pytest.fixture
@@ -65,7 +55,6 @@ def routed(monkeypatch):
     monkeypatch.setattr(q, "_modules", lambda x, name: (quant, gemm, None))
     monkeypatch.setattr(q, "_grouped_reason", lambda *a: None)
     monkeypatch.setattr(q, "use", lambda name: (skinny, None) if name == "fp8_skinny_gemm" else (None, "stand-in"))
-    monkeypatch.setattr(ks.impl("grouped_mlp"), "expert_starts", lambda mg, counts: expert_starts_ref(counts))
     return ks, skinny
 
 
@@ -86,48 +75,41 @@ def test_one_row_linear_and_mlp_take_one_launch_each(routed):
     dn, sdn = _weight(256, 384, seed=2)
     want = ref.fp8_linear(silu_and_mul(ref.fp8_linear(x, gu, sgu)), dn, sdn)
     assert torch.equal(ks.fp8_dense_mlp(x, gu, sgu, dn, sdn), want)
-    assert skinny.calls == [(1, 192, 256, False, False)] * 2 + [(1, 768, 256, True, False), (1, 256, 384, False, False)]
+    assert skinny.calls == [(1, 192, 256, False)] * 2 + [(1, 768, 256, True), (1, 256, 384, False)]
     report = ks.op_report()
     assert "fp8_skinny_gemm" in report["fp8_linear"] and "SwiGLU in the gate/up GEMM" in report["silu_and_mul"]
 
 
-def test_more_rows_and_long_k_keep_the_two_kernel_path(routed, monkeypatch):
-    """Two rows, or a dense K past SKINNY_DENSE_MAX_K, or the switch off: no one-row GEMM (the two-kernel path,
-    stood in for by the reference op, is taken instead)."""
+def test_more_rows_large_weights_and_experts_keep_the_two_kernel_path(routed, monkeypatch):
+    """Two rows, a weight past SKINNY_MAX_WEIGHTS (alone, or as either half of an MLP), the switch off, or one
+    token's experts: no one-row GEMM (the two-kernel path, stood in for by the reference op, is taken instead)."""
     ks, skinny = routed
     q = ks.impl("quant")
     two_kernel = []
     monkeypatch.setattr(q, "_linear", lambda quant, gemm, x2d, w, s, gated=False: two_kernel.append(x2d.shape)
-                        or ref.fp8_linear(x2d, w, s))
+                        or ref.fp8_linear(silu_and_mul(x2d) if gated else x2d, w, s))
     w, s = _weight(192, 256)
     ks.fp8_linear(torch.randn(2, 256).to(BF16), w, s)
-    k_long = quant_ops.SKINNY_DENSE_MAX_K + 128
-    wl, sl = _weight(128, k_long)
-    ks.fp8_linear(torch.randn(1, k_long).to(BF16), wl, sl)
+    monkeypatch.setattr(quant_ops, "SKINNY_MAX_WEIGHTS", 256 * 256)
+    wl, sl = _weight(512, 256, seed=1)  # 2 x the limit
+    x = torch.randn(1, 256).to(BF16)
+    ks.fp8_linear(x, wl, sl)
+    ks.fp8_linear(x, *_weight(256, 256, seed=2))  # at the limit: the one-row GEMM
+    dn, sdn = _weight(256, 256, seed=3)
+    ks.fp8_dense_mlp(x, wl, sl, dn, sdn)  # gate/up past the limit, down within it: the whole MLP stays
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "0")
     ks.fp8_linear(torch.randn(1, 256).to(BF16), w, s)
-    assert skinny.calls == [] and two_kernel == [(2, 256), (1, k_long), (1, 256)]
-
-
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_one_tokens_experts_take_the_grouped_one_row_gemms(routed, tokens, monkeypatch):
-    """One token (6 rows over 6 of 16 experts): w13 gated then w2, both grouped over the scan; equal to the
-    reference's per-expert MLP. Two tokens (12 rows > 8): the two-kernel grouped path."""
-    ks, skinny = routed
+    assert skinny.calls == [(1, 256, 256, False)]
+    assert two_kernel == [(2, 256), (1, 256), (1, 256), (1, 512), (1, 256)]
+    # one token's experts: the grouped two-kernel path, which asks for its modules (none here)
     experts, top_k, d, inter = 16, 6, 256, 384
     g = torch.Generator().manual_seed(3)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
-    counts = torch.bincount(ids.flatten(), minlength=experts)
-    hidden = torch.randn(tokens * top_k, d, generator=g).to(BF16)
+    counts = torch.bincount(torch.randperm(experts, generator=g)[:top_k], minlength=experts)
+    hidden = torch.randn(top_k, d, generator=g).to(BF16)
     w13, s13 = _weight(2 * inter, d, experts, seed=4)
     w2, s2 = _weight(d, inter, experts, seed=5)
-    if tokens > 1:  # the two-kernel grouped path asks for its modules: none here
-        monkeypatch.setattr(ks.impl("quant").modules, "get", lambda name: None)
-        with pytest.raises(AttributeError):
-            ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
-        assert skinny.calls == []
-        return
-    got = ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
-    assert torch.equal(got, ref.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2))
-    assert skinny.calls == [(6, 2 * inter, d, True, True), (6, d, inter, False, True)]
-    assert "fp8_skinny_gemm" in ks.op_report()["fp8_grouped_mlp"]
+    monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
+    monkeypatch.setattr(ks.impl("quant").modules, "get", lambda name: None)
+    with pytest.raises(AttributeError):
+        ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
+    assert skinny.calls == [(1, 256, 256, False)]

@@ -1,5 +1,5 @@
 """kernels_cuda.fp8_skinny_gemm (one-row FP8 projections: the rows' 1 x 128 quantisation inside the kernel, e4m3
-weights with 128 x 128 block scales; dense, gated SwiGLU, grouped over the experts hit).
+weights with 128 x 128 block scales; plain and gated SwiGLU, one, two or four output columns a warp).
 
 Reference: the CPU backend's W8A8 arithmetic, ``quantize_per_token_group`` run on the CPU (IEEE division, as the
 kernel divides), dequantised, times the dequantised weight in fp32 (TF32 off), rounded to bf16 (gated: the gate/up
@@ -7,7 +7,7 @@ outputs rounded, bf16 silu, bf16 product, as ``silu_and_mul``). The kernel's cod
 bit, and its e4m3 products are exact in fp32, so only the summation order differs: every element within 2 bf16 ulp
 of |ref| (gated 4) + 2**-18 of the sum of the products' magnitudes + 1e-6 * max|ref|; cosine > 0.99999. The rows
 and weights carry a random magnitude per 128-value group / 128 x 128 block, so a scale taken from the wrong group,
-block, row or expert fails.
+block or row fails.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from deepinfer_npu.model_executor.quantization.fp8 import (
 )
 
 FP8 = torch.float8_e4m3fn
-DENSE = [  # (rows, N, K, gated)
-    (1, 3072, 2048, False), (1, 576, 2048, False), (1, 3648, 2048, False), (1, 2048, 10944, False),
-    (1, 5632, 2048, True), (1, 21888, 2048, True), (2, 2048, 1408, False), (3, 2816, 2048, True),
-    (1, 576, 7168, False), (1, 200, 96, False), (2, 576, 96, False), (3, 2048, 10944, False),
-]
-GROUPED = [  # (tokens, top_k, experts, N, K, gated, skew)
-    (1, 6, 64, 2816, 2048, True, False), (1, 6, 64, 2048, 1408, False, False),
-    (4, 6, 16, 2816, 2048, True, True), (3, 8, 8, 2048, 1408, False, True), (2, 4, 8, 384, 96, True, True),
+DENSE = [  # (rows, N, K, gated, rows_per_warp: None = the rule's)
+    (1, 3072, 2048, False, None), (1, 576, 2048, False, None), (1, 3648, 2048, False, None),
+    (1, 2048, 10944, False, None), (1, 5632, 2048, True, None), (1, 21888, 2048, True, None),
+    (2, 2048, 1408, False, None), (3, 2816, 2048, True, None), (1, 576, 7168, False, None), (1, 200, 96, False, None),
+    (2, 576, 96, False, None), (3, 2048, 10944, False, None),
+    # every column count a warp, with N not a multiple of the CTA's 4 R columns
+    (1, 200, 2048, False, 4), (1, 200, 2048, True, 4), (2, 1000, 1408, False, 2), (1, 600, 2048, True, 2),
+    (1, 8000, 7168, True, 1), (3, 4100, 2816, False, 4),
 ]
 
 
@@ -72,8 +72,12 @@ def check(out, ref, mag, gated):
 
 # ---- everywhere ----------------------------------------------------------------------------------------------
 def test_configurations_and_limits():
-    assert fs.config_for(2048, 1) == (2048, 1, False, False)
-    assert fs.config_for(1408, 2, gated=True, grouped=True) == (1408, 2, True, True)
+    assert fs.config_for(2048, 1, n_out=576) == (2048, 1, False, 1)
+    assert fs.config_for(2048, 3, gated=True, n_out=2048) == (2048, 2, True, 2)
+    assert fs.config_for(7168, 1, n_out=7168) == (7168, 1, False, 4)
+    assert fs.config_for(7168, 1, n_out=7168, rows_per_warp=1) == (7168, 1, False, 1)
+    # the most columns a warp that leaves 256 CTAs of 4 warps
+    assert [fs.rows_per_warp_for(n) for n in (200, 1023, 1024, 2048, 4095, 4096, 32768)] == [1, 1, 1, 2, 2, 4, 4]
     assert fs.rows_block(1) == 1 and fs.rows_block(3) == fs.MAX_ROWS
     assert fs.supported(10944) and not fs.supported(1000) and not fs.supported(fs.MAX_K + 16)
 
@@ -117,35 +121,11 @@ def test_gated_equals_silu_and_mul_of_the_plain_kernel_gpu(n, k):
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("m,n,k,gated", DENSE, ids=lambda c: str(c))
-def test_dense_matches_the_w8a8_reference_gpu(m, n, k, gated, monkeypatch):
+@pytest.mark.parametrize("m,n,k,gated,rows_per_warp", DENSE, ids=lambda c: str(c))
+def test_matches_the_w8a8_reference_gpu(m, n, k, gated, rows_per_warp, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     a = rows(m, k)
     w, sw = weight(n=n, k=k)
-    out = fs.fp8_skinny_gemm(a, w, sw, gated=gated)
+    out = fs.fp8_skinny_gemm(a, w, sw, gated=gated, rows_per_warp=rows_per_warp)
     assert out.shape == (m, n // 2 if gated else n) and out.dtype == torch.bfloat16
     check(out, *reference(a, w, sw, gated), gated)
-
-
-@pytest.mark.gpu
-@pytest.mark.tilelang
-@pytest.mark.parametrize("tokens,top_k,experts,n,k,gated,skew", GROUPED, ids=lambda c: str(c))
-def test_grouped_matches_the_w8a8_reference_per_expert_gpu(tokens, top_k, experts, n, k, gated, skew, monkeypatch):
-    """Rows sorted by expert with the engine's scan; ``skew``: one expert with a row per token (row blocks in a
-    loop), many with none."""
-    from deepinfer_npu.kernels_cuda._testing import expert_rows
-    from deepinfer_npu.kernels_cuda.moe_gemm import expert_starts
-
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    _, _, counts = expert_rows(tokens, top_k, experts, 16, 16, skew=skew)
-    a = rows(tokens * top_k, k, seed=3)
-    w, sw = weight(experts, n=n, k=k, seed=4)
-    out = fs.fp8_skinny_gemm(a, w, sw, gated=gated, scan=expert_starts(counts))
-    start, refs, mags = 0, [], []
-    for e, c in enumerate(counts.tolist()):
-        if c:
-            r, mg = reference(a[start : start + c], w[e], sw[e], gated)
-            refs.append(r)
-            mags.append(mg)
-        start += c
-    check(out, torch.cat(refs), torch.cat(mags), gated)

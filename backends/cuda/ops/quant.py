@@ -24,11 +24,12 @@ from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_sy
 from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
-# fp8_skinny_gemm (the quantisation inside the GEMM, one launch a projection) serves the dense projections of
-# one-row steps and the experts' GEMMs of up to this many rows (one token's top-k; DEEPINFER_FP8_SKINNY=0: never)
-SKINNY_DENSE_MAX_ROWS = 1
-SKINNY_GROUPED_MAX_ROWS = 8
-SKINNY_DENSE_MAX_K = 8192  # past it one CTA walks too much of K (skinny_gemm.DENSE_MAX_K's reason)
+# fp8_skinny_gemm (the quantisation inside the GEMM, one launch a projection) serves the projections of one-row
+# steps whose weights have at most SKINNY_MAX_WEIGHTS values: there the two-kernel path's launches cost more than
+# the kernel's repeated quantisation (each CTA quantises the row); on an H200 it won up to 11.5 M (5632 x 2048)
+# and lost from 14.7 M (7168 x 2048) on (docs/kernels/fp8.md). DEEPINFER_FP8_SKINNY=0: never.
+SKINNY_MAX_ROWS = 1
+SKINNY_MAX_WEIGHTS = 12 * 2**20
 
 
 class QuantOps(OpImpl):
@@ -65,21 +66,20 @@ class QuantOps(OpImpl):
         mod, why = self.use(gemm)
         return (quant, mod, None) if mod is not None else (None, None, why)
 
-    def _skinny(self, x2d: torch.Tensor, *weights: tuple[torch.Tensor, torch.Tensor, bool], grouped: bool = False):
-        """kernels_cuda.fp8_skinny_gemm when it takes ``x2d``'s rows against every ``(weight, scale, gated)``,
-        else None."""
-        limit = SKINNY_GROUPED_MAX_ROWS if grouped else SKINNY_DENSE_MAX_ROWS
-        if not envs.FP8_SKINNY or x2d.dim() != 2 or not 0 < x2d.shape[0] <= limit:
+    def _skinny(self, x2d: torch.Tensor, *weights: tuple[torch.Tensor, torch.Tensor, bool]):
+        """kernels_cuda.fp8_skinny_gemm when it takes ``x2d``'s rows against every ``(weight, scale, gated)`` and
+        every weight is small enough to gain from it, else None."""
+        if not envs.FP8_SKINNY or x2d.dim() != 2 or not 0 < x2d.shape[0] <= SKINNY_MAX_ROWS:
+            return None
+        if any(w.numel() > SKINNY_MAX_WEIGHTS for w, _s, _g in weights):
             return None
         mod, _why = self.use("fp8_skinny_gemm")
         if mod is None:
             return None
         (w, scale, gated), *rest = weights
-        if mod.reason(x2d, w, scale, gated, grouped) is not None:
+        if mod.reason(x2d, w, scale, gated) is not None:
             return None
-        if any(mod.weight_reason(*more, grouped=grouped) is not None for more in rest):
-            return None
-        if not grouped and any(more[0].shape[-1] > SKINNY_DENSE_MAX_K for more in weights):
+        if any(mod.weight_reason(*more) is not None for more in rest):
             return None
         return mod
 
@@ -161,12 +161,6 @@ class QuantOps(OpImpl):
         quant, gg = self.modules.get("fp8_quant"), self.modules.get("fp8_grouped_gemm")
         grouped = self.ks.impl("grouped_mlp")
         starts = grouped.expert_starts(self.modules.get("moe_gemm"), tokens_per_expert)  # the dispatch's scan
-        skinny = self._skinny(sorted_hidden, (w13, w13_scale_inv, True), (w2, w2_scale_inv, False), grouped=True)
-        if skinny is not None:
-            self.note("fp8_grouped_mlp", f"kernels_cuda.fp8_skinny_gemm (up to {SKINNY_GROUPED_MAX_ROWS} rows: w13 "
-                      "with the SwiGLU, w2; the quantisations inside the GEMMs)", True)
-            h = skinny.fp8_skinny_gemm(sorted_hidden, w13, w13_scale_inv, gated=True, scan=starts)
-            return skinny.fp8_skinny_gemm(h, w2, w2_scale_inv, scan=starts)
         self.note("fp8_grouped_mlp", "kernels_cuda.fp8_quant + kernels_cuda.fp8_grouped_gemm (w13, gated quant, "
                   "w2)", True)
         h = gg.fp8_grouped_gemm(*quant.quantize(sorted_hidden), w13, w13_scale_inv, starts)
@@ -229,26 +223,20 @@ class QuantOps(OpImpl):
                                             ((2 * inter, d), (d, inter)) for m in rows]
                 out["fp8_quant"] += [c for m in rows for c in (fq.config_for(d, m), fq.config_for(inter, m, True))]
                 out["moe_gemm"] = [("expert_scan", (g.num_experts,))]
-        out["fp8_skinny_gemm"] = self._skinny_configs(plan, lo, hi)
+        out["fp8_skinny_gemm"] = self._skinny_configs(plan, lo)
         return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
 
-    def _skinny_configs(self, plan: KernelWarmupPlan, lo: int, hi: int) -> list[tuple]:
-        """``fp8_skinny_gemm`` where ``_skinny`` can send a step of ``lo`` .. ``hi`` tokens: each dense FP8
-        projection (and the dense MLPs' gated gate/up) at one row, the experts' w13 (gated) / w2 at one token."""
-        if not (envs.FP8_SKINNY and self.wants("fp8_skinny_gemm")):
+    def _skinny_configs(self, plan: KernelWarmupPlan, lo: int) -> list[tuple]:
+        """``fp8_skinny_gemm`` where ``_skinny`` can send a step of ``lo`` or more tokens: each small FP8
+        projection at one row, and the small dense MLPs' gate/up with the SwiGLU fused."""
+        if not (envs.FP8_SKINNY and self.wants("fp8_skinny_gemm")) or lo > SKINNY_MAX_ROWS:
             return []
         fs = kernel_module("fp8_skinny_gemm")
-        cfgs = []
-        if lo <= SKINNY_DENSE_MAX_ROWS:
-            ks = {k for _n, k in (*plan.fp8_linear_shapes, *plan.fp8_one_row_shapes)}
-            cfgs += [fs.config_for(k, 1) for k in sorted(ks) if fs.supported(k) and k <= SKINNY_DENSE_MAX_K]
-            if plan.mlp_intermediate_sizes and fs.supported(plan.hidden_size):
-                cfgs.append(fs.config_for(plan.hidden_size, 1, gated=True))
-        g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
-        if g is not None and inter and fs.supported(d) and fs.supported(inter):
-            for m in range(max(1, lo * g.top_k), min(hi * g.top_k, SKINNY_GROUPED_MAX_ROWS) + 1):
-                rows = min(m, 2)  # fp8_skinny_gemm's row block for a grouped launch of m rows
-                cfgs += [fs.config_for(d, rows, True, True), fs.config_for(inter, rows, False, True)]
+        d = plan.hidden_size
+        cfgs = [fs.config_for(k, 1, n_out=n) for n, k in (*plan.fp8_linear_shapes, *plan.fp8_one_row_shapes)
+                if fs.supported(k) and n * k <= SKINNY_MAX_WEIGHTS]
+        cfgs += [fs.config_for(d, 1, gated=True, n_out=i) for i in plan.mlp_intermediate_sizes
+                 if fs.supported(d) and 2 * i * d <= SKINNY_MAX_WEIGHTS]
         return cfgs
 
 
