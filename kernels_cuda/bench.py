@@ -722,7 +722,7 @@ def bench_fp8_skinny_gemm(args, copy):
         + [("fp8_quant", fp8_quant.config_for(k, 1)) for _n, k, _g in dense])
     for n, k, gated in dense:
         a, _aq, _sa, wq, sw = fp8_operands(1, n, k)
-        rule = m.rows_per_warp_for(n // 2 if gated else n)
+        rule = m.rows_per_warp_for(n // 2 if gated else n, gated)
         variants = {r: time_us(lambda: m.fp8_skinny_gemm(a, wq, sw, gated=gated, rows_per_warp=r))
                     for r in m.ROWS_PER_WARP}
         us, how = variants[rule]

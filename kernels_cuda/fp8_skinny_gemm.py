@@ -21,8 +21,8 @@ rows along K, U vectors in flight before any FMA, the first ones issued before t
 16-value slice a thread per pass; a group's 8 slices sit in 8 neighbouring lanes, whose amax is one
 shuffle-xor tree), so the quantisation is done once a CTA, not once a warp. That repeated quantisation (each CTA
 reads and quantises the whole row for its 4 R columns) is what bounds the kernel on large weights: on an H200 it
-beat the two-kernel path up to about 12 M weights at one column a warp and lost past it (docs/kernels/fp8.md), so
-the backend routes only small weights to it. An expert form (one token's experts over the scan) ran at 0.24x the
+beat the two-kernel path up to about 12 M weights (1.3-2.2x at V2-Lite's projections) and lost from 14 M on, at
+every column count (docs/kernels/fp8.md), so the backend routes only small weights to it. An expert form (one token's experts over the scan) ran at 0.24x the
 grouped two-kernel path and was dropped.
 """
 
@@ -181,16 +181,18 @@ _CACHE = KernelCache({"fp8_skinny": build_fp8_skinny_gemm}, _compile, available=
 _KERNELS = _CACHE.kernels  # the warm-up links and loads what it finds here (backends/cuda/warmup.py)
 
 
-def rows_per_warp_for(n_out: int) -> int:
+def rows_per_warp_for(n_out: int, gated: bool = False) -> int:
     """Output columns a warp for ``n_out`` columns: the most (each CTA quantises its rows once for 4 R columns)
-    that still leaves 256 CTAs, about two a streaming multiprocessor, to keep the weight stream full."""
-    return next((r for r in sorted(ROWS_PER_WARP, reverse=True) if n_out >= 256 * (THREADS // 32) * r), 1)
+    that still leaves 256 CTAs, about two a streaming multiprocessor, to keep the weight stream full; gated, half
+    that (a warp streams two weight rows a column: at 2816 columns one a warp ran 6.5 us, two 7.5 us on an H200)."""
+    r = next((r for r in sorted(ROWS_PER_WARP, reverse=True) if n_out >= 256 * (THREADS // 32) * r), 1)
+    return max(1, r // 2) if gated else r
 
 
 def config_for(k: int, m: int, gated: bool = False, n_out: int = 0, rows_per_warp: int | None = None) -> tuple:
     """The cache key :func:`fp8_skinny_gemm` launches for ``m`` rows of K = ``k`` and ``n_out`` output columns
     (``rows_per_warp``: this one, not the rule's)."""
-    return (int(k), rows_block(m), bool(gated), int(rows_per_warp or rows_per_warp_for(n_out)))
+    return (int(k), rows_block(m), bool(gated), int(rows_per_warp or rows_per_warp_for(n_out, gated)))
 
 
 def get_kernel(*cfg):

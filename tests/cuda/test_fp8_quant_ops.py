@@ -97,10 +97,11 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     # dense layer's 2 x 10944 x 2048)
     from deepinfer_npu.kernels_cuda import fp8_skinny_gemm as fs
 
-    assert set(cfgs["fp8_skinny_gemm"]) == {fs.config_for(2048, 1, n_out=3072), fs.config_for(2048, 1, n_out=576),
-                                            fs.config_for(2048, 1, n_out=2048), fs.config_for(2816, 1, n_out=2048),
-                                            fs.config_for(2048, 1, True, n_out=2816)}
-    assert {c[3] for c in cfgs["fp8_skinny_gemm"]} == {1, 2}  # 576 columns: one a warp; 2048 to 3072: two
+    # (K, rows, gated, columns a warp): q_proj (3072) and o_proj (2048) two a warp, kv_a_proj (576) one, the
+    # shared experts' down (K = 2816) two, their gate/up (2816 gated columns) one
+    assert set(cfgs["fp8_skinny_gemm"]) == {(2048, 1, False, 2), (2048, 1, False, 1), (2816, 1, False, 2),
+                                            (2048, 1, True, 1)}
+    assert fs.config_for(2048, 1, True, n_out=2816) == (2048, 1, True, 1)
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "0")
     assert "fp8_skinny_gemm" not in ks.warmup_configs(plan, 132)
     # a bf16 engine compiles none of them

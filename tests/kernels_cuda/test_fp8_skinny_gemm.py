@@ -73,11 +73,13 @@ def check(out, ref, mag, gated):
 # ---- everywhere ----------------------------------------------------------------------------------------------
 def test_configurations_and_limits():
     assert fs.config_for(2048, 1, n_out=576) == (2048, 1, False, 1)
-    assert fs.config_for(2048, 3, gated=True, n_out=2048) == (2048, 2, True, 2)
+    assert fs.config_for(2048, 3, n_out=2048) == (2048, 2, False, 2)
+    assert fs.config_for(2048, 1, gated=True, n_out=2816) == (2048, 1, True, 1)  # gated: half the plain rule's
     assert fs.config_for(7168, 1, n_out=7168) == (7168, 1, False, 4)
     assert fs.config_for(7168, 1, n_out=7168, rows_per_warp=1) == (7168, 1, False, 1)
     # the most columns a warp that leaves 256 CTAs of 4 warps
     assert [fs.rows_per_warp_for(n) for n in (200, 1023, 1024, 2048, 4095, 4096, 32768)] == [1, 1, 1, 2, 2, 4, 4]
+    assert [fs.rows_per_warp_for(n, gated=True) for n in (1024, 2816, 4096, 32768)] == [1, 1, 2, 2]
     assert fs.rows_block(1) == 1 and fs.rows_block(3) == fs.MAX_ROWS
     assert fs.supported(10944) and not fs.supported(1000) and not fs.supported(fs.MAX_K + 16)
 
