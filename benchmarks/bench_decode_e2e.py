@@ -56,6 +56,9 @@ _GPU_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "temperature.gpu", "cloc
 #: sampling + verification), host_wait_ms (blocked on the previous step's end event). Under ZOS a step's launch times
 #: are added when its results are, one step later: a window's sums are shifted by one step.
 HOST_SPLIT = ("step_ms", "forward_ms", "model_ms", "sample_ms", "host_wait_ms")
+# engine steps a batch's prefill (one step when it fits max_num_batched_tokens) or warm-up may take before the run
+# stops with the reason: far past any healthy run, short of an endless loop
+PREFILL_STEP_LIMIT = 1000
 
 
 def gpu_state(device_type: str) -> dict | None:
@@ -163,8 +166,13 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: st
         for i, p in enumerate(prompts_for(batch, args.prompt_len, cfg["vocab_size"], salt=1)):
             engine.add_request(f"w{batch}-{i}", {"prompt_token_ids": p},
                                SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        warm_steps = 0
         while engine.has_unfinished_requests():
             engine.step()
+            warm_steps += 1
+            if warm_steps > PREFILL_STEP_LIMIT:
+                raise RuntimeError(f"batch {batch}: the warm-up requests (3 tokens each) are unfinished after "
+                                   f"{warm_steps} steps (the KV cache has {blocks} blocks)")
         params = SamplingParams(max_tokens=args.gen + 1, temperature=0.0, ignore_eos=True)
         windows = []  # one timed decode window per repeat, fresh requests each time (the same prompts)
         for rep in range(args.repeat):
@@ -173,13 +181,23 @@ def run_engine(args, model_dir: str, cfg: dict, log, out: dict, quantization: st
             # Prefill until EVERY request has its first token (the whole batch fits one prefill step; counting
             # generation_tokens alone would stop early when decode steps of the first admitted requests interleave
             # with later prefill chunks - that flaw is in the first H200 run's batch 16 / 64 numbers).
+            # A request that finishes without a token (an error the engine reports on it) or a prefill that makes
+            # no progress ends the run with the reason, rather than waiting for a first token that never comes.
             started: set[str] = set()
             prefill_steps = 0
             while len(started) < batch:
                 for o in engine.step():
                     if o.outputs and len(o.outputs[0].token_ids) >= 1:
                         started.add(o.request_id)
+                    elif o.finished:
+                        c = o.outputs[0] if o.outputs else None
+                        raise RuntimeError(f"batch {batch}: request {o.request_id} finished without a token "
+                                           f"({getattr(c, 'finish_reason', None)}: {getattr(c, 'finish_message', '')})")
                 prefill_steps += 1
+                if prefill_steps > PREFILL_STEP_LIMIT:
+                    raise RuntimeError(f"batch {batch}: {batch - len(started)} of {batch} requests have no first "
+                                       f"token after {prefill_steps} steps (unfinished: "
+                                       f"{engine.has_unfinished_requests()}; the KV cache has {blocks} blocks)")
             sync(dev)
             engine.stats["generation_tokens"] = 0
             host0 = {k: engine.stats[k] for k in HOST_SPLIT}

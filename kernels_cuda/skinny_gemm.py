@@ -214,6 +214,12 @@ def config_for(k: int, m: int, gated: bool, grouped: bool, a_dtype, w_dtype, out
             *default_variant())
 
 
+def launch_config(k: int, m: int, gated: bool, grouped: bool, a_dtype, w_dtype, out_dtype) -> tuple:
+    """The cache key :func:`skinny_gemm` launches for ``m`` rows: grouped, the row block serves one expert's rows
+    and takes min(M, 2) rows (W_UV's one row a head: 2); dense, all M rows (the warm-up lists these keys)."""
+    return config_for(k, min(m, 2) if grouped else m, gated, grouped, a_dtype, w_dtype, out_dtype)
+
+
 def get_kernel(*cfg):
     return _CACHE.get("skinny", tuple(cfg))
 
@@ -292,9 +298,7 @@ def skinny_gemm(a: torch.Tensor, w: torch.Tensor, gated: bool = False, scan: tor
         out = torch.empty(m, n_out, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    # grouped: the row block serves one expert's rows (1 at batch 1, ~k * B / E beyond); dense: all M rows
-    rb_rows = min(m, 2) if grouped else m
-    kern = get_kernel(*config_for(k, rb_rows, gated, grouped, a.dtype, w.dtype, out_dtype))
+    kern = get_kernel(*launch_config(k, m, gated, grouped, a.dtype, w.dtype, out_dtype))
     if grouped:
         kern(a.contiguous(), w, scan, out)
     else:

@@ -72,7 +72,9 @@ for l in open('$OUT/h200_kernels.jsonl'):
 " | tail -60 ;;
     e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf; rm -f /tmp/e2e.log
              for ab in "" ${E2E_AB:-}; do [ -n "$ab" ] && echo "== again with $ab"
-             env $ab timeout $LIM python3 -m benchmarks.bench_decode_e2e --backend cuda --batch ${E2E_BATCH:-1 16 64} \
+             # past the limit SIGABRT: faulthandler prints every thread's Python stack (where a stalled run waits)
+             env $ab timeout -s ABRT -k 10 $LIM python3 -X faulthandler -m benchmarks.bench_decode_e2e --backend cuda \
+             --batch ${E2E_BATCH:-1 16 64} \
              --prompt-len ${E2E_PROMPT:-512} --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} \
              --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e_one.log
              # each run's end now (a later timeout of the whole call must not hide it), and the whole log in $OUT

@@ -83,13 +83,21 @@ def test_moe_route_configs(recorded, v2_lite_plan, kernel_set):
     assert routes == [mr._route_cfg(gating, 2048, "bfloat16", True)]
 
 
-def test_w_uv_skinny_configuration(recorded, v2_lite_plan, kernel_set):
-    """mla_epilogue's W_UV at one token: skinny_gemm's grouped configuration at K = kv_lora_rank."""
+def test_w_uv_skinny_configuration(recorded, v2_lite_plan, kernel_set, monkeypatch):
+    """mla_epilogue's W_UV at one token: the warm-up lists the key skinny_gemm's launch of one row a head (16 heads,
+    V2-Lite) takes, found by running the launch code with the kernel stood in for."""
     from deepinfer_npu.kernels_cuda import skinny_gemm as sk
 
-    want = sk.config_for(512, sk.rows_block(1), False, True, torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    launched = []
+    monkeypatch.setattr(sk, "reason", lambda *a: None)
+    monkeypatch.setattr(sk, "get_kernel", lambda *cfg: launched.append(cfg) or (lambda *tensors: None))
+    heads, rank, v_dim = 16, 512, 128
+    scan = torch.cat([torch.arange(heads + 1), torch.arange(heads)]).int()
+    sk.skinny_gemm(torch.zeros(heads, rank, dtype=torch.bfloat16),
+                   torch.zeros(heads, v_dim, rank, dtype=torch.bfloat16), scan=scan)
+    assert launched == [(rank, 2, False, True, "bfloat16", "bfloat16", "bfloat16", *sk.default_variant())]
     kernel_set().warmup(v2_lite_plan(k=0))
-    assert want in recorded["skinny_gemm"][0][0]
+    assert launched[0] in recorded["skinny_gemm"][0][0]
 
 
 def test_decode_inputs_configs(recorded, v2_lite_plan, kernel_set):

@@ -50,10 +50,12 @@ class MLAEpilogue(OpImpl):
         return self.ks.linear(values.reshape(values.shape[0], -1), w.o_proj, w.o_bias)
 
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
-        """skinny_gemm's grouped configuration at K = kv_lora_rank for W_UV at one token."""
+        """skinny_gemm's grouped configuration at K = kv_lora_rank for W_UV at one token: the key the launch of
+        one row a head takes (a cold engine built it at its first decode step, 5.5 s on an H200, when the warm-up
+        listed the one-row block instead)."""
         lo, _hi = step_token_bounds(plan)
         if not (self.ks.impl("linear").wants("skinny_gemm") and plan.dtype == BF16 and lo <= 1
                 and plan.kv_lora_rank % 8 == 0):
             return {}
         sk = kernel_module("skinny_gemm")
-        return {"skinny_gemm": [sk.config_for(plan.kv_lora_rank, sk.rows_block(1), False, True, BF16, BF16, BF16)]}
+        return {"skinny_gemm": [sk.launch_config(plan.kv_lora_rank, plan.num_heads, False, True, BF16, BF16, BF16)]}
