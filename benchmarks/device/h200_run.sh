@@ -9,7 +9,8 @@
 #   e2e       benchmarks/bench_decode_e2e.py with graphs, batch E2E_BATCH (default 1 16 64), prompts of E2E_PROMPT
 #             tokens (default 512) (E2E_REPEAT timed windows a batch, default 5, the median reported; E2E_HF=0 leaves
 #             transformers out; E2E_ARGS: more, e.g. "--quantization fp8"; E2E_AB="VAR=value ...": each such
-#             setting runs the same benchmark again under it, rows carrying it in "env")
+#             setting runs the same benchmark again under it, rows carrying it in "env"; a run past the phase limit
+#             gets SIGABRT and prints its threads' Python stacks into e2e.log)
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs MTP / DFlash, concurrency 1, 32
 #   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); every kernel waits for
@@ -56,7 +57,9 @@ for phase in "$@"; do
     tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist worksteal"
              rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
              export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
-             timeout -k 10 $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 2>&1 \
+             # a test still running 20 s before the limit prints every thread's stack (pytest's faulthandler)
+             timeout -k 10 $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 \
+             -o faulthandler_timeout=$(( LIM > 40 ? LIM - 20 : 20 )) 2>&1 \
              | filt | grep -v "PytestBenchmarkWarning\|warner(" > "$OUT/tests.log"; tail -40 "$OUT/tests.log"
              pkill -9 -f "python3 -m pytest" 2>/dev/null; pkill -9 -f "xdist" 2>/dev/null  # workers a timeout left
              [ -f "$OUT/test_failures.log" ] && grep "^==== FAILED" "$OUT/test_failures.log" | sort -u | head -40
