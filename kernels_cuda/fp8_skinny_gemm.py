@@ -21,9 +21,9 @@ rows along K, U vectors in flight before any FMA, the first ones issued before t
 16-value slice a thread per pass; a group's 8 slices sit in 8 neighbouring lanes, whose amax is one
 shuffle-xor tree), so the quantisation is done once a CTA, not once a warp. That repeated quantisation (each CTA
 reads and quantises the whole row for its 4 R columns) is what bounds the kernel on large weights: on an H200 it
-beat the two-kernel path up to about 12 M weights (1.3-2.2x at V2-Lite's projections) and lost from 14 M on, at
-every column count (docs/kernels/fp8.md), so the backend routes only small weights to it. An expert form (one token's experts over the scan) ran at 0.24x the
-grouped two-kernel path and was dropped.
+beat the two-kernel path up to 11 M weights (M = 2**20; 1.1-2.2x at V2-Lite's projections) and lost from 14 M on,
+at every column count (docs/kernels/fp8.md), so the backend routes only small weights to it. An expert form (one
+token's experts over the scan) ran at 0.24x the grouped two-kernel path and was dropped.
 """
 
 import torch
@@ -206,8 +206,8 @@ def precompile(configs) -> None:
 
 CI_CONFIGS = [
     ("fp8_skinny", (2048, 1, False, 2)),  # V2-Lite q / o_proj at one row
-    ("fp8_skinny", (2048, 1, True, 2)),  # shared experts' gate/up, SwiGLU fused
-    ("fp8_skinny", (2816, 1, False, 1)),  # their down projection: K not a multiple of 512
+    ("fp8_skinny", (2048, 1, True, 1)),  # shared experts' gate/up, SwiGLU fused
+    ("fp8_skinny", (2816, 1, False, 2)),  # their down projection: K not a multiple of 512
     ("fp8_skinny", (10944, 2, False, 4)),  # a partial last K group, two rows, four columns a warp
     ("fp8_skinny", (7168, 1, True, 4)),  # gated, one vector in flight
 ]

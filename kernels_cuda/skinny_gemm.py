@@ -2,7 +2,7 @@
 
 Op: the ``linear`` of docs/interfaces.md §2 for 1-row steps (batch-1 decode; the backend's routing,
 ``engine_reason``), the gate/up GEMM of ``dense_mlp`` with the SwiGLU fused, and the router's fp32 GEMM on bf16
-rows. Its grouped mode (experts) is checked but not routed (``SKINNY_GROUPED_MAX_ROWS = 0`` in the backend).
+rows; grouped, W_UV at one token (the heads as experts, one row each: ``backends/cuda/ops/mla_epilogue.py``).
 ``a`` [M, K] (bf16 or fp32), ``w`` [N, K] (the checkpoint's ``[out, in]`` layout; bf16, or fp32 for the router)
 or, grouped, [E, N, K] with ``a``'s rows sorted by expert and ``moe_gemm.expert_starts``' scan. fp32
 accumulation; the output is rounded once to its dtype.

@@ -57,7 +57,8 @@ for phase in "$@"; do
     tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist worksteal"
              rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
              export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
-             # a test still running 20 s before the limit prints every thread's stack (pytest's faulthandler)
+             # a test running longer than the limit less 20 s prints every thread's stack (pytest's faulthandler:
+             # per test, so one that starts late and hangs is killed at the limit without it)
              timeout -k 10 $LIM python3 -m pytest -m gpu ${TESTS:-tests} $x -q -rs -p no:cacheprovider --durations 15 \
              -o faulthandler_timeout=$(( LIM > 40 ? LIM - 20 : 20 )) 2>&1 \
              | filt | grep -v "PytestBenchmarkWarning\|warner(" > "$OUT/tests.log"; tail -40 "$OUT/tests.log"
@@ -75,8 +76,9 @@ for l in open('$OUT/h200_kernels.jsonl'):
 " | tail -60 ;;
     e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf; rm -f /tmp/e2e.log
              for ab in "" ${E2E_AB:-}; do [ -n "$ab" ] && echo "== again with $ab"
-             # past the limit SIGABRT: faulthandler prints every thread's Python stack (where a stalled run waits)
-             env $ab timeout -s ABRT -k 10 $LIM python3 -X faulthandler -m benchmarks.bench_decode_e2e --backend cuda \
+             # past the limit SIGABRT: faulthandler prints every thread's Python stack (where a stalled run waits);
+             # no core file
+             ulimit -c 0; env $ab timeout -s ABRT -k 10 $LIM python3 -X faulthandler -m benchmarks.bench_decode_e2e --backend cuda \
              --batch ${E2E_BATCH:-1 16 64} \
              --prompt-len ${E2E_PROMPT:-512} --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} \
              --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e_one.log

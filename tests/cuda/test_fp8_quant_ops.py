@@ -70,8 +70,8 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
     from deepinfer_npu.kernels_cuda import fp8_gemm, fp8_grouped_gemm, fp8_quant
 
-    # q_proj, kv_a_proj, o_proj; the dense layer's and the shared experts' down projections
-    shapes = ((3072, 2048), (576, 2048), (2048, 2048), (2048, 10944), (2048, 2816))
+    # q_proj, kv_a_proj, o_proj; the dense layer's and the shared experts' down and gate/up projections
+    shapes = ((3072, 2048), (576, 2048), (2048, 2048), (2048, 10944), (2048, 2816), (21888, 2048), (5632, 2048))
     base = v2_lite_plan()
     plan = fp8_plan(base, fp8_linear_shapes=shapes)
     ks = CudaKernelSet()
@@ -98,7 +98,8 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     from deepinfer_npu.kernels_cuda import fp8_skinny_gemm as fs
 
     # (K, rows, gated, columns a warp): q_proj (3072) and o_proj (2048) two a warp, kv_a_proj (576) one, the
-    # shared experts' down (K = 2816) two, their gate/up (2816 gated columns) one
+    # shared experts' down (K = 2816) two, their gate/up (2816 gated columns) one, and not plain (5632 columns:
+    # four a warp), which fp8_dense_mlp never launches
     assert set(cfgs["fp8_skinny_gemm"]) == {(2048, 1, False, 2), (2048, 1, False, 1), (2816, 1, False, 2),
                                             (2048, 1, True, 1)}
     assert fs.config_for(2048, 1, True, n_out=2816) == (2048, 1, True, 1)

@@ -16,6 +16,7 @@ from deepinfer_npu.backends.cpu.linear import silu_and_mul
 from deepinfer_npu.backends.cuda.kernels import CudaKernelSet
 from deepinfer_npu.backends.cuda.ops import OpConfig
 from deepinfer_npu.backends.cuda.ops import quant as quant_ops
+from deepinfer_npu.kernels_cuda._testing import expert_starts_ref
 from deepinfer_npu.model_executor.quantization.fp8 import quantize_fp8_block
 
 BF16 = torch.bfloat16
@@ -81,8 +82,8 @@ def test_one_row_linear_and_mlp_take_one_launch_each(routed):
 
 
 def test_more_rows_large_weights_and_experts_keep_the_two_kernel_path(routed, monkeypatch):
-    """Two rows, a weight past SKINNY_MAX_WEIGHTS (alone, or as either half of an MLP), the switch off, or one
-    token's experts: no one-row GEMM (the two-kernel path, stood in for by the reference op, is taken instead)."""
+    """Two rows, a weight past SKINNY_MAX_WEIGHTS (alone, or an MLP's gate/up, the larger half), the switch off,
+    or one token's experts: no one-row GEMM (the two-kernel paths, stood in for, are taken instead)."""
     ks, skinny = routed
     q = ks.impl("quant")
     two_kernel = []
@@ -101,15 +102,23 @@ def test_more_rows_large_weights_and_experts_keep_the_two_kernel_path(routed, mo
     ks.fp8_linear(torch.randn(1, 256).to(BF16), w, s)
     assert skinny.calls == [(1, 256, 256, False)]
     assert two_kernel == [(2, 256), (1, 256), (1, 256), (1, 512), (1, 256)]
-    # one token's experts: the grouped two-kernel path, which asks for its modules (none here)
+    # one token's experts (6 rows, small weights): fp8_quant + fp8_grouped_gemm for w13 and w2, stood in for
     experts, top_k, d, inter = 16, 6, 256, 384
     g = torch.Generator().manual_seed(3)
     counts = torch.bincount(torch.randperm(experts, generator=g)[:top_k], minlength=experts)
     hidden = torch.randn(top_k, d, generator=g).to(BF16)
     w13, s13 = _weight(2 * inter, d, experts, seed=4)
     w2, s2 = _weight(d, inter, experts, seed=5)
+    grouped_calls = []
+    stand_ins = {
+        "fp8_quant": types.SimpleNamespace(quantize=lambda x, gated=False: (x, gated)),
+        "fp8_grouped_gemm": types.SimpleNamespace(fp8_grouped_gemm=lambda a, gated, w, s, starts: grouped_calls.append(
+            (a.shape[0], w.shape[1], gated, starts.tolist())) or torch.zeros(a.shape[0], w.shape[1], dtype=BF16)),
+    }
     monkeypatch.setenv("DEEPINFER_FP8_SKINNY", "1")
-    monkeypatch.setattr(ks.impl("quant").modules, "get", lambda name: None)
-    with pytest.raises(AttributeError):
-        ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
+    monkeypatch.setattr(q.modules, "get", lambda name: stand_ins.get(name))
+    monkeypatch.setattr(ks.impl("grouped_mlp"), "expert_starts", lambda mg, c: expert_starts_ref(c))
+    assert ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2).shape == (top_k, d)
+    starts = expert_starts_ref(counts).tolist()
+    assert grouped_calls == [(top_k, 2 * inter, False, starts), (top_k, d, True, starts)]
     assert skinny.calls == [(1, 256, 256, False)]

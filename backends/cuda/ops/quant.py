@@ -6,6 +6,8 @@ above 64 rows cuBLASLt's block-scaled ``torch._scaled_mm`` where an eager check 
 activations agreed with the tile kernel, ``scaled_mm.py``); two or three launches, no host read after that check.
 ``fp8_dense_mlp`` (dense layers, shared experts): the same two GEMMs with the SwiGLU fused into the second
 quantisation (``fp8_quant`` gated); four launches.
+At one row, weights of at most ``SKINNY_MAX_WEIGHTS`` values take ``kernels_cuda.fp8_skinny_gemm`` instead (the
+quantisation inside the GEMM): a projection is one launch, a dense MLP two (the SwiGLU in the gate/up GEMM).
 ``fp8_grouped_mlp``: ``moe_gemm.expert_starts`` (or the dispatch's scan), the rows quantised, the w13 GEMM on
 ``kernels_cuda.fp8_grouped_gemm``, the SwiGLU fused into the second quantisation (``fp8_quant`` gated), the w2
 GEMM; five launches, no host read, CUDA-graph capturable. Each runs on bf16 activations with K a multiple of 16 and
@@ -26,8 +28,8 @@ from .scaled_mm import ScaledMM
 FP8 = torch.float8_e4m3fn
 # fp8_skinny_gemm (the quantisation inside the GEMM, one launch a projection) serves the projections of one-row
 # steps whose weights have at most SKINNY_MAX_WEIGHTS values: there the two-kernel path's launches cost more than
-# the kernel's repeated quantisation (each CTA quantises the row); on an H200 it won up to 11.5 M (5632 x 2048)
-# and lost from 14.7 M (7168 x 2048) on (docs/kernels/fp8.md). DEEPINFER_FP8_SKINNY=0: never.
+# the kernel's repeated quantisation (each CTA quantises the row); on an H200 it won up to 11 M (5632 x 2048; M =
+# 2**20) and lost from 14 M (7168 x 2048) on (docs/kernels/fp8.md). DEEPINFER_FP8_SKINNY=0: never.
 SKINNY_MAX_ROWS = 1
 SKINNY_MAX_WEIGHTS = 12 * 2**20
 
@@ -233,8 +235,9 @@ class QuantOps(OpImpl):
             return []
         fs = kernel_module("fp8_skinny_gemm")
         d = plan.hidden_size
+        gate_ups = {(2 * i, d) for i in plan.mlp_intermediate_sizes}  # launched gated (below), never plain
         cfgs = [fs.config_for(k, 1, n_out=n) for n, k in (*plan.fp8_linear_shapes, *plan.fp8_one_row_shapes)
-                if fs.supported(k) and n * k <= SKINNY_MAX_WEIGHTS]
+                if fs.supported(k) and n * k <= SKINNY_MAX_WEIGHTS and (n, k) not in gate_ups]
         cfgs += [fs.config_for(d, 1, gated=True, n_out=i) for i in plan.mlp_intermediate_sizes
                  if fs.supported(d) and 2 * i * d <= SKINNY_MAX_WEIGHTS]
         return cfgs
