@@ -336,28 +336,12 @@ def main(argv=None) -> int:
     tmp = write_model_dir(cfg, "bench_decode_e2e_")
     # (quantization, kv_cache_dtype) engines in this order; rows carry their ratio to the first one
     variants = [(q, kv) for q in args.quantization for kv in args.kv_cache_dtype]
-    engines: dict[tuple[str, str], dict] = {}  # variant -> {batch: measurements, "op_report": ...}
-    hf = {}
-    if not args.no_engine:
-        for q, kv in variants:
-            eng = engines[q, kv] = {}
-            try:
-                run_engine(args, tmp, cfg, log, eng, quantization=None if q == "none" else q, kv_cache_dtype=kv)
-            except Exception:  # noqa: BLE001 - report what was measured, then the error
-                log(f"engine (quantization={q}, kv_cache_dtype={kv}) failed:\n" + traceback.format_exc())
-            for batch in args.batch:
-                if batch in eng:
-                    print(json.dumps({"bench": "decode_e2e_engine_partial", "quantization": q, "kv_cache_dtype": kv,
-                                      "batch": batch, **eng[batch]}), flush=True)
-    if not args.no_hf:
-        try:
-            run_hf(args, cfg, device, log, hf)
-        except Exception:  # noqa: BLE001
-            log("transformers failed:\n" + traceback.format_exc())
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     context = args.prompt_len + args.gen / 2.0
-    lines = []
-    for q, kv in variants if not args.no_engine else variants[:1]:
+
+    def variant_rows(q: str, kv: str) -> list[dict]:
+        """The rows of one (quantization, kv_cache_dtype) engine, printed as they are made."""
+        rows = []
         eng = engines.get((q, kv), {})
         base = engines.get(variants[0], {})
         for batch in args.batch:
@@ -399,11 +383,37 @@ def main(argv=None) -> int:
             # the engine switches set in the environment (A/B runs), cache locations left out
             row["env"] = {k: v for k, v in sorted(os.environ.items())
                           if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}
-            lines.append(row)
+            rows.append(row)
             print(json.dumps(row), flush=True)
         if "op_report" in eng:
             print(json.dumps({"bench": "decode_e2e_op_report", "backend": args.backend, "quantization": q,
                               "kv_cache_dtype": kv, **eng["op_report"]}), flush=True)
+        return rows
+
+    engines: dict[tuple[str, str], dict] = {}  # variant -> {batch: measurements, "op_report": ...}
+    hf = {}
+    written = set()  # variants whose rows are in --out already
+    if not args.no_engine:
+        for q, kv in variants:
+            eng = engines[q, kv] = {}
+            try:
+                run_engine(args, tmp, cfg, log, eng, quantization=None if q == "none" else q, kv_cache_dtype=kv)
+            except Exception:  # noqa: BLE001 - report what was measured, then the error
+                log(f"engine (quantization={q}, kv_cache_dtype={kv}) failed:\n" + traceback.format_exc())
+            for batch in args.batch:
+                if batch in eng:
+                    print(json.dumps({"bench": "decode_e2e_engine_partial", "quantization": q, "kv_cache_dtype": kv,
+                                      "batch": batch, **eng[batch]}), flush=True)
+            if args.no_hf:  # no transformers rows to wait for: this engine's rows now (a later stall loses nothing)
+                append_jsonl(args.out, variant_rows(q, kv))
+                written.add((q, kv))
+    if not args.no_hf:
+        try:
+            run_hf(args, cfg, device, log, hf)
+        except Exception:  # noqa: BLE001
+            log("transformers failed:\n" + traceback.format_exc())
+    lines = [r for q, kv in (variants if not args.no_engine else variants[:1]) if (q, kv) not in written
+             for r in variant_rows(q, kv)]
     append_jsonl(args.out, lines)
     return 0
 

@@ -67,3 +67,27 @@ def test_every_shape_is_a_config_the_engine_accepts_and_v3_counts_its_q_lora():
     experts_b1 = 3 * (3 * d * mi * (1 + 8) + 256 * d)  # shared + 8 hit experts + the router, per MoE layer
     want = 2 * (4 * attn + 3 * d * 18432 + experts_b1 + 129280 * d) + 4 * 512 * 576 * 2
     assert abs(by["total"] - want) / want < 1e-6, (by["total"], want)
+
+
+def test_each_engines_rows_are_written_when_it_finishes(tmp_path, monkeypatch):
+    """Without transformers in the run, the first engine's rows are in --out before the second engine starts: a run
+    killed during a later engine (here: SystemExit, which the engine loop does not catch) keeps them."""
+    import json
+
+    import pytest
+
+    out = tmp_path / "rows.jsonl"
+    real = bench.run_engine
+
+    def second_dies(args, tmp, cfg, log, eng, quantization=None, kv_cache_dtype="auto"):
+        if quantization == "fp8":
+            raise SystemExit("killed at the phase limit")
+        return real(args, tmp, cfg, log, eng, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+
+    monkeypatch.setattr(bench, "run_engine", second_dies)
+    with pytest.raises(SystemExit):
+        bench.main(["--backend", "cpu", "--tiny", "--batch", "1", "2", "--prompt-len", "16", "--gen", "4",
+                    "--repeat", "1", "--no-hf", "--quantization", "none", "fp8", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["quantization"], r["batch"]) for r in rows] == [(None, 1), (None, 2)]
+    assert all(r["engine_tok_s"] > 0 for r in rows)
