@@ -30,6 +30,23 @@ def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 
     M = T.dynamic("num_rows")
     inv_n = 1.0 / N
 
+    @T.macro
+    def normalise(s, W, Y, bx):
+        """Rows ``s`` [BM, N] (bf16 fragment) -> Y rows bx * BM ..: the reference's roundings (module docstring)."""
+        sq = T.alloc_fragment([BM, N], acc)
+        y = T.alloc_fragment([BM, N], dtype)
+        ss = T.alloc_fragment([BM], acc)
+        for i, j in T.Parallel(BM, N):
+            sq[i, j] = T.cast(s[i, j], acc) * T.cast(s[i, j], acc)
+        T.reduce_sum(sq, ss, dim=1)
+        for i in T.Parallel(BM):
+            ss[i] = T.rsqrt(ss[i] * inv_n + eps)
+        for i, j in T.Parallel(BM, N):
+            y[i, j] = T.cast(
+                T.cast(T.cast(T.cast(s[i, j], acc) * ss[i], dtype), acc) * T.cast(W[j], acc), dtype
+            )
+        T.copy(y, Y[bx * BM : (bx + 1) * BM, :])
+
     if with_residual:
 
         @T.prim_func
@@ -46,24 +63,12 @@ def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 
                 x = T.alloc_fragment([BM, N], dtype)
                 r = T.alloc_fragment([BM, N], dtype)
                 s = T.alloc_fragment([BM, N], dtype)
-                sq = T.alloc_fragment([BM, N], acc)
-                y = T.alloc_fragment([BM, N], dtype)
-                ss = T.alloc_fragment([BM], acc)
                 T.copy(X[bx * BM : (bx + 1) * BM, :], x)
                 T.copy(R[bx * BM : (bx + 1) * BM, :], r)
                 for i, j in T.Parallel(BM, N):
                     s[i, j] = T.cast(T.cast(x[i, j], acc) + T.cast(r[i, j], acc), dtype)
                 T.copy(s, R_out[bx * BM : (bx + 1) * BM, :])
-                for i, j in T.Parallel(BM, N):
-                    sq[i, j] = T.cast(s[i, j], acc) * T.cast(s[i, j], acc)
-                T.reduce_sum(sq, ss, dim=1)
-                for i in T.Parallel(BM):
-                    ss[i] = T.rsqrt(ss[i] * inv_n + eps)
-                for i, j in T.Parallel(BM, N):
-                    y[i, j] = T.cast(
-                        T.cast(T.cast(T.cast(s[i, j], acc) * ss[i], dtype), acc) * T.cast(W[j], acc), dtype
-                    )
-                T.copy(y, Y[bx * BM : (bx + 1) * BM, :])
+                normalise(s, W, Y, bx)
 
         return add_rms_norm
 
@@ -77,20 +82,8 @@ def build_rms_norm(hidden: int, with_residual: bool, eps: float, block_m: int = 
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             x = T.alloc_fragment([BM, N], dtype)
-            sq = T.alloc_fragment([BM, N], acc)
-            y = T.alloc_fragment([BM, N], dtype)
-            ss = T.alloc_fragment([BM], acc)
             T.copy(X[bx * BM : (bx + 1) * BM, :], x)
-            for i, j in T.Parallel(BM, N):
-                sq[i, j] = T.cast(x[i, j], acc) * T.cast(x[i, j], acc)
-            T.reduce_sum(sq, ss, dim=1)
-            for i in T.Parallel(BM):
-                ss[i] = T.rsqrt(ss[i] * inv_n + eps)
-            for i, j in T.Parallel(BM, N):
-                y[i, j] = T.cast(
-                    T.cast(T.cast(T.cast(x[i, j], acc) * ss[i], dtype), acc) * T.cast(W[j], acc), dtype
-                )
-            T.copy(y, Y[bx * BM : (bx + 1) * BM, :])
+            normalise(x, W, Y, bx)
 
     return rms_norm
 
