@@ -25,6 +25,10 @@ FP8_GROUP = 128
 FP8_ROW_BYTES = KV_LORA + 4 * (KV_LORA // FP8_GROUP) + 2 * ROPE  # 656
 FP8_SCALE_OFFSET = KV_LORA // 4  # the scales in the row's fp32 view
 FP8_PE_OFFSET = (KV_LORA + 4 * (KV_LORA // FP8_GROUP)) // 2  # the RoPE values in the row's bf16 view
+# A kernel's split count: 1 writes the bf16 output from the split kernel itself; DYNAMIC_SPLITS builds one kernel
+# for every count above 1, the count read at launch from the partial buffers' first dimension (grid z). One build
+# instead of one a count: the V2-Lite engine's decode graphs took 7 counts, about 10 s of compile each at start-up.
+DYNAMIC_SPLITS = 0
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -37,6 +41,22 @@ def compile_sm90(func, target=None):
                             pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True})
 
 
+def kernel_splits(num_splits: int) -> int:
+    """The split count a launch of ``num_splits`` splits compiles for: 1, or ``DYNAMIC_SPLITS`` above 1."""
+    if num_splits < 1:
+        raise ValueError(f"mla_decode: num_splits must be at least 1, got {num_splits}")
+    return 1 if num_splits == 1 else DYNAMIC_SPLITS
+
+
+def split_extent(num_splits: int):
+    """A kernel factory's ``num_splits`` (1 or ``DYNAMIC_SPLITS``, as ``kernel_splits`` gives them) as the grid's
+    z extent: 1, or the run-time size ``num_splits``."""
+    if num_splits not in (1, DYNAMIC_SPLITS):
+        raise ValueError(f"mla_decode: a kernel is built for 1 split or DYNAMIC_SPLITS ({DYNAMIC_SPLITS}: any count "
+                         f"above 1), got {num_splits} (kernel_splits maps a launch's count)")
+    return 1 if num_splits == 1 else T.dynamic("num_splits")
+
+
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
     return -(-max_seqlen_q * heads // BLOCK_M)
 
@@ -46,10 +66,11 @@ def decode_block_m(heads: int, q_bucket: int) -> int:
     return SMALL_BLOCK_M if heads * q_bucket <= SMALL_BLOCK_M else BLOCK_M
 
 
-def combine_splits(heads: int, num_splits: int, skip_empty_splits: bool = False):
+def combine_splits(heads: int, num_splits, skip_empty_splits: bool = False):
     """The split-KV combine as a TileLang macro (one CTA per (head, token), 128 threads x 4 values), shared by the
     pipelined and the warp-specialized decode kernels: fp32 partial outputs and base-2 LSEs in, the bf16 output and
-    the natural-log LSE out. Call it inside a prim_func after the split kernel."""
+    the natural-log LSE out. Call it inside a prim_func after the split kernel. ``num_splits``: the count, or the
+    factory's ``split_extent`` (a run-time size)."""
     H, S, DV = heads, num_splits, KV_LORA
     acc, dtype = T.float32, T.bfloat16
 

@@ -18,6 +18,7 @@ from ._mla_common import (
     SMALL_THREADS,
     T,
     combine_splits,
+    split_extent,
     tilelang,
 )
 from ._prim_func_cache import cached_prim_func
@@ -36,7 +37,8 @@ def build_mla_decode(
     """Return the TileLang PrimFunc (not compiled).
 
     heads: query heads H (compile-time); m_tiles: CTAs per request along the folded rows, ceil(max_q*H/64);
-    num_splits: KV splits (grid z); softmax_scale: applied to q.k before the softmax.
+    num_splits: KV splits (grid z): 1 (the split kernel writes the output) or ``DYNAMIC_SPLITS`` (any count above 1,
+    read from the partial buffers' first dimension at launch); softmax_scale: applied to q.k before the softmax.
     causal_tile_bound: a CTA stops at the last key tile its last row can see (prefill: rows early in a long
     chunk skip the tiles past their position). Off for decode / verification, where it changes nothing.
     skip_empty_splits (tuning sweeps; off in the engine): a split with no key tile writes only its -inf LSE, not
@@ -59,7 +61,8 @@ def build_mla_decode(
     # dequantise -> GEMM -> softmax -> GEMM chain bounds it; its shared memory, ~95 KB, fits twice)
     two_ctas_per_sm = kv_fp8 and BM == SMALL_BLOCK_M and threads == SMALL_THREADS
     NG = DV // FP8_GROUP  # scale groups a latent row
-    S = num_splits
+    S = split_extent(num_splits)
+    direct = num_splits == 1  # no partials, no combine
     scale = float(softmax_scale * LOG2E)
     dtype = T.bfloat16
     acc = T.float32
@@ -180,7 +183,7 @@ def build_mla_decode(
                 acc_o[i, d] = T.if_then_else(l_i[i] > 0, acc_o[i, d] / l_i[i], 0.0)
             for i in T.Parallel(BM):
                 m_prev[i] = T.if_then_else(l_i[i] > 0, T.log2(l_i[i]) + m_i[i] * scale, -T.infinity(acc))
-            if S == 1:
+            if direct:
                 for i, d in T.Parallel(BM, DV):
                     if row0 + i < n_valid_rows:
                         Out[qs + (row0 + i) // H, (row0 + i) % H, d] = T.cast(acc_o[i, d], dtype)
@@ -224,7 +227,7 @@ def build_mla_decode(
         ):
             split_kernel(Q, Q_pe, KV8, KVs, KVr, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,
                          Lse_part)
-            if S > 1:
+            if not direct:
                 combine(Out, Lse, O_part, Lse_part, Tq)
 
         return mla_decode_split_fp8
@@ -244,7 +247,7 @@ def build_mla_decode(
         Lse_part: T.Tensor([S, Tq, H], acc),
     ):
         split_kernel(Q, Q_pe, KV, KV, KV, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part, Lse_part)
-        if S > 1:
+        if not direct:
             combine(Out, Lse, O_part, Lse_part, Tq)
 
     return mla_decode_split

@@ -23,7 +23,8 @@ page, fetched through the block table inside a 2-stage software pipeline (TileLa
 producer warpgroup on sm_90a). The causal mask is applied only on the tiles that reach past the first query's
 position. Split-KV: grid z splits the pages of each request evenly; each split writes fp32 partial outputs and
 a base-2 LSE, and a second kernel combines them (skipped when num_splits == 1, which writes the bf16 output
-directly).
+directly). One build serves every split count above 1 (``DYNAMIC_SPLITS``: the count is the partial buffers' first
+dimension), so the engine's decode graphs, whose counts differ by batch size, share it.
 
 On a Hopper the engine runs the 64-row tile on ``mla_decode_ws``'s hand warp-specialized kernel instead
 (``mla_decode(..., warp_specialized=True)``; the same contract; 1.24-1.31x faster at 128 heads on an H200).
@@ -41,6 +42,7 @@ from ._ast_guard import compile_pool
 from ._mla_common import (  # noqa: F401 - PAGE, HEAD_DIM, LOG2E ... are this module's public layout too
     BLOCK_M,
     BLOCK_N,
+    DYNAMIC_SPLITS,
     FP8_GROUP,
     FP8_PE_OFFSET,
     FP8_ROW_BYTES,
@@ -58,6 +60,7 @@ from ._mla_common import (  # noqa: F401 - PAGE, HEAD_DIM, LOG2E ... are this mo
     combine_splits,
     compile_sm90,
     decode_block_m,
+    kernel_splits,
     m_tiles_for,
     tilelang,
 )
@@ -142,9 +145,9 @@ def precompile(configs, softmax_scale: float = HEAD_DIM**-0.5, num_workers=None)
 
 CI_CONFIGS = [
     (128, 2, 1),
-    (16, 4, 3),
-    (16, 1, 32, False, SMALL_BLOCK_M),
-    (16, 1, 32, False, SMALL_BLOCK_M, False, True),
+    (16, 4, DYNAMIC_SPLITS),
+    (16, 1, DYNAMIC_SPLITS, False, SMALL_BLOCK_M),
+    (16, 1, DYNAMIC_SPLITS, False, SMALL_BLOCK_M, False, True),
 ]  # V3 decode without splits; V2-Lite verification (q<=16) with split + combine; V2-Lite batch-1 decode, bf16 and
 # packed FP8 cache
 
@@ -177,11 +180,13 @@ def takes_warp_specialized(heads: int, q_bucket: int, warp_specialized: bool) ->
 
 def decode_config(heads: int, q_bucket: int, num_splits: int, warp_specialized: bool = False,
                   kv_fp8: bool = False) -> tuple:
-    """The precompile configuration the engine's decode launch uses for ``q_bucket`` (``bucket_q``) query tokens:
-    ``(heads, m_tiles, num_splits)``, ``(heads, 1, num_splits, False, SMALL_BLOCK_M)`` for the small tile, or with
-    ``warp_specialized`` (``mla_decode``'s argument) and a 64-row tile ``(heads, m_tiles, num_splits, False, 64,
-    True)``. ``kv_fp8`` (a packed FP8 cache; never the warp-specialized kernel): ``(heads, m_tiles, num_splits,
-    False, block_m, False, True)``."""
+    """The precompile configuration the engine's decode launch uses for ``q_bucket`` (``bucket_q``) query tokens and
+    ``num_splits`` splits: ``(heads, m_tiles, splits)``, ``(heads, 1, splits, False, SMALL_BLOCK_M)`` for the small
+    tile, or with ``warp_specialized`` (``mla_decode``'s argument) and a 64-row tile ``(heads, m_tiles, splits,
+    False, 64, True)``. ``kv_fp8`` (a packed FP8 cache; never the warp-specialized kernel): ``(heads, m_tiles,
+    splits, False, block_m, False, True)``. ``splits`` is ``kernel_splits(num_splits)``: 1, or ``DYNAMIC_SPLITS``
+    for any count above 1 (one build serves them all)."""
+    num_splits = kernel_splits(num_splits)
     bm = decode_block_m(heads, q_bucket)
     if kv_fp8:
         return (heads, -(-q_bucket * heads // bm), num_splits, False, bm, False, True)
@@ -279,20 +284,21 @@ def mla_decode(
         num_splits = default_num_splits(B, H, bucket_q(max_seqlen_q), block_tables.shape[1], num_sms, kv_fp8)
     engine_bm = decode_block_m(H, bucket_q(max_seqlen_q))
     use_ws = takes_warp_specialized(H, bucket_q(max_seqlen_q), warp_specialized) and not kv_fp8
+    ks = kernel_splits(num_splits)  # the count itself reaches the kernel through the partials' shape
     if kv_fp8:  # the engine's tile only
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
-        kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm, kv_fp8=True)
+        kern = _engine_kernel(H, mt, ks, float(softmax_scale), block_m=engine_bm, kv_fp8=True)
     elif use_ws:
         mt = m_tiles_for(H, bucket_q(max_seqlen_q))
-        kern = _ws.get_kernel(H, mt, num_splits, float(softmax_scale))
+        kern = _ws.get_kernel(H, mt, ks, float(softmax_scale))
     elif num_stages is None and threads is None and block_m in (None, engine_bm) and not skip_empty_splits:
         mt = -(-bucket_q(max_seqlen_q) * H // engine_bm)
-        kern = _engine_kernel(H, mt, num_splits, float(softmax_scale), block_m=engine_bm)  # precompile's call form
+        kern = _engine_kernel(H, mt, ks, float(softmax_scale), block_m=engine_bm)  # precompile's call form
     else:
         bm = block_m or engine_bm
         mt = -(-bucket_q(max_seqlen_q) * H // bm)
         th = threads or (SMALL_THREADS if bm < BLOCK_M else 256)
-        kern = get_kernel(H, mt, num_splits, float(softmax_scale), num_stages or 2, threads=th,
+        kern = get_kernel(H, mt, ks, float(softmax_scale), num_stages or 2, threads=th,
                           block_m=bm, skip_empty_splits=skip_empty_splits)
     if out is None:
         out = torch.empty_like(q_latent)

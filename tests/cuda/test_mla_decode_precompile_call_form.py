@@ -43,9 +43,10 @@ def test_mla_decode_launch_uses_precompile_call_form(monkeypatch):
     monkeypatch.setattr(md.tilelang, "compile", lambda f, **k: f)
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: primed.append((a, k)))
     md.precompile([md.decode_config(16, 1, 2), md.decode_config(16, 2, 2)], softmax_scale=0.125)
-    assert calls[0] == primed[0] == ((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})
-    assert calls[1] == ((16, 1, 2, 0.125, 1), {"threads": 128, "block_m": 16, "skip_empty_splits": False})
-    assert calls[2] == primed[1] == ((16, 1, 2, 0.125), {})
+    D = md.DYNAMIC_SPLITS  # two splits: the build that serves every count above 1
+    assert calls[0] == primed[0] == ((16, 1, D, 0.125, 2), {"threads": 128, "block_m": 16})
+    assert calls[1] == ((16, 1, D, 0.125, 1), {"threads": 128, "block_m": 16, "skip_empty_splits": False})
+    assert calls[2] == primed[1] == ((16, 1, D, 0.125), {})
 
 
 def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):
@@ -62,17 +63,18 @@ def test_mla_decode_ws_launch_uses_precompile_call_form(monkeypatch):
     args = (torch.zeros(2, 16, 512, dtype=bf), torch.zeros(2, 16, 64, dtype=bf), torch.zeros(2, 64, 576, dtype=bf),
             torch.zeros(1, 2, dtype=torch.int32), one * 2, one * 2, cu, 0.125)
     md.mla_decode(*args, max_seqlen_q=2, num_splits=2, num_sms=SMS, warp_specialized=True)
-    assert launched == [((16, 1, 2, 0.125), {}, (32, 512), (32, 64))] and not small
+    D = md.DYNAMIC_SPLITS
+    assert launched == [((16, 1, D, 0.125), {}, (32, 512), (32, 64))] and not small
     md.mla_decode(args[0][:1], args[1][:1], *args[2:4], one, one, torch.tensor([0, 1], dtype=torch.int32), 0.125,
                   max_seqlen_q=1, num_splits=2, num_sms=SMS, warp_specialized=True)
-    assert len(launched) == 1 and small == [((16, 1, 2, 0.125, 2), {"threads": 128, "block_m": 16})]
+    assert len(launched) == 1 and small == [((16, 1, D, 0.125, 2), {"threads": 128, "block_m": 16})]
     monkeypatch.undo()
     primed = []
     monkeypatch.setattr(ws, "build_mla_decode_ws", lambda *a, **k: object())
     monkeypatch.setattr(ws, "_compile", lambda f: f)
     monkeypatch.setattr(ws, "get_kernel", lambda *a, **k: primed.append((a, k)))
     md.precompile([md.decode_config(16, 2, 2, warp_specialized=True)], softmax_scale=0.125)
-    assert primed == [((16, 1, 2, 0.125), {})]
+    assert primed == [((16, 1, D, 0.125), {})]
 
 
 def test_mla_decode_ws_compile_failure_falls_back_to_the_pipelined_kernel(monkeypatch):
@@ -92,7 +94,8 @@ def test_mla_decode_ws_compile_failure_falls_back_to_the_pipelined_kernel(monkey
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: (lambda *args: None))
     md.precompile([md.decode_config(16, 2, 2, warp_specialized=True), md.decode_config(16, 1, 4)], 0.125)
     assert ws.disabled_reason == "compile failed: RuntimeError: nvcc: out of memory"
-    assert sorted(built) == [(16, 1, 2), (16, 1, 4)]
+    D = md.DYNAMIC_SPLITS
+    assert built == [(16, 1, D), (16, 1, D)]  # the small tile's, and the 64-row tile's in ws' stead
     launched = []
     monkeypatch.setattr(md, "get_kernel", lambda *a, **k: launched.append((a, k)) or (lambda *args: None))
     monkeypatch.setattr(ws, "get_kernel", lambda *a, **k: pytest.fail("mla_decode_ws is off"))
@@ -102,4 +105,4 @@ def test_mla_decode_ws_compile_failure_falls_back_to_the_pipelined_kernel(monkey
                    torch.zeros(2, 64, 576, dtype=bf))
     md.mla_decode(q, q_pe, kv, torch.zeros(1, 2, dtype=torch.int32), one * 2, one * 2, cu, 0.125, max_seqlen_q=2,
                   num_splits=2, num_sms=SMS, warp_specialized=True)
-    assert launched == [((16, 1, 2, 0.125), {})]
+    assert launched == [((16, 1, D, 0.125), {})]

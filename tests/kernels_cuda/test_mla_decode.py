@@ -6,7 +6,7 @@ layout, and the split / combine path is this layout's own). Tolerances, FlashMLA
 positions, cosine deficit 1 - 2<x,y>/(|x|^2+|y|^2) < 1e-5, every element within 2 bf16 ulps (2^-7 relative) of
 |ref| + rms(ref) (prefill: 3, see ``PREFILL_OUT_ULPS``), lse within 0.25 of that; outputs NaN-poisoned first.
 Cases: decode, verification (1..16 query tokens), short contexts (empty splits), odd lengths (partial last page),
-varlen batches, at 16 and 128 heads; splits 1 or 3 to bound compiles.
+varlen batches, at 16 and 128 heads; splits 1 (its own build) or several (one build for every count).
 """
 
 import pytest
@@ -69,7 +69,7 @@ def compare(out, ref, name, ulps=2.0):
 
 def check_cases(seed=0):
     """(batch, heads, seqlens_k, seqlens_q, num_splits): decode, verification (1..16 q tokens), short contexts
-    (empty splits), odd lengths (partial last page), varlen batches. Splits 1 or 3 to bound compiles."""
+    (empty splits), odd lengths (partial last page), varlen batches; split counts 1, 3 and a few others."""
     g = torch.Generator().manual_seed(seed)
     cases = []
     for H in (16, 128):
@@ -85,6 +85,9 @@ def check_cases(seed=0):
         sk = [max(k, q) for k, q in zip(torch.randint(16, 3000, (rb,), generator=g).tolist(), sq)]
         sq4 = [min(q, 4) for q in sq]
         cases += [(rb, H, sk, sq, 1), (rb, H, sk, sq, 3), (rb, H, sk, [1] * rb, 3), (rb, H, sk, sq4, 1)]
+    # the same build at other split counts (the count is a launch-time size): more splits than pages (empty
+    # splits), and a count that does not divide the pages
+    cases += [(1, 16, 300, 1, 32), (2, 16, 3000, 1, 7), (3, 128, 1500, 1, 5)]
     return cases
 
 
@@ -148,9 +151,12 @@ def test_prefill_buckets():
 def test_decode_configs():
     """The precompile keys the launches use: the 16-row tile for one token of 16 heads, 64-row tiles otherwise,
     flagged for mla_decode_ws where asked."""
-    assert mla.decode_config(16, 1, 32) == (16, 1, 32, False, mla.SMALL_BLOCK_M)
+    D = mla.DYNAMIC_SPLITS  # one build for every split count above 1; one split writes the output itself
+    assert mla.decode_config(16, 1, 32) == mla.decode_config(16, 1, 2) == (16, 1, D, False, mla.SMALL_BLOCK_M)
     assert mla.decode_config(128, 1, 1) == (128, 2, 1)
-    assert mla.decode_config(16, 2, 3, warp_specialized=True) == (16, 1, 3, False, 64, True)
+    assert mla.decode_config(16, 2, 3, warp_specialized=True) == (16, 1, D, False, 64, True)
+    with pytest.raises(ValueError, match="num_splits must be at least 1, got 0"):
+        mla.decode_config(16, 1, 0)
     assert mla.bucket_q(3) == 4 and mla.m_tiles_for(128, 2) == 4
 
 
@@ -170,9 +176,10 @@ def test_ws_precompile_builds_what_get_kernel_asks_for(monkeypatch):
     monkeypatch.setattr(ws, "_compile", lambda f: f)
     ws.get_kernel.cache_clear()
     try:
-        ws.precompile([(128, 2, 1), (16, 1, 2)], softmax_scale=0.125)
+        D = ws.DYNAMIC_SPLITS
+        ws.precompile([(128, 2, 1), (16, 1, D)], softmax_scale=0.125)
         assert len(built) == 4  # two from precompile's pool, two from priming get_kernel's cache
-        assert built[:2] == built[2:] == [(128, 2, 1, 0.125), (16, 1, 2, 0.125)]
+        assert built[:2] == built[2:] == [(128, 2, 1, 0.125), (16, 1, D, 0.125)]
         ws.get_kernel(128, 2, 1, 0.125)  # the launcher's call: served from the cache precompile primed
         assert len(built) == 4
     finally:

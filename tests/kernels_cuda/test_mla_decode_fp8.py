@@ -48,7 +48,8 @@ def test_fp8_views_and_configs():
     with pytest.raises(ValueError, match="contiguous uint8"):
         mla.fp8_views(torch.zeros(3, mla.PAGE, HEAD_DIM, dtype=torch.bfloat16))
     # never the warp-specialized kernel; the engine's tile size either way
-    assert mla.decode_config(16, 1, 32, True, kv_fp8=True) == (16, 1, 32, False, mla.SMALL_BLOCK_M, False, True)
+    small = (16, 1, mla.DYNAMIC_SPLITS, False, mla.SMALL_BLOCK_M, False, True)
+    assert mla.decode_config(16, 1, 32, True, kv_fp8=True) == small
     assert mla.decode_config(128, 1, 1, True, kv_fp8=True) == (128, 2, 1, False, 64, False, True)
 
 

@@ -79,7 +79,8 @@ def test_engine_factories_round_trip(cache_dir):
     """The decode kernel's and the RMSNorm's factories: the loaded functions print the built ones' scripts."""
     from deepinfer_npu.kernels_cuda import mla_decode, rms_norm
 
-    for build, args in ((mla_decode.build_mla_decode, (16, 1, 2, 0.1)), (rms_norm.build_rms_norm, (2048, True, 1e-6))):
+    for build, args in ((mla_decode.build_mla_decode, (16, 1, mla_decode.DYNAMIC_SPLITS, 0.1)),
+                        (rms_norm.build_rms_norm, (2048, True, 1e-6))):
         built = build.uncached(*args).script(show_meta=True)
         assert build(*args).script(show_meta=True) == built  # stored on the way
         assert build(*args).script(show_meta=True) == built  # loaded
