@@ -4,8 +4,9 @@ varlen flash attention, as DeepSeek's and vLLM's prefill do; decode and every ot
 Absorbed MLA costs H x (2L + R) x 2 FLOPs a (query, key) pair (576-wide keys, 512-wide values: 34.8 kFLOP at V2-Lite's
 16 heads); decompressed it is H x (N + R + V) x 2 (10.2 kFLOP) plus one kv_b GEMM a key, so for prompts of hundreds
 of tokens and more the decompressed form does about a third of the work. The query keeps its nope part un-absorbed
-(``MLAProlog.mla_prolog(absorb=False)``: no W_UK), the keys are the cache rows of each request's whole context (its
-cached prefix and this step's tokens, gathered on the device: no host read), K = [c W_UK^T | k_rope] and V = c W_UV^T
+(``MLAProlog.mla_prolog(absorb=False)``: no W_UK; the rotated rope part written back into the projection's tensor),
+the keys are the cache rows of each request's whole context (its cached prefix and this step's tokens, gathered on
+the device: no host read), K = [c W_UK^T | k_rope] and V = c W_UV^T
 (two GEMMs), and the attention output goes straight to o_proj (no W_UV). FlashAttention-2 takes one head dim for
 q, k and v, so V is zero-padded to N + R and the padding columns dropped after.
 
@@ -172,8 +173,8 @@ class MLAPrefillMHA(OpImpl):
         h, nope, rdim, vdim, lrank = w.num_heads, w.qk_nope_head_dim, w.qk_rope_head_dim, w.v_head_dim, \
             w.kv_lora_rank
         host = attn.host
-        q_nope, q_rope = ks.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, attn.slot_mapping,
-                                                          absorb=False)  # writes this step's rows first
+        q, q_rope = ks.impl("mla_prolog").mla_prolog(hidden, w, positions, rope, kv_cache, attn.slot_mapping,
+                                                     absorb=False)  # writes this step's rows first
         num_tokens, page = hidden.shape[0], kv_cache.shape[1]
         slots, cu_k = self.key_rows(attn, page)
         rows = kv_cache.view(-1, lrank + rdim).index_select(0, slots)
@@ -181,7 +182,7 @@ class MLAPrefillMHA(OpImpl):
         tk = rows.shape[0]
         k_nope = ks.linear(latent, w.w_uk.reshape(h * nope, lrank)).view(tk, h, nope)
         values = ks.linear(latent, w.w_uv.reshape(h * vdim, lrank)).view(tk, h, vdim)
-        q = torch.cat((q_nope, q_rope), dim=-1)
+        q[..., nope:] = q_rope  # the projection's own tensor: a third of the bytes a concatenation would move
         k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(tk, h, rdim)), dim=-1)
         v = F.pad(values, (0, nope + rdim - vdim)) if vdim < nope + rdim else values
         try:

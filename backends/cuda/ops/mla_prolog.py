@@ -35,8 +35,8 @@ class MLAProlog(OpImpl):
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Padding rows (negative slots) write nothing: the kernel skips them; the composed cache write rewrites
         slot 0 (block 0, the reserved padding block that no sequence owns) with its own current contents.
-        ``absorb=False``: the query's nope part [T, H, N] (a view) instead of ``q_latent`` (prefill on
-        decompressed keys, ``mla_prefill_mha.py``)."""
+        ``absorb=False``: the whole projected query [T, H, N + R] (its rope part not rotated: q_rope is) instead
+        of ``q_latent`` (prefill on decompressed keys, ``mla_prefill_mha.py``, writes q_rope into it)."""
         ks = self.ks
         lin = ks.linear
         num_tokens = hidden.shape[0]
@@ -49,7 +49,7 @@ class MLAProlog(OpImpl):
                 qa = lin(hidden, w.q_a_proj, w.q_a_bias) if first is None else first
                 q = lin(ks.rms_norm(qa, w.q_a_layernorm, w.norm_eps), w.q_b_proj)
             q = q.view(num_tokens, w.num_heads, nope + rdim)
-            return q, (self.absorb_q(q, w) if absorb else q[..., :nope])
+            return q, (self.absorb_q(q, w) if absorb else q)
 
         fused = self.fused_a_proj(hidden, w)
         if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)
