@@ -57,6 +57,15 @@ def split_extent(num_splits: int):
     return 1 if num_splits == 1 else T.dynamic("num_splits")
 
 
+def partial_shapes(num_splits: int, splits, num_tokens, heads: int) -> tuple[list, list]:
+    """Shapes of the split kernel's fp32 partial outputs and LSEs: [splits, T, H, 512] and [splits, T, H]. A
+    one-split build never touches them: [1, 1, 1, 1] and [1, 1, 1], so its launches pass tiny placeholders rather
+    than buffers of the step's size (a 131072-token prefill's would hold 4 GiB)."""
+    if num_splits == 1:
+        return [1, 1, 1, 1], [1, 1, 1]
+    return [splits, num_tokens, heads, KV_LORA], [splits, num_tokens, heads]
+
+
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
     return -(-max_seqlen_q * heads // BLOCK_M)
 

@@ -18,6 +18,7 @@ from ._mla_common import (
     SMALL_THREADS,
     T,
     combine_splits,
+    partial_shapes,
     split_extent,
     tilelang,
 )
@@ -73,6 +74,7 @@ def build_mla_decode(
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
     combine = combine_splits(H, S, skip_empty_splits)
+    OP, LP = partial_shapes(num_splits, S, Tq, H)
 
     @T.macro
     def split_kernel(Q, Q_pe, KV_lat, KV_sc, KV_pe, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,
@@ -222,8 +224,8 @@ def build_mla_decode(
             seqlens_k: T.Tensor([B], T.int32),
             Out: T.Tensor([Tq, H, DV], dtype),
             Lse: T.Tensor([Tq, H], acc),
-            O_part: T.Tensor([S, Tq, H, DV], acc),
-            Lse_part: T.Tensor([S, Tq, H], acc),
+            O_part: T.Tensor(OP, acc),
+            Lse_part: T.Tensor(LP, acc),
         ):
             split_kernel(Q, Q_pe, KV8, KVs, KVr, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,
                          Lse_part)
@@ -243,8 +245,8 @@ def build_mla_decode(
         seqlens_k: T.Tensor([B], T.int32),
         Out: T.Tensor([Tq, H, DV], dtype),
         Lse: T.Tensor([Tq, H], acc),
-        O_part: T.Tensor([S, Tq, H, DV], acc),
-        Lse_part: T.Tensor([S, Tq, H], acc),
+        O_part: T.Tensor(OP, acc),
+        Lse_part: T.Tensor(LP, acc),
     ):
         split_kernel(Q, Q_pe, KV, KV, KV, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part, Lse_part)
         if not direct:

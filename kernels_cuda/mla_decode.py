@@ -237,13 +237,13 @@ def bucket_prefill_q(max_seqlen_q: int) -> int:
 _DUMMIES = {}
 
 
-def _dummy_partials(Tq, H, device):
-    key = (Tq, H, str(device))
+def _dummy_partials(device):
+    """The one-split kernels' placeholders for the partials they never touch (``partial_shapes``), one pair a
+    device, kept alive for graph replays."""
+    key = str(device)
     if key not in _DUMMIES:
-        _DUMMIES[key] = (
-            torch.empty(1, Tq, H, KV_LORA, dtype=torch.float32, device=device),
-            torch.empty(1, Tq, H, dtype=torch.float32, device=device),
-        )
+        _DUMMIES[key] = (torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device),
+                         torch.empty(1, 1, 1, dtype=torch.float32, device=device))
     return _DUMMIES[key]
 
 
@@ -308,8 +308,8 @@ def mla_decode(
     if S > 1:
         o_part = torch.empty(S, Tq, H, KV_LORA, dtype=torch.float32, device=q_latent.device)
         l_part = torch.empty(S, Tq, H, dtype=torch.float32, device=q_latent.device)
-    else:  # unused by the kernel, but the shapes must bind: a cached dummy (kept alive for graph replays)
-        o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
+    else:
+        o_part, l_part = _dummy_partials(q_latent.device)
     q_start = cu_seqlens_q[:B]
     if use_ws:  # its Q inputs are the [T * H, D] row views
         q_latent, q_rope = q_latent.reshape(Tq * H, KV_LORA), q_rope.reshape(Tq * H, ROPE)
@@ -333,7 +333,7 @@ def mla_prefill(q_latent, q_rope, kv_cache, block_tables, seqlens_q, seqlens_k, 
         out = torch.empty_like(q_latent)
     if lse is None:
         lse = torch.empty(Tq, H, dtype=torch.float32, device=q_latent.device)
-    o_part, l_part = _dummy_partials(Tq, H, q_latent.device)
+    o_part, l_part = _dummy_partials(q_latent.device)
     kv = fp8_views(kv_cache) if kv_fp8 else (kv_cache,)
     kern(q_latent, q_rope, *kv, block_tables, cu_seqlens_q[:B], seqlens_q, seqlens_k, out, lse, o_part, l_part)
     return out, lse

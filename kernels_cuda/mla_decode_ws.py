@@ -47,6 +47,7 @@ from ._mla_common import (
     combine_splits,
     compile_sm90,
     decode_block_m,
+    partial_shapes,
     split_extent,
     tilelang,
 )
@@ -90,6 +91,7 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
     combine = combine_splits(H, S)
+    OP, LP = partial_shapes(num_splits, S, Tq, H)
 
     @T.macro
     def load_left(KV, KV_shared, bars, page, slot):
@@ -295,8 +297,8 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
         seqlens_k: T.Tensor([B], T.int32),
         Out: T.Tensor([Tq, H, DV], dtype),
         Lse: T.Tensor([Tq, H], acc),
-        O_part: T.Tensor([S, Tq, H, DV], acc),
-        Lse_part: T.Tensor([S, Tq, H], acc),
+        O_part: T.Tensor(OP, acc),
+        Lse_part: T.Tensor(LP, acc),
     ):
         with T.Kernel(m_tiles, B, S, threads=THREADS) as (mt, b, z):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch

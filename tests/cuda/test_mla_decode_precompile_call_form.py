@@ -106,3 +106,23 @@ def test_mla_decode_ws_compile_failure_falls_back_to_the_pipelined_kernel(monkey
     md.mla_decode(q, q_pe, kv, torch.zeros(1, 2, dtype=torch.int32), one * 2, one * 2, cu, 0.125, max_seqlen_q=2,
                   num_splits=2, num_sms=SMS, warp_specialized=True)
     assert launched == [((16, 1, D, 0.125), {})]
+
+
+def test_one_split_launches_pass_tiny_placeholder_partials(monkeypatch):
+    """A one-split build never touches the partials: its launches (decode and prefill) pass one-value placeholders,
+    not [1, T, H, 512] fp32 buffers (4 GiB for a 131072-token prefill chunk); a split launch passes [S, T, H, 512]."""
+    seen = []
+    monkeypatch.setattr(md, "get_kernel", lambda *a, **k: lambda *args: seen.append((a[2], args[-2].shape,
+                                                                                     args[-1].shape)))
+    bf = torch.bfloat16
+    t = 40
+    one, cu = torch.ones(1, dtype=torch.int32), torch.tensor([0, t], dtype=torch.int32)
+    args = (torch.zeros(t, 16, 512, dtype=bf), torch.zeros(t, 16, 64, dtype=bf), torch.zeros(2, 64, 576, dtype=bf),
+            torch.zeros(1, 2, dtype=torch.int32), one * t, one * t, cu, 0.125)
+    md.mla_prefill(*args, max_seqlen_q=t)
+    md.mla_decode(*args[:4], one, one * t, torch.tensor([0, 1], dtype=torch.int32), 0.125, max_seqlen_q=1,
+                  num_splits=1, num_sms=SMS)
+    md.mla_decode(*args[:4], one, one * t, torch.tensor([0, 1], dtype=torch.int32), 0.125, max_seqlen_q=1,
+                  num_splits=3, num_sms=SMS)
+    assert seen[0] == seen[1] == (1, (1, 1, 1, 1), (1, 1, 1))
+    assert seen[2] == (md.DYNAMIC_SPLITS, (3, t, 16, 512), (3, t, 16))
