@@ -87,10 +87,12 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_ROUTER_TENSOR_CORES", "1", _flag,
                "1 (the default): the CUDA backend's MoE router past 16 rows runs as bf16 tensor-core GEMMs of its "
                "fp32 weight's exact bf16 split, fp32 out; 0: the rows cast to fp32 and cuBLAS' fp32 GEMM."),
-        EnvVar("DEEPINFER_FP8_SKINNY", "1", _flag,
-               "1 (the default): in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose "
-               "weights hold at most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, "
-               "one launch); 0: fp8_quant then the FP8 GEMMs, as at more rows."),
+        EnvVar("DEEPINFER_FP8_SKINNY", "0", _flag,
+               "1: in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose weights hold at "
+               "most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, one launch); "
+               "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off by default: with it on, a "
+               "V2-Lite-shape FP8 engine that ran batches 1, 16 and 64 hung in its batch-256 decode graph on an "
+               "H200 (docs/kernels/fp8.md)."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )
