@@ -57,6 +57,16 @@ def _count_or_auto(name: str, raw: str) -> int | None:
     return int(value)
 
 
+def _seconds(name: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{name}={raw!r}: expected seconds >= 0")
+    return value
+
+
 def _path(name: str, raw: str) -> Path:
     return Path(raw).expanduser()
 
@@ -93,6 +103,10 @@ _VARS: dict[str, EnvVar] = {
                "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off by default: with it on, a "
                "V2-Lite-shape FP8 engine that ran batches 1, 16 and 64 hung in its batch-256 decode graph on an "
                "H200 (docs/kernels/fp8.md)."),
+        EnvVar("DEEPINFER_STEP_TIMEOUT", "600", _seconds,
+               "Seconds a step may keep the host waiting for the device before the process logs the step, prints "
+               "its threads' stacks and exits with code 70 (a kernel that never ends; worker/step_watchdog.py); "
+               "0: wait forever. Above distributed_timeout_s' 300 s default, so a lost rank is named first."),
         EnvVar("DEEPINFER_ASCEND_PROFILE", "", _text,
                "Forces the Ascend capability profile (e.g. a2_a3); empty: detected from the chip."),
     )

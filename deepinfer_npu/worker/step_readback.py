@@ -2,7 +2,7 @@
 ``StepResult`` once the step's sample-end event completes (the only wait of a step).
 
 A mixin of ``Worker``: it reads ``self.result_listener`` (called for steps with a constrained row, before the next
-sampling is launched).
+sampling is launched) and ``self.step_watchdog`` (``step_watchdog.py``: a wait that never ends exits the process).
 """
 
 from __future__ import annotations
@@ -40,7 +40,10 @@ class StepReadback:
 
     def _post_process(self, step: DeviceStepState) -> StepResult:
         t_wait = time.perf_counter()
-        step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
+        plan = step.plan
+        with self.step_watchdog.waiting(f"{'prefill' if plan.is_prefill else 'decode'} step {plan.step_id} "
+                                        f"({plan.num_tokens} tokens, {plan.num_seqs} sequences)"):
+            step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
         host_wait_ms = (time.perf_counter() - t_wait) * 1e3
         plan, host = step.plan, step.host
         if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting

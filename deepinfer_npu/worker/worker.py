@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.spec.drafter import Drafter
 from deepinfer_npu.worker.decode_graphs import DecodeGraphs
@@ -38,6 +39,7 @@ from deepinfer_npu.worker.sample_launch import SampleLaunch
 from deepinfer_npu.worker.slot_state import SlotState
 from deepinfer_npu.worker.step_io import DeviceStepState, StepPlan, StepRequests, StepResult
 from deepinfer_npu.worker.step_readback import StepReadback
+from deepinfer_npu.worker.step_watchdog import StepWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
         # Called with the results of each step that has a constrained row as soon as they are post-processed, before
         # the next sampling is launched (the engine advances structured-output grammars there).
         self.result_listener = None
+        self.step_watchdog = StepWatchdog(envs.STEP_TIMEOUT, device=str(self.device))  # the step's wait, bounded
         self._decode_sampling_cache: tuple | None = None  # _decode_sampling_inputs' last batch
         self.graphs = self._build_graphs()  # the decode-graph plumbing; nothing captured yet
         # Every kernel variant the steps can reach, compiled now: before any capture, and before the first step
