@@ -41,7 +41,7 @@ class StepReadback:
     def _post_process(self, step: DeviceStepState) -> StepResult:
         t_wait = time.perf_counter()
         plan = step.plan
-        with self.step_watchdog.waiting(f"{'prefill' if plan.is_prefill else 'decode'} step {plan.step_id} "
+        with self.step_watchdog.waiting(lambda: f"{'prefill' if plan.is_prefill else 'decode'} step {plan.step_id} "
                                         f"({plan.num_tokens} tokens, {plan.num_seqs} sequences)"):
             step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
         host_wait_ms = (time.perf_counter() - t_wait) * 1e3

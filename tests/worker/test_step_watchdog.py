@@ -72,23 +72,54 @@ def test_the_default_action_ends_a_process_stuck_in_a_wait():
     assert "in device_wait" in proc.stderr  # the stuck thread's stack
 
 
-def test_the_worker_watches_its_step_wait(monkeypatch):
-    """StepReadback._post_process waits for the step's end event inside the worker's watchdog."""
+def test_the_worker_watches_its_step_wait():
+    """StepReadback._post_process waits for the step's end event inside the worker's watchdog, named by the step."""
     from types import SimpleNamespace
 
     from deepinfer_npu.worker.step_readback import StepReadback
 
-    seen = []
+    fired = []
+    dog = StepWatchdog(0.2, device="cuda:0", on_timeout=fired.append, poll_s=0.02)
 
-    class Dog:
-        def waiting(self, what):
-            seen.append(what)
-            raise RuntimeError("stop here")  # the wait itself is not the subject
+    class StuckEvent:
+        def synchronize(self):
+            time.sleep(0.6)  # the device "never" finishes
+            raise RuntimeError("stop here")  # the rest of post-processing is not the subject
 
     readback = StepReadback()
-    readback.step_watchdog = Dog()
+    readback.step_watchdog = dog
     plan = SimpleNamespace(is_prefill=False, step_id=12, num_tokens=64, num_seqs=64)
-    step = SimpleNamespace(plan=plan, sample_end_event=None)
     with pytest.raises(RuntimeError, match="stop here"):
-        readback._post_process(step)
-    assert seen == ["decode step 12 (64 tokens, 64 sequences)"]
+        readback._post_process(SimpleNamespace(plan=plan, sample_end_event=StuckEvent()))
+    assert len(fired) == 1 and fired[0].startswith("decode step 12 (64 tokens, 64 sequences) has not finished")
+
+
+def test_the_thread_ends_with_its_watchdog():
+    """An engine dropped takes its watchdog's thread with it (no thread a process per engine ever built)."""
+    import gc
+
+    dog = StepWatchdog(5.0, on_timeout=lambda m: pytest.fail(m), poll_s=0.02)
+    with dog.waiting("step"):
+        pass
+    thread = dog._thread
+    assert thread.is_alive()
+    del dog
+    gc.collect()
+    thread.join(timeout=2)
+    assert not thread.is_alive()
+
+
+def test_the_exit_happens_even_when_stderr_is_replaced():
+    """Reporting goes to file descriptor 2 whatever sys.stderr is (a notebook's, a StringIO): the process still
+    exits with the watchdog's code."""
+    code = textwrap.dedent("""
+        import io, sys, threading
+        from deepinfer_npu.worker.step_watchdog import StepWatchdog
+        sys.stderr = io.StringIO()
+        dog = StepWatchdog(0.3, poll_s=0.05)
+        with dog.waiting("decode step 1 (1 tokens, 1 sequences)"):
+            threading.Event().wait()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == STEP_TIMEOUT_EXIT_CODE, proc.stderr
+    assert "decode step 1 (1 tokens, 1 sequences) has not finished" in proc.stderr
