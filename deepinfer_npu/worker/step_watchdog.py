@@ -20,7 +20,6 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
-import sys
 import threading
 import time
 import weakref
