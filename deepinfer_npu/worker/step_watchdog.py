@@ -36,10 +36,10 @@ def exit_process(message: str) -> None:
     """The default action: the message and every thread's stack on the process's stderr (file descriptor 2, whatever
     ``sys.stderr`` was replaced by), then ``os._exit``, whatever the reporting raised (the main thread is blocked
     inside the device runtime, so no exception can reach it)."""
-    try:
-        logger.error("%s", message)
+    try:  # the raw writes first: a logging handler's lock held by the stuck thread must not keep the process alive
         os.write(2, f"deepinfer_npu: {message}\n".encode())
         faulthandler.dump_traceback(file=2, all_threads=True)
+        logger.error("%s", message)
     finally:
         os._exit(STEP_TIMEOUT_EXIT_CODE)
 
