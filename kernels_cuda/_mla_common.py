@@ -48,22 +48,19 @@ def kernel_splits(num_splits: int) -> int:
     return 1 if num_splits == 1 else DYNAMIC_SPLITS
 
 
-def split_extent(num_splits: int):
-    """A kernel factory's ``num_splits`` (1 or ``DYNAMIC_SPLITS``, as ``kernel_splits`` gives them) as the grid's
-    z extent: 1, or the run-time size ``num_splits``."""
-    if num_splits not in (1, DYNAMIC_SPLITS):
+def split_layout(num_splits: int, num_tokens, heads: int):
+    """A kernel factory's split count (1 or ``DYNAMIC_SPLITS``, as ``kernel_splits`` gives them) -> (the grid's z
+    extent: 1 or the run-time size ``num_splits``; the fp32 partial outputs' shape; the partial LSEs' shape). A
+    one-split build never touches the partials: [1, 1, 1, 1] and [1, 1, 1], so its launches pass tiny placeholders
+    rather than buffers of the step's size (a 131072-token prefill's would hold 4 GiB); else [S, T, H, 512] and
+    [S, T, H]."""
+    if num_splits == 1:
+        return 1, [1, 1, 1, 1], [1, 1, 1]
+    if num_splits != DYNAMIC_SPLITS:
         raise ValueError(f"mla_decode: a kernel is built for 1 split or DYNAMIC_SPLITS ({DYNAMIC_SPLITS}: any count "
                          f"above 1), got {num_splits} (kernel_splits maps a launch's count)")
-    return 1 if num_splits == 1 else T.dynamic("num_splits")
-
-
-def partial_shapes(num_splits: int, splits, num_tokens, heads: int) -> tuple[list, list]:
-    """Shapes of the split kernel's fp32 partial outputs and LSEs: [splits, T, H, 512] and [splits, T, H]. A
-    one-split build never touches them: [1, 1, 1, 1] and [1, 1, 1], so its launches pass tiny placeholders rather
-    than buffers of the step's size (a 131072-token prefill's would hold 4 GiB)."""
-    if num_splits == 1:
-        return [1, 1, 1, 1], [1, 1, 1]
-    return [splits, num_tokens, heads, KV_LORA], [splits, num_tokens, heads]
+    splits = T.dynamic("num_splits")
+    return splits, [splits, num_tokens, heads, KV_LORA], [splits, num_tokens, heads]
 
 
 def m_tiles_for(heads: int, max_seqlen_q: int) -> int:
@@ -79,7 +76,7 @@ def combine_splits(heads: int, num_splits, skip_empty_splits: bool = False):
     """The split-KV combine as a TileLang macro (one CTA per (head, token), 128 threads x 4 values), shared by the
     pipelined and the warp-specialized decode kernels: fp32 partial outputs and base-2 LSEs in, the bf16 output and
     the natural-log LSE out. Call it inside a prim_func after the split kernel. ``num_splits``: the count, or the
-    factory's ``split_extent`` (a run-time size)."""
+    factory's ``split_layout`` extent (a run-time size)."""
     H, S, DV = heads, num_splits, KV_LORA
     acc, dtype = T.float32, T.bfloat16
 

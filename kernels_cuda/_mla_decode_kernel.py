@@ -18,8 +18,7 @@ from ._mla_common import (
     SMALL_THREADS,
     T,
     combine_splits,
-    partial_shapes,
-    split_extent,
+    split_layout,
     tilelang,
 )
 from ._prim_func_cache import cached_prim_func
@@ -62,7 +61,6 @@ def build_mla_decode(
     # dequantise -> GEMM -> softmax -> GEMM chain bounds it; its shared memory, ~95 KB, fits twice)
     two_ctas_per_sm = kv_fp8 and BM == SMALL_BLOCK_M and threads == SMALL_THREADS
     NG = DV // FP8_GROUP  # scale groups a latent row
-    S = split_extent(num_splits)
     direct = num_splits == 1  # no partials, no combine
     scale = float(softmax_scale * LOG2E)
     dtype = T.bfloat16
@@ -73,8 +71,8 @@ def build_mla_decode(
     B = T.dynamic("batch")
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
+    S, OP, LP = split_layout(num_splits, Tq, H)
     combine = combine_splits(H, S, skip_empty_splits)
-    OP, LP = partial_shapes(num_splits, S, Tq, H)
 
     @T.macro
     def split_kernel(Q, Q_pe, KV_lat, KV_sc, KV_pe, block_table, q_start, seqlens_q, seqlens_k, Out, Lse, O_part,

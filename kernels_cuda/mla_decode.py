@@ -238,7 +238,7 @@ _DUMMIES = {}
 
 
 def _dummy_partials(device):
-    """The one-split kernels' placeholders for the partials they never touch (``partial_shapes``), one pair a
+    """The one-split kernels' placeholders for the partials they never touch (``split_layout``), one pair a
     device, kept alive for graph replays."""
     key = str(device)
     if key not in _DUMMIES:

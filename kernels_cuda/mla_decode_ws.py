@@ -47,8 +47,7 @@ from ._mla_common import (
     combine_splits,
     compile_sm90,
     decode_block_m,
-    partial_shapes,
-    split_extent,
+    split_layout,
     tilelang,
 )
 from ._prim_func_cache import cached_prim_func
@@ -76,7 +75,7 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     passed as their [T * H, D] row views (one TMA box loads a CTA's 64 folded rows; rows past the tensor read as
     zeros, rows of the next request are computed and never stored)."""
     assert tilelang is not None, "tilelang is not installed"
-    H, S = heads, split_extent(num_splits)
+    H = heads
     direct = num_splits == 1  # no partials, no combine
     DV, DPE, DH = KV_LORA, ROPE, KV_LORA // 2
     BM, BN, HD = BLOCK_M, BLOCK_N, HEAD_DIM
@@ -90,8 +89,8 @@ def build_mla_decode_ws(heads: int, m_tiles: int, num_splits: int, softmax_scale
     B = T.dynamic("batch")
     NB = T.dynamic("num_blocks")
     NBT = T.dynamic("max_blocks_per_seq")
+    S, OP, LP = split_layout(num_splits, Tq, H)
     combine = combine_splits(H, S)
-    OP, LP = partial_shapes(num_splits, S, Tq, H)
 
     @T.macro
     def load_left(KV, KV_shared, bars, page, slot):

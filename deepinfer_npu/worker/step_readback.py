@@ -45,7 +45,7 @@ class StepReadback:
                                         f"({plan.num_tokens} tokens, {plan.num_seqs} sequences)"):
             step.sample_end_event.synchronize()  # this step's results (and their host copies) are complete
         host_wait_ms = (time.perf_counter() - t_wait) * 1e3
-        plan, host = step.plan, step.host
+        host = step.host
         if step.fwd_events is not None:  # device times (the events are complete): forward, then sampling + drafting
             step.model_ms = step.fwd_events[0].elapsed_time(step.fwd_events[1])
             step.t_sample_ms = step.fwd_events[1].elapsed_time(step.sample_end_event)
