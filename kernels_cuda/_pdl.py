@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the engine's TileLang kernels (sm_90 and later); always on.
+"""Programmatic dependent launch (PDL) for the engine's TileLang kernels (sm_90 and later); on unless ``DEEPINFER_PDL_OFF``.
 
 A kernel of the engine's decode chain starts with ``T.pdl_sync()`` (``griddepcontrol.wait``: the previous kernel of
 its stream has finished and its writes are visible) and then ``T.pdl_trigger()`` (the next kernel may launch).
@@ -17,9 +17,51 @@ A waiting CTA holds its SM's registers and shared memory. A warp-specialized ker
 back exactly the registers its producer gave up (``setmaxnreg``; ``fp8_gemm``'s tile form) triggers after its main
 loop instead: triggered at the top, a next kernel's CTA placed between the give-back and the take could hold the
 registers the consumers wait for, while it waits for this kernel (docs/kernels/fp8.md).
+
+``DEEPINFER_PDL_OFF`` builds kernels without it (``all``, or kernel-name prefixes such as ``fp8,mla_decode``): the
+built PrimFunc loses its wait and trigger, so TileLang launches it as a plain kernel that starts after the previous
+one ends. A way to tell whether an engine fault depends on the overlap, and to run without it.
 """
+
+from __future__ import annotations
+
+from deepinfer_npu import envs
+
+_PDL_OPS = ("tl.pdl_sync", "tl.pdl_trigger")
 
 
 def pdl_enabled() -> bool:
-    """Always True: every kernel is built with PDL (result rows record it)."""
-    return True
+    """True when every kernel is built with PDL (``DEEPINFER_PDL_OFF`` empty; result rows record it)."""
+    return not off_prefixes()
+
+
+def off_prefixes() -> tuple[str, ...]:
+    """The kernel-name prefixes ``DEEPINFER_PDL_OFF`` names (``("",)`` for ``all``: every name)."""
+    raw = envs.PDL_OFF
+    if raw.lower() == "all":
+        return ("",)
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def built_without(name: str) -> bool:
+    """Whether the kernel (PrimFunc) called ``name`` is built without PDL."""
+    return any(name.startswith(p) for p in off_prefixes())
+
+
+def apply_setting(func):
+    """``func`` as ``DEEPINFER_PDL_OFF`` wants it: unchanged, or with its PDL wait and trigger removed (then TileLang
+    neither emits ``griddepcontrol`` nor launches it with programmatic stream serialization)."""
+    name = str(func.attrs["global_symbol"]) if func.attrs is not None and "global_symbol" in func.attrs else ""
+    if not off_prefixes() or not built_without(name):
+        return func
+    from tilelang import tvm
+
+    tirx = tvm.tirx
+
+    def drop(stmt):
+        call = stmt.value
+        if isinstance(call, tirx.Call) and getattr(call.op, "name", "") in _PDL_OPS:
+            return tirx.Evaluate(0)
+        return None
+
+    return func.with_body(tirx.stmt_functor.ir_transform(func.body, None, drop, ["tirx.Evaluate"]))

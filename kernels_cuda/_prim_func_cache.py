@@ -26,6 +26,8 @@ from typing import Any
 
 from deepinfer_npu import envs
 
+from ._pdl import apply_setting as apply_pdl_setting
+
 logger = logging.getLogger(__name__)
 
 _HERE = Path(__file__).resolve().parent
@@ -114,7 +116,7 @@ def cached_prim_func(build: Callable) -> Callable:
         if func is None:
             func = build(*args, **kwargs)
             _store(path, func)
-        return func
+        return apply_pdl_setting(func)  # stored as built; DEEPINFER_PDL_OFF applies to what is returned
 
     wrapper.uncached = build
     return wrapper
