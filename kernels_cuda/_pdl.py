@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the engine's TileLang kernels (sm_90 and later); on unless ``DEEPINFER_PDL_OFF``.
+"""Programmatic dependent launch (PDL) for the engine's TileLang kernels (sm_90 and later), unless DEEPINFER_PDL_OFF.
 
 A kernel of the engine's decode chain starts with ``T.pdl_sync()`` (``griddepcontrol.wait``: the previous kernel of
 its stream has finished and its writes are visible) and then ``T.pdl_trigger()`` (the next kernel may launch).
