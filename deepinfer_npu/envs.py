@@ -103,10 +103,11 @@ _VARS: dict[str, EnvVar] = {
                "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off by default: with it on, a "
                "V2-Lite-shape FP8 engine that ran batches 1, 16 and 64 hung in its batch-256 decode graph on an "
                "H200 (docs/kernels/fp8.md)."),
-        EnvVar("DEEPINFER_PDL_OFF", "", _text,
-               "CUDA kernels built without programmatic dependent launch: all, or comma-separated kernel-name "
-               "prefixes (e.g. fp8,mla_decode); empty (the default): every TileLang kernel of the engine overlaps "
-               "its launch with the previous kernel (kernels_cuda/_pdl.py)."),
+        EnvVar("DEEPINFER_PDL_OFF", "fp8", _text,
+               "CUDA kernels built without programmatic dependent launch (PDL: a kernel's launch overlaps the "
+               "previous kernel's end): comma-separated kernel-name prefixes, all, or none (every TileLang kernel "
+               "with PDL). Default fp8: the FP8 kernels, with which an FP8 decode graph hung on an H200 "
+               "(kernels_cuda/_pdl.py, docs/kernels/pdl.md)."),
         EnvVar("DEEPINFER_STEP_TIMEOUT", "600", _seconds,
                "Seconds a step may keep the host waiting for the device before the process logs the step, prints "
                "its threads' stacks and exits with code 70 (a kernel that never ends; worker/step_watchdog.py); "

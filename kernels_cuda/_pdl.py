@@ -18,9 +18,11 @@ back exactly the registers its producer gave up (``setmaxnreg``; ``fp8_gemm``'s 
 loop instead: triggered at the top, a next kernel's CTA placed between the give-back and the take could hold the
 registers the consumers wait for, while it waits for this kernel (docs/kernels/fp8.md).
 
-``DEEPINFER_PDL_OFF`` builds kernels without it (``all``, or kernel-name prefixes such as ``fp8,mla_decode``): the
-built PrimFunc loses its wait and trigger, so TileLang launches it as a plain kernel that starts after the previous
-one ends. A way to tell whether an engine fault depends on the overlap, and to run without it.
+``DEEPINFER_PDL_OFF`` names the kernels built without it: kernel-name prefixes (default ``fp8``: the FP8 kernels),
+``all`` or ``none``. Such a PrimFunc loses its wait and trigger, so TileLang launches it as a plain kernel that
+starts after the previous one ends, and the next one starts after it ends. The FP8 kernels are off by default: a
+V2-Lite-shape FP8 decode graph with them on hung on an H200 (an isolated chain of FP8 MoE layers at 64 rows too),
+and ran with them off (docs/kernels/pdl.md).
 """
 
 from __future__ import annotations
@@ -31,15 +33,18 @@ _PDL_OPS = ("tl.pdl_sync", "tl.pdl_trigger")
 
 
 def pdl_enabled() -> bool:
-    """True when every kernel is built with PDL (``DEEPINFER_PDL_OFF`` empty; result rows record it)."""
-    return not off_prefixes()
+    """True when some kernels are built with PDL (``DEEPINFER_PDL_OFF`` is not ``all``; result rows record it)."""
+    return "" not in off_prefixes()
 
 
 def off_prefixes() -> tuple[str, ...]:
-    """The kernel-name prefixes ``DEEPINFER_PDL_OFF`` names (``("",)`` for ``all``: every name)."""
-    raw = envs.PDL_OFF
+    """The kernel-name prefixes ``DEEPINFER_PDL_OFF`` names (``("",)`` for ``all``: every name; ``()`` for
+    ``none``)."""
+    raw = envs.PDL_OFF.strip()
     if raw.lower() == "all":
         return ("",)
+    if raw.lower() == "none":
+        return ()
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 

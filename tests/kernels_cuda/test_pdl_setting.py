@@ -7,12 +7,12 @@ import pytest
 from deepinfer_npu.kernels_cuda import _pdl
 
 
-@pytest.mark.parametrize("raw,prefixes", [("", ()), ("all", ("",)), ("ALL", ("",)),
+@pytest.mark.parametrize("raw,prefixes", [("", ("fp8",)), ("none", ()), ("all", ("",)), ("ALL", ("",)),
                                           (" fp8, mla_decode ,", ("fp8", "mla_decode"))])
 def test_off_prefixes_parse(monkeypatch, raw, prefixes):
-    monkeypatch.setenv("DEEPINFER_PDL_OFF", raw)
+    monkeypatch.setenv("DEEPINFER_PDL_OFF", raw)  # empty: the default, fp8
     assert _pdl.off_prefixes() == prefixes
-    assert _pdl.pdl_enabled() == (not prefixes)
+    assert _pdl.pdl_enabled() == (prefixes != ("",))
 
 
 def test_built_without_matches_name_prefixes(monkeypatch):
@@ -21,8 +21,9 @@ def test_built_without_matches_name_prefixes(monkeypatch):
     assert not _pdl.built_without("fp8_grouped_gemm") and not _pdl.built_without("rms_norm")
     monkeypatch.setenv("DEEPINFER_PDL_OFF", "all")
     assert _pdl.built_without("rms_norm")
-    monkeypatch.delenv("DEEPINFER_PDL_OFF")
-    assert not _pdl.built_without("rms_norm")
+    monkeypatch.delenv("DEEPINFER_PDL_OFF")  # the default: the FP8 kernels only
+    assert not _pdl.built_without("rms_norm") and not _pdl.built_without("mla_decode")
+    assert _pdl.built_without("fp8_quant") and _pdl.built_without("fp8_grouped_gemm")
 
 
 def _pdl_calls(func) -> int:
@@ -34,12 +35,14 @@ def test_setting_strips_wait_and_trigger_from_the_named_kernels(monkeypatch, tmp
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))  # the stored PrimFunc keeps both calls
     from deepinfer_npu.kernels_cuda import fp8_quant, rms_norm
 
+    monkeypatch.setenv("DEEPINFER_PDL_OFF", "none")
     assert _pdl_calls(fp8_quant.build_fp8_quant(2048, 8)) == 2
     monkeypatch.setenv("DEEPINFER_PDL_OFF", "fp8")
     assert _pdl_calls(fp8_quant.build_fp8_quant(2048, 8)) == 0  # served from the disk cache, then stripped
     assert _pdl_calls(rms_norm.build_rms_norm(*rms_norm.CI_CONFIGS[0])) == 2
-    monkeypatch.delenv("DEEPINFER_PDL_OFF")
+    monkeypatch.setenv("DEEPINFER_PDL_OFF", "add_rms")  # PrimFunc names: add_rms_norm
     assert _pdl_calls(fp8_quant.build_fp8_quant(2048, 8)) == 2
+    assert _pdl_calls(rms_norm.build_rms_norm(*rms_norm.CI_CONFIGS[0])) == 0
 
 
 @pytest.mark.tilelang
