@@ -100,9 +100,8 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_FP8_SKINNY", "0", _flag,
                "1: in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose weights hold at "
                "most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, one launch); "
-               "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off by default: with it on, a "
-               "V2-Lite-shape FP8 engine that ran batches 1, 16 and 64 hung in its batch-256 decode graph on an "
-               "H200 (docs/kernels/fp8.md)."),
+               "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off until an FP8 engine with it on "
+               "passes batches 1-256 under DEEPINFER_PDL_OFF's default (docs/kernels/pdl.md)."),
         EnvVar("DEEPINFER_PDL_OFF", "fp8", _text,
                "CUDA kernels built without programmatic dependent launch (PDL: a kernel's launch overlaps the "
                "previous kernel's end): comma-separated kernel-name prefixes, all, or none (every TileLang kernel "

@@ -13,11 +13,6 @@ kernels wrote, and writes cannot race a previous kernel's reads. The trigger com
 kernel waits ahead of the one running. Kernels not built with PDL (torch, cuBLAS) wait for the full completion of
 what precedes them; a PDL kernel after one of them waits for its completion too.
 
-A waiting CTA holds its SM's registers and shared memory. A warp-specialized kernel whose consumer warpgroups take
-back exactly the registers its producer gave up (``setmaxnreg``; ``fp8_gemm``'s tile form) triggers after its main
-loop instead: triggered at the top, a next kernel's CTA placed between the give-back and the take could hold the
-registers the consumers wait for, while it waits for this kernel (docs/kernels/fp8.md).
-
 ``DEEPINFER_PDL_OFF`` names the kernels built without it: kernel-name prefixes (default ``fp8``: the FP8 kernels),
 ``all`` or ``none``. Such a PrimFunc loses its wait and trigger, so TileLang launches it as a plain kernel that
 starts after the previous one ends, and the next one starts after it ends. The FP8 kernels are off by default: a

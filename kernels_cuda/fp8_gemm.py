@@ -70,11 +70,8 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
         Out: T.Tensor([M, N], bf16),
     ):
         with T.Kernel(N // BN, T.ceildiv(M, BM), threads=threads) as (bn, bm):
-            # PDL: wait for the previous kernel; let the next one launch only after the main loop (below). TileLang
-            # splits this kernel into a TMA producer warpgroup that gives back registers (setmaxnreg 24) and two
-            # consumers that take exactly those (240): a next kernel's CTA placed on the SM between the two, with
-            # the trigger at the top, would hold the registers the consumers wait for while it waits for them.
-            T.pdl_sync()
+            T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
+            T.pdl_trigger()
             A_s = T.alloc_shared([BM, BK], fp8)
             W_s = T.alloc_shared([BN, BK], fp8)
             C_s = T.alloc_shared([BM, BN], bf16)
@@ -90,7 +87,6 @@ def build_fp8_gemm_tile(n: int, k: int, block_m: int = 128, block_n: int = 128, 
                     Acc[i, j] += C[i, j] * (
                         T.if_then_else(bm * BM + i < M, SA[bm * BM + i, kb], T.float32(0))
                         * SW[(bn * BN + j) // SCALE_BLOCK, kb])
-            T.pdl_trigger()  # the consumers hold their registers by now
             T.copy(Acc, C_s)
             T.copy(C_s, Out[bm * BM, bn * BN])
 

@@ -3,9 +3,9 @@ graph's FP8 chain (``fp8_linear`` at the step's rows, then ``fp8_grouped_mlp`` o
 for 26 layers, each replay with new tokens-per-expert counts (random and skewed: experts with more rows than one
 row tile of the grouped GEMM). Runs in a child process with a time limit, so a kernel that never ends fails the
 test instead of hanging the run; the child prints its progress. Rows 64 and 256 (the decode batches where a
-V2-Lite-shape FP8 engine hung on an H200) with the FP8 kernels built without programmatic dependent launch (the
-default, ``DEEPINFER_PDL_OFF=fp8``); at 64 rows also with every kernel built with it (``none``) and with one FP8
-kernel family at a time without it: which of them the hang needs (docs/kernels/pdl.md)."""
+V2-Lite-shape FP8 engine hung on an H200), with the engine's programmatic-dependent-launch setting
+(``DEEPINFER_PDL_OFF``, default: the FP8 kernels without it). Other settings, one case alone (what docs/kernels/pdl.md
+records): ``DEEPINFER_PDL_OFF=none python tests/cuda/test_fp8_graph_replay.py 64 1000``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 LAYERS = 26
 EXPERTS, TOP_K, D, INTER = 64, 6, 2048, 1408
 REPLAYS = 1000
-TIME_LIMIT_S = 90  # about 50 s with four such tests at once on an H200 (most of it kernel builds)
+TIME_LIMIT_S = 120  # 49-66 s with four to six such children at once on an H200 (most of it kernel builds)
 
 
 def main(tokens: int, replays: int) -> None:
@@ -75,13 +75,12 @@ def main(tokens: int, replays: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.tilelang
-@pytest.mark.parametrize("tokens,pdl_off", [(64, "fp8"), (256, "fp8"), (64, "none"), (64, "fp8_grouped"),
-                                            (64, "fp8_gemm"), (64, "fp8_quant")])
-def test_fp8_moe_graph_replays_finish_gpu(tokens, pdl_off):
-    env = dict(os.environ, DEEPINFER_PDL_OFF=pdl_off)
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_fp8_moe_graph_replays_finish_gpu(tokens):
+    pdl_off = os.environ.get("DEEPINFER_PDL_OFF", "")
     try:
-        proc = subprocess.run([sys.executable, __file__, str(tokens), str(REPLAYS)], env=env, capture_output=True,
-                              text=True, timeout=TIME_LIMIT_S)
+        proc = subprocess.run([sys.executable, __file__, str(tokens), str(REPLAYS)], capture_output=True, text=True,
+                              timeout=TIME_LIMIT_S)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         pytest.fail(f"{REPLAYS} graph replays at {tokens} rows (DEEPINFER_PDL_OFF={pdl_off!r}) did not finish in "
