@@ -23,6 +23,7 @@ builds every form (CI_CONFIGS) for sm_90a and sm_100a and checks the fp8 wgmma a
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -59,12 +60,17 @@ def activations(m: int, k: int, device="cuda", seed=0) -> torch.Tensor:
 @functools.lru_cache(maxsize=8)
 def fp8_weight(*lead: int, n: int, k: int, device="cuda", seed=1) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [*lead, n, k], block scales [*lead, ceil(n/128), ceil(k/128)]) of a weight with a random magnitude per
-    128 x 128 block; cached (the cases only read it)."""
+    128 x 128 block; cached (the cases only read it). Built one [n, k] slice at a time: the fp32 temporaries of a
+    whole V3-size expert stack (32 x 4096 x 7168) were ~15 GB a call, too much with many test processes on one GPU."""
     g = torch.Generator(device=device).manual_seed(seed)
     nb, kb = -(-n // 128), -(-k // 128)
-    mag = torch.exp2(torch.randint(-4, 5, (*lead, nb, kb), generator=g, device=device).float())
-    mag = mag.repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
-    return quantize_fp8_block(torch.randn(*lead, n, k, generator=g, device=device) * k**-0.5 * mag)
+    q = torch.empty(math.prod(lead), n, k, dtype=torch.float8_e4m3fn, device=device)
+    s = torch.empty(math.prod(lead), nb, kb, dtype=torch.float32, device=device)
+    for i in range(q.shape[0]):
+        mag = torch.exp2(torch.randint(-4, 5, (nb, kb), generator=g, device=device).float())
+        mag = mag.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        q[i], s[i] = quantize_fp8_block(torch.randn(n, k, generator=g, device=device) * k**-0.5 * mag)
+    return q.view(*lead, n, k), s.view(*lead, nb, kb)
 
 
 def gemm_fp32(aq, a_scale, wq, w_scale, magnitude: bool = False) -> torch.Tensor:
