@@ -39,6 +39,7 @@ from benchmarks.decode_workload import (
     append_jsonl,
     mla_projection_params,
     pdl_enabled,
+    pdl_off,
     prompts_for,
     release_device_memory,
     stamped_logger,
@@ -380,6 +381,7 @@ def main(argv=None) -> int:
             }
             if args.backend == "cuda":  # kernels_cuda/_pdl.py: programmatic dependent launch on or off
                 row["pdl"] = pdl_enabled()
+                row["pdl_off"] = pdl_off()
             # the engine switches set in the environment (A/B runs), cache locations left out
             row["env"] = {k: v for k, v in sorted(os.environ.items())
                           if k.startswith("DEEPINFER_") and not k.endswith("_DIR")}

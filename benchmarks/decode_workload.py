@@ -90,6 +90,14 @@ def pdl_enabled() -> bool:
     return enabled()
 
 
+def pdl_off() -> list[str]:
+    """The kernel-name prefixes built without PDL (``DEEPINFER_PDL_OFF``, its default included; ``[""]``: all), for
+    the result rows."""
+    from deepinfer_npu.kernels_cuda._pdl import off_prefixes
+
+    return list(off_prefixes())
+
+
 def stamped_logger():
     """-> log(msg): prints msg after the seconds since this call, flushed (the benchmarks' progress lines)."""
     t_start = time.time()

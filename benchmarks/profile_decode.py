@@ -22,7 +22,8 @@ import cProfile
 import json
 import time
 
-from benchmarks.decode_workload import TINY, V2_LITE, pdl_enabled, prompts_for, sync, warmup_summary, write_model_dir
+from benchmarks.decode_workload import (TINY, V2_LITE, pdl_enabled, pdl_off, prompts_for, sync, warmup_summary,
+                                       write_model_dir)
 from benchmarks.profiling import host_ops, kernel_events, python_functions, totals_by_name
 from deepinfer_npu.benchmark_meta import row_meta
 
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
                "kernel_ms_per_step": round(total / 1e3 / args.steps, 3),
                "kernels_per_step": round(count / args.steps, 1),
                # kernels_cuda/_pdl.py: with PDL a kernel is placed early and waits, so its span includes the wait
-               "pdl": pdl_enabled(),
+               "pdl": pdl_enabled(), "pdl_off": pdl_off(),
                "sequence": [[n[:70], round(us, 2)] for _t, n, us in kernels[: args.sequence]],
                "top": [[n[:90], round(us / 1e3 / args.steps, 4), round(calls / args.steps, 1)]
                        for n, us, calls in top],
