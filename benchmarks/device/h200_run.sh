@@ -24,6 +24,10 @@
 #   serving   benchmarks/bench_serving.py against `python -m deepinfer_npu.serve --backend cuda` (reference model)
 #   throughput  benchmarks/bench_throughput.py: prefill, mixed and vLLM's V2-Lite workloads through LLM.generate
 #             (THROUGHPUT_ARGS: more, e.g. "--workload prefill --profile")
+#   pdlhang   the FP8 MoE graph-replay chain (tests/cuda/test_fp8_graph_replay.py as a script, HANG_ROWS rows, default
+#             64, HANG_REPLAYS replays, default 3000) once per DEEPINFER_PDL_OFF value in PDL_VARIANTS (default
+#             "none fp8"); a replay loop with no progress for 30 s gets cuda-gdb attached (the kernels resident and
+#             where their warps are) before it is killed; each value up to PHASE_LIMIT: docs/kernels/pdl.md
 #   startup   benchmarks/bench_startup.py: LLM(...) until ready, cold caches then warm (V2-Lite shape; STARTUP_ARGS)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
@@ -134,6 +138,17 @@ for l in open('$OUT/h200_throughput.jsonl'):
                                      'step_ms', 'host_step_ms', 'host_wait_frac', 'frac_of_tensor_core_roofline',
                                      'over_first_engine')})
 " ;;
+    pdlhang) for v in ${PDL_VARIANTS:-none fp8}; do log="$OUT/pdlhang_$v.log"; t0=$(date +%s)
+             DEEPINFER_PDL_OFF=$v python3 tests/cuda/test_fp8_graph_replay.py ${HANG_ROWS:-64} ${HANG_REPLAYS:-3000} \
+               > "$log" 2>&1 & pid=$!; last=""; still=0
+             while kill -0 $pid 2>/dev/null; do sleep 5; now=$(tail -1 "$log"); secs=$(( $(date +%s) - t0 ))
+               if grep -q "^captured" "$log" && [ "$now" = "$last" ]; then still=$((still + 5)); else still=0; fi
+               last=$now
+               if [ $still -ge 30 ] || [ $secs -ge $LIM ]; then echo "== $v: no progress for ${still}s (${secs}s in): cuda-gdb"
+                 timeout 60 cuda-gdb -p $pid -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
+                   -ex "info cuda lanes" > "$OUT/pdlhang_${v}_gdb.log" 2>&1; head -60 "$OUT/pdlhang_${v}_gdb.log"
+                 kill -9 $pid; break; fi; done
+             wait $pid 2>/dev/null; echo "== DEEPINFER_PDL_OFF=$v: $(grep -v '^{' "$log" | tail -2 | tr '\n' ' ')"; done ;;
     startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
              --out "$OUT/h200_startup.jsonl" 2>&1 | filt | cut -c1-400 | tail -4
              python3 -c "

@@ -60,6 +60,7 @@ def main(tokens: int, replays: int) -> None:
     with torch.cuda.graph(graph):
         out = step()
     torch.cuda.synchronize()
+    print(f"captured: pid {os.getpid()}", flush=True)  # from here a stall is a replay that never ends
     t0 = time.time()
     for i in range(replays):
         counts.copy_(bank[i % len(bank)])
