@@ -1,7 +1,8 @@
 """Programmatic dependent launch (PDL) for the engine's TileLang kernels (sm_90 and later), unless DEEPINFER_PDL_OFF.
 
-A kernel of the engine's decode chain starts with ``T.pdl_sync()`` (``griddepcontrol.wait``: the previous kernel of
-its stream has finished and its writes are visible) and then ``T.pdl_trigger()`` (the next kernel may launch).
+A kernel of the engine's decode chain (but those ``DEEPINFER_PDL_OFF`` names) starts with ``T.pdl_sync()``
+(``griddepcontrol.wait``: the previous kernel of its stream has finished and its writes are visible) and then
+``T.pdl_trigger()`` (the next kernel may launch).
 TileLang launches such a kernel with programmatic stream serialization (``cuLaunchKernelEx``; CUDA graphs capture it
 as a programmatic edge), so its CTAs are placed on the SMs while the previous kernel still runs and the launch gap
 is hidden. At batch 1 a V2-Lite decode step is ~650 kernels of 1-25 us, so that gap is a large share of a step:
@@ -13,11 +14,14 @@ kernels wrote, and writes cannot race a previous kernel's reads. The trigger com
 kernel waits ahead of the one running. Kernels not built with PDL (torch, cuBLAS) wait for the full completion of
 what precedes them; a PDL kernel after one of them waits for its completion too.
 
-``DEEPINFER_PDL_OFF`` names the kernels built without it: kernel-name prefixes (default ``fp8``: the FP8 kernels),
-``all`` or ``none``. Such a PrimFunc loses its wait and trigger, so TileLang launches it as a plain kernel that
-starts after the previous one ends, and the next one starts after it ends. The FP8 kernels are off by default: a
-V2-Lite-shape FP8 decode graph with them on hung on an H200 (an isolated chain of FP8 MoE layers at 64 rows too),
-and ran with them off (docs/kernels/pdl.md).
+``DEEPINFER_PDL_OFF`` names the kernels built without it: kernel-name prefixes (default ``fp8``: the FP8 GEMM and
+quantisation kernels; ``mla_decode_split_fp8`` and the expert scan keep PDL), ``all`` or ``none``. Such a PrimFunc
+loses its wait and trigger before it is compiled; TileLang's default (tvm_ffi) execution backend then launches it
+without programmatic stream serialization, because it sets that launch attribute only for a kernel with the wait
+(``lower_pdl.cc``), so it starts after the previous kernel ends and the next one starts after it ends. TileLang also
+marks a kernel's pointer parameters ``__restrict__`` only without the wait, so such a build differs in that too.
+The FP8 kernels are off by default: a V2-Lite-shape FP8 decode graph with every kernel on PDL hung on an H200 (an
+isolated chain of FP8 MoE layers at 64 rows too), and ran with no kernel on it (docs/kernels/pdl.md).
 """
 
 from __future__ import annotations
@@ -51,8 +55,10 @@ def built_without(name: str) -> bool:
 def apply_setting(func):
     """``func`` as ``DEEPINFER_PDL_OFF`` wants it: unchanged, or with its PDL wait and trigger removed (then TileLang
     neither emits ``griddepcontrol`` nor launches it with programmatic stream serialization)."""
+    if not off_prefixes() or not hasattr(func, "with_body"):  # a PrimFunc: every kernels_cuda builder returns one
+        return func
     name = str(func.attrs["global_symbol"]) if func.attrs is not None and "global_symbol" in func.attrs else ""
-    if not off_prefixes() or not built_without(name):
+    if not built_without(name):
         return func
     from tilelang import tvm
 

@@ -125,14 +125,17 @@ def claim(claims: str, job: int) -> bool:
 
 def compiled_marker(name: str, cfg: tuple, softmax_scale: float | None = None) -> Path:
     """A file that says ``kernels_cuda.<name>``'s configuration ``cfg`` was compiled into this TileLang cache
-    directory by the current kernel sources (``_prim_func_cache.cache_root``: a source change starts afresh).
-    ``mla_decode``'s kernels are also built per ``softmax_scale`` (a compile-time constant), so it is in their key."""
+    directory by the current kernel sources (``_prim_func_cache.cache_root``: a source change starts afresh) under
+    the current ``DEEPINFER_PDL_OFF`` (a kernel built without PDL is another build). ``mla_decode``'s kernels are also
+    built per ``softmax_scale`` (a compile-time constant), so it is in their key."""
     import tilelang
 
+    from deepinfer_npu.kernels_cuda._pdl import off_prefixes
     from deepinfer_npu.kernels_cuda._prim_func_cache import cache_root
 
     scale = float(softmax_scale) if name == "mla_decode" and softmax_scale is not None else None
-    key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR)) + ((scale,) if scale else ()))
+    key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR))
+               + ((off_prefixes(),) if off_prefixes() else ()) + ((scale,) if scale else ()))
     return cache_root() / "compiled" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
 
 

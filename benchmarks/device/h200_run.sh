@@ -13,8 +13,8 @@
 #             gets SIGABRT and prints its threads' Python stacks into e2e.log)
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs MTP / DFlash, concurrency 1, 32
-#   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); every kernel waits for
-#             its predecessor (PDL), so a kernel's span includes that wait (PROFILE_ARGS: more, e.g. "--host-steps 50":
+#   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); a kernel on PDL waits for
+#             its predecessor, so a kernel's span includes that wait (PROFILE_ARGS: more, e.g. "--host-steps 50":
 #             the host's Python functions under cProfile)
 #   goldens   parity goldens (fp32, bf16) on the reference model
 #   goldens-real  bf16 / fp32 goldens on parity_tests/models/deepseek-v2-lite-dims-2l (dummy_portable weights)
@@ -27,7 +27,8 @@
 #   pdlhang   the FP8 MoE graph-replay chain (tests/cuda/test_fp8_graph_replay.py as a script, HANG_ROWS rows, default
 #             64, HANG_REPLAYS replays, default 3000) once per DEEPINFER_PDL_OFF value in PDL_VARIANTS (default
 #             "none fp8"); a replay loop with no progress for 30 s gets cuda-gdb attached (the kernels resident and
-#             where their warps are) before it is killed; each value up to PHASE_LIMIT: docs/kernels/pdl.md
+#             where their warps are) before it is killed; each value up to PHASE_LIMIT (DEADLINE is not checked
+#             between values): docs/kernels/pdl.md
 #   startup   benchmarks/bench_startup.py: LLM(...) until ready, cold caches then warm (V2-Lite shape; STARTUP_ARGS)
 #   savecache tar the TileLang kernel cache to $OUT/tlcache.tar.xz; copied to .carry/ and carried, the next call's
 #             setup unpacks it (loadcache: a fresh machine then skips the compiles it already did)
@@ -144,7 +145,9 @@ for l in open('$OUT/h200_throughput.jsonl'):
              while kill -0 $pid 2>/dev/null; do sleep 5; now=$(tail -1 "$log"); secs=$(( $(date +%s) - t0 ))
                if grep -q "^captured" "$log" && [ "$now" = "$last" ]; then still=$((still + 5)); else still=0; fi
                last=$now
-               if [ $still -ge 30 ] || [ $secs -ge $LIM ]; then echo "== $v: no progress for ${still}s (${secs}s in): cuda-gdb"
+               if [ $still -ge 30 ] || [ $secs -ge $LIM ]; then
+                 grep -q "^captured" "$log" && echo "== $v: replays stalled for ${still}s (${secs}s in): cuda-gdb" \
+                   || echo "== $v: phase limit before the replays began (${secs}s; building?): cuda-gdb"
                  timeout 60 cuda-gdb -p $pid -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
                    -ex "info cuda lanes" > "$OUT/pdlhang_${v}_gdb.log" 2>&1; head -60 "$OUT/pdlhang_${v}_gdb.log"
                  kill -9 $pid; break; fi; done

@@ -59,7 +59,7 @@ def _watch(ref: weakref.ref) -> None:
                 f"{what} has not finished on {dog.device} after {time.monotonic() - since:.0f} s "
                 f"(DEEPINFER_STEP_TIMEOUT={dog.timeout_s:g}): a kernel never ended, and a stuck device cannot be "
                 f"recovered in this process, so it exits with code {STEP_TIMEOUT_EXIT_CODE}; the Python stacks of "
-                f"its threads follow. If it happens again on CUDA, DEEPINFER_PDL_OFF=all (kernels launched without "
+                f"its threads follow. On CUDA, a run with DEEPINFER_PDL_OFF=all (kernels launched without "
                 f"programmatic dependent launch) shows whether the overlap of kernels is involved")
             return
         del dog

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.xdist_group("kernel_compiles")
 MODULES = sorted(m.name for m in pkgutil.iter_modules(kernels_cuda.__path__)
                  if not m.name.startswith("_") and m.name != "bench")
 
-#: the engine kernels built with programmatic dependent launch (kernels_cuda/_pdl.py)
+#: the engine kernels written with programmatic dependent launch (kernels_cuda/_pdl.py; DEEPINFER_PDL_OFF may strip it)
 PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "fp8_skinny_gemm", "moe_routing", "moe_gemm",
                "silu_mul", "moe_gemm_swap", "mla_absorb", "mla_decode_ws", "fp8_quant", "fp8_gemm", "fp8_grouped_gemm"}
 

@@ -48,7 +48,8 @@ def test_setting_strips_wait_and_trigger_from_the_named_kernels(monkeypatch, tmp
 @pytest.mark.tilelang
 @pytest.mark.nvcc
 def test_stripped_kernel_compiles_without_grid_dependency(monkeypatch, tmp_path):
-    """No ``griddepcontrol`` in the code and no PDL launch attribute (TileLang sets it from the wait it finds)."""
+    """No ``griddepcontrol`` in the code (TileLang's tvm_ffi backend sets the PDL launch attribute only for a kernel
+    with the wait: lower_pdl.cc)."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DEEPINFER_PDL_OFF", "fp8_quant")
     from deepinfer_npu.kernels_cuda import fp8_quant
@@ -57,3 +58,22 @@ def test_stripped_kernel_compiles_without_grid_dependency(monkeypatch, tmp_path)
     src = kernel.get_kernel_source()
     assert "cudaGridDependencySynchronize" not in src and "cudaTriggerProgrammaticLaunchCompletion" not in src
     assert "__global__" in src
+
+
+@pytest.mark.tilelang
+def test_warmup_marker_is_per_setting(monkeypatch, tmp_path):
+    """A configuration built under one setting is not "already built" under another (another PrimFunc)."""
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    from deepinfer_npu.backends.cuda.warmup import compiled_marker
+
+    markers = {}
+    for raw in ("none", "fp8", "all"):
+        monkeypatch.setenv("DEEPINFER_PDL_OFF", raw)
+        markers[raw] = compiled_marker("fp8_quant", (2048, 8, False))
+    assert len(set(markers.values())) == 3
+
+
+def test_a_non_primfunc_is_returned_unchanged(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_PDL_OFF", "all")
+    module = object()  # no with_body: not a PrimFunc
+    assert _pdl.apply_setting(module) is module
