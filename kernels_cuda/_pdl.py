@@ -47,18 +47,19 @@ def off_prefixes() -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
-def built_without(name: str) -> bool:
-    """Whether the kernel (PrimFunc) called ``name`` is built without PDL."""
-    return any(name.startswith(p) for p in off_prefixes())
+def built_without(name: str, prefixes: tuple[str, ...] | None = None) -> bool:
+    """Whether the kernel (PrimFunc) called ``name`` is built without PDL (``prefixes``: ``off_prefixes()``'s)."""
+    return any(name.startswith(p) for p in (off_prefixes() if prefixes is None else prefixes))
 
 
 def apply_setting(func):
     """``func`` as ``DEEPINFER_PDL_OFF`` wants it: unchanged, or with its PDL wait and trigger removed (then TileLang
     neither emits ``griddepcontrol`` nor launches it with programmatic stream serialization)."""
-    if not off_prefixes() or not hasattr(func, "with_body"):  # a PrimFunc: every kernels_cuda builder returns one
+    prefixes = off_prefixes()  # the setting read once a build
+    if not prefixes or not hasattr(func, "with_body"):  # a PrimFunc: every kernels_cuda builder returns one
         return func
     name = str(func.attrs["global_symbol"]) if func.attrs is not None and "global_symbol" in func.attrs else ""
-    if not built_without(name):
+    if not built_without(name, prefixes):
         return func
     from tilelang import tvm
 

@@ -134,8 +134,9 @@ def compiled_marker(name: str, cfg: tuple, softmax_scale: float | None = None) -
     from deepinfer_npu.kernels_cuda._prim_func_cache import cache_root
 
     scale = float(softmax_scale) if name == "mla_decode" and softmax_scale is not None else None
+    pdl_off = off_prefixes()
     key = repr((name, cfg, os.path.abspath(tilelang.env.TILELANG_CACHE_DIR))
-               + ((off_prefixes(),) if off_prefixes() else ()) + ((scale,) if scale else ()))
+               + ((pdl_off,) if pdl_off else ()) + ((scale,) if scale else ()))
     return cache_root() / "compiled" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:24]}"
 
 
