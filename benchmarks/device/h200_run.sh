@@ -10,7 +10,8 @@
 #             tokens (default 512) (E2E_REPEAT timed windows a batch, default 5, the median reported; E2E_HF=0 leaves
 #             transformers out; E2E_ARGS: more, e.g. "--quantization fp8"; E2E_AB="VAR=value ...": each such
 #             setting runs the same benchmark again under it, rows carrying it in "env"; a run past the phase limit
-#             gets SIGABRT and prints its threads' Python stacks into e2e.log)
+#             gets SIGABRT and prints its threads' Python stacks into e2e.log; one whose log stops growing for
+#             E2E_STALL seconds, default 45, after its first timed batch gets cuda-gdb first: e2e_gdb_N.log)
 #   zos       benchmarks/bench_zos.py with graphs, batch 1 and 64
 #   spec      benchmarks/bench_spec.py on the reference model: no-spec vs MTP / DFlash, concurrency 1, 32
 #   profile   benchmarks/profile_decode.py, graphs, batch PROFILE_BATCH (default "1 64"); a kernel on PDL waits for
@@ -79,16 +80,27 @@ import json
 for l in open('$OUT/h200_kernels.jsonl'):
     r = json.loads(l); print({k: v for k, v in r.items() if k not in ('date', 'commit', 'hardware', 'command')})
 " | tail -60 ;;
-    e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf; rm -f /tmp/e2e.log
+    e2e) x=""; [ "${E2E_HF:-1}" = 0 ] && x=--no-hf; rm -f /tmp/e2e.log; n=0
              for ab in "" ${E2E_AB:-}; do [ -n "$ab" ] && echo "== again with $ab"
              # past the limit SIGABRT: faulthandler prints every thread's Python stack (where a stalled run waits);
              # no core file
              ulimit -c 0; env $ab timeout -s ABRT -k 10 $LIM python3 -X faulthandler -m benchmarks.bench_decode_e2e --backend cuda \
              --batch ${E2E_BATCH:-1 16 64} \
              --prompt-len ${E2E_PROMPT:-512} --gen 32 --repeat ${E2E_REPEAT:-5} --gpu-state --graphs $x ${E2E_ARGS:-} \
-             --out "$OUT/h200_decode_e2e_graphs.jsonl" 2>&1 | filt > /tmp/e2e_one.log
+             --out "$OUT/h200_decode_e2e_graphs.jsonl" > /tmp/e2e_raw.log 2>&1 & tpid=$!; last=""; still=0; n=$((n + 1))
+             # a run whose log stops growing for E2E_STALL seconds (default 45) after its first timed batch: cuda-gdb
+             # lists the resident kernels and where their warps are, then SIGABRT (Python stacks) ends it
+             while kill -0 $tpid 2>/dev/null; do sleep 5; now=$(wc -c < /tmp/e2e_raw.log)
+               if grep -q "engine batch=" /tmp/e2e_raw.log && [ "$now" = "$last" ]; then still=$((still + 5)); else still=0; fi
+               last=$now
+               if [ $still -ge ${E2E_STALL:-45} ]; then ppid=$(pgrep -P $tpid | head -1)
+                 echo "   no progress for ${still}s: cuda-gdb on $ppid -> $OUT/e2e_gdb_$n.log"
+                 timeout 90 cuda-gdb -p $ppid -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
+                   -ex "info cuda lanes" -ex "bt" > "$OUT/e2e_gdb_$n.log" 2>&1; head -30 "$OUT/e2e_gdb_$n.log"
+                 kill -ABRT $ppid; sleep 5; kill -9 $ppid 2>/dev/null; break; fi; done
+             wait $tpid; rc=$?; filt < /tmp/e2e_raw.log > /tmp/e2e_one.log
              # each run's end now (a later timeout of the whole call must not hide it), and the whole log in $OUT
-             echo "   exit ${PIPESTATUS[0]}: $(grep -v '^{' /tmp/e2e_one.log | grep -c 'engine batch=') batches timed"
+             echo "   exit $rc: $(grep -v '^{' /tmp/e2e_one.log | grep -c 'engine batch=') batches timed"
              grep -v '^{' /tmp/e2e_one.log | grep -v "kernel_cache" | grep -i "error\|traceback\|timed out" | tail -4
              cat /tmp/e2e_one.log >> /tmp/e2e.log; cp /tmp/e2e.log "$OUT/e2e.log"; done
              grep -v '^{' /tmp/e2e.log | grep -v "kernel_cache" | tail -24 ;;
