@@ -27,6 +27,7 @@ from typing import Any
 from deepinfer_npu import envs
 
 from ._pdl import apply_setting as apply_pdl_setting
+from ._producer_wait import mark as mark_producer_wait
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,8 @@ def cached_prim_func(build: Callable) -> Callable:
         if func is None:
             func = build(*args, **kwargs)
             _store(path, func)
-        return apply_pdl_setting(func)  # stored as built; DEEPINFER_PDL_OFF applies to what is returned
+        # stored as built; DEEPINFER_PDL_OFF applies to what is returned, and the producer-wait mark (a cache key)
+        return mark_producer_wait(apply_pdl_setting(func))
 
     wrapper.uncached = build
     return wrapper

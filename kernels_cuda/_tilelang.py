@@ -5,6 +5,9 @@ TileLang warns each time ``tilelang.compile`` is served from its in-memory cache
 configuration, then asks the launcher's cached getter for it once so the launches find it (every kernel module's
 ``precompile``): an expected cache hit per configuration, about a hundred warnings at a V2-Lite engine's start. A
 filter on TileLang's cache logger drops exactly that message; every other TileLang message is kept.
+
+Importing this module with tilelang also installs the CUDA post-processing hook of ``_producer_wait`` (only the
+elected producer thread waits for a free pipeline stage), so every kernel the engine compiles gets it.
 """
 
 import logging
@@ -35,5 +38,8 @@ def _install_filter() -> None:
 
 if tilelang is not None:
     _install_filter()
+    from ._producer_wait import install as _install_producer_wait
+
+    _install_producer_wait()
 
 __all__ = ["T", "tilelang"]

@@ -5,7 +5,8 @@ Every public module in kernels_cuda/ (not starting with '_', not ``bench``) must
 ``target`` (default sm_90a), bypassing TileLang's kernel cache, and return the compiled kernels. A new kernel file
 without it fails here, so no kernel escapes the compile check. The engine's decode-chain kernels are built with
 programmatic dependent launch: their sources must wait for the previous kernel (compiled as written,
-``DEEPINFER_PDL_OFF=none``; the setting's effect: test_pdl_setting.py).
+``DEEPINFER_PDL_OFF=none``; the setting's effect: test_pdl_setting.py). Every sm_90a kernel comes out of the
+producer-wait hook (kernels_cuda/_producer_wait.py; the rewrite itself: test_producer_wait.py).
 
 Both architectures compile the first configuration of each kernel kind of ``CI_CONFIGS`` (``sm100_configs``); with
 ``--all-kernel-configs`` sm_90a compiles every configuration (the other configurations change tile sizes, not code;
@@ -24,10 +25,12 @@ summary line each test prints (pytest -s; modules overlap, so the times add up t
 from __future__ import annotations
 
 import pkgutil
+import re
 
 import pytest
 
 from deepinfer_npu import kernels_cuda
+from deepinfer_npu.kernels_cuda._producer_wait import rewrite as rewrite_producer_wait
 from tests import kernel_compiles
 from tests.kernel_compiles import Compiled, full_only_reason, sm100_configs, sm100_skip_reason
 
@@ -44,6 +47,11 @@ PDL_MODULES = {"rms_norm", "mla_rope_cache", "mla_decode", "skinny_gemm", "fp8_s
 
 #: the FP8 GEMM modules: on sm_90a their GEMM kernels issue fp8 wgmma
 FP8_WGMMA_MODULES = {"fp8_gemm", "fp8_grouped_gemm"}
+
+#: modules with a pure TMA warp-specialised pipeline: their producer's free-stage wait is the elected thread's
+#: (kernels_cuda/_producer_wait.py)
+ELECTED_WAIT_MODULES = {"fp8_gemm", "fp8_grouped_gemm", "mla_decode"}
+ELECTED_WAIT = re.compile(r"if \(tl::tl_shuffle_elect<\d+>\(\)\) \{\n\s*mbarrier\[[^\n]*\]\.wait\([^\n]*\^ 1\)\);")
 
 def test_kernel_modules_found():
     assert "mla_decode" in MODULES and "bench" not in MODULES and PDL_MODULES <= set(MODULES)
@@ -78,6 +86,10 @@ def _check(name: str, arch: str, got: Compiled) -> None:
         assert arch.removesuffix("a") in target, target
         if arch == "sm_90a" and name in PDL_MODULES:
             assert "cudaGridDependencySynchronize" in src, f"{name}: a kernel without the PDL wait"
+        if arch == "sm_90a":  # the producer-wait hook ran: no free-stage wait left for every producer thread
+            assert rewrite_producer_wait(src) == src, f"{name}: a producer wait the hook did not move"
+    if arch == "sm_90a" and name in ELECTED_WAIT_MODULES:
+        assert any(ELECTED_WAIT.search(src) for src in got.sources), f"{name}: no elected producer wait"
     if arch == "sm_90a" and name in FP8_WGMMA_MODULES:  # the GEMMs multiply e4m3 operands, not upcast copies
         assert any("kFloat8_e4m3" in src for src in got.sources), f"{name}: no kernel issues an fp8 wgmma"
     print(f"{name}: {len(got.sources)} configurations compiled for {arch} in {got.seconds:.1f}s")
