@@ -76,12 +76,14 @@ def test_an_unwritable_cache_still_builds(tmp_path, monkeypatch):
 
 
 def test_engine_factories_round_trip(cache_dir):
-    """The decode kernel's and the RMSNorm's factories: the loaded functions print the built ones' scripts."""
+    """The decode kernel's and the RMSNorm's factories: the loaded functions print the built ones' scripts (with
+    the producer-wait mark, which the cached factories add: kernels_cuda/_producer_wait.py)."""
     from deepinfer_npu.kernels_cuda import mla_decode, rms_norm
+    from deepinfer_npu.kernels_cuda._producer_wait import MARK
 
     for build, args in ((mla_decode.build_mla_decode, (16, 1, mla_decode.DYNAMIC_SPLITS, 0.1)),
                         (rms_norm.build_rms_norm, (2048, True, 1e-6))):
-        built = build.uncached(*args).script(show_meta=True)
+        built = build.uncached(*args).with_attr(*MARK).script(show_meta=True)
         assert build(*args).script(show_meta=True) == built  # stored on the way
         assert build(*args).script(show_meta=True) == built  # loaded
 
