@@ -97,16 +97,14 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_ROUTER_TENSOR_CORES", "1", _flag,
                "1 (the default): the CUDA backend's MoE router past 16 rows runs as bf16 tensor-core GEMMs of its "
                "fp32 weight's exact bf16 split, fp32 out; 0: the rows cast to fp32 and cuBLAS' fp32 GEMM."),
-        EnvVar("DEEPINFER_FP8_SKINNY", "0", _flag,
-               "1: in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose weights hold at "
-               "most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, one launch); "
-               "0 (the default): fp8_quant then the FP8 GEMMs, as at more rows. Off until an FP8 engine with it on "
-               "passes batches 1-256 under DEEPINFER_PDL_OFF's default (docs/kernels/pdl.md)."),
-        EnvVar("DEEPINFER_PDL_OFF", "fp8", _text,
+        EnvVar("DEEPINFER_FP8_SKINNY", "1", _flag,
+               "1 (the default): in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose "
+               "weights hold at most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, "
+               "one launch); 0: fp8_quant then the FP8 GEMMs, as at more rows (docs/kernels/fp8.md)."),
+        EnvVar("DEEPINFER_PDL_OFF", "none", _text,
                "CUDA kernels built without programmatic dependent launch (PDL: a kernel's launch overlaps the "
-               "previous kernel's end): comma-separated kernel-name prefixes, all, or none (every TileLang kernel "
-               "with PDL). Default fp8: the FP8 kernels, with which an FP8 decode graph hung on an H200 "
-               "(kernels_cuda/_pdl.py, docs/kernels/pdl.md)."),
+               "previous kernel's end): comma-separated kernel-name prefixes (e.g. fp8), all, or none (the "
+               "default: every TileLang kernel with PDL) (kernels_cuda/_pdl.py, docs/kernels/pdl.md)."),
         EnvVar("DEEPINFER_STEP_TIMEOUT", "600", _seconds,
                "Seconds a step may keep the host waiting for the device before the process logs the step, prints "
                "its threads' stacks and exits with code 70 (a kernel that never ends; worker/step_watchdog.py); "

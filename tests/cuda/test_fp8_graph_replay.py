@@ -3,9 +3,10 @@ graph's FP8 chain (``fp8_linear`` at the step's rows, then ``fp8_grouped_mlp`` o
 for 26 layers, each replay with new tokens-per-expert counts (random and skewed: experts with more rows than one
 row tile of the grouped GEMM). Runs in a child process with a time limit, so a kernel that never ends fails the
 test instead of hanging the run; the child prints its progress. Rows 64 and 256 (the decode batches where a
-V2-Lite-shape FP8 engine hung on an H200), with the engine's programmatic-dependent-launch setting
-(``DEEPINFER_PDL_OFF``, default: the FP8 kernels without it). Other settings, one case alone (what docs/kernels/pdl.md
-records): ``DEEPINFER_PDL_OFF=none python tests/cuda/test_fp8_graph_replay.py 64 1000``."""
+V2-Lite-shape FP8 engine hung on an H200, in the grouped GEMM's producer wait: kernels_cuda/_producer_wait.py), with
+the engine's programmatic-dependent-launch setting (``DEEPINFER_PDL_OFF``, default: every kernel with it). Other
+settings, one case alone (what docs/kernels/pdl.md records):
+``DEEPINFER_PDL_OFF=all python tests/cuda/test_fp8_graph_replay.py 64 1000``."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ import pytest
 from deepinfer_npu.kernels_cuda import _pdl
 
 
-@pytest.mark.parametrize("raw,prefixes", [("", ("fp8",)), ("none", ()), ("all", ("",)), ("ALL", ("",)),
+@pytest.mark.parametrize("raw,prefixes", [("", ()), ("fp8", ("fp8",)), ("none", ()), ("all", ("",)), ("ALL", ("",)),
                                           (" fp8, mla_decode ,", ("fp8", "mla_decode"))])
 def test_off_prefixes_parse(monkeypatch, raw, prefixes):
-    monkeypatch.setenv("DEEPINFER_PDL_OFF", raw)  # empty: the default, fp8
+    monkeypatch.setenv("DEEPINFER_PDL_OFF", raw)  # empty: the default, none
     assert _pdl.off_prefixes() == prefixes
     assert _pdl.pdl_enabled() == (prefixes != ("",))
 
@@ -21,9 +21,9 @@ def test_built_without_matches_name_prefixes(monkeypatch):
     assert not _pdl.built_without("fp8_grouped_gemm") and not _pdl.built_without("rms_norm")
     monkeypatch.setenv("DEEPINFER_PDL_OFF", "all")
     assert _pdl.built_without("rms_norm")
-    monkeypatch.delenv("DEEPINFER_PDL_OFF")  # the default: the FP8 kernels only
+    monkeypatch.delenv("DEEPINFER_PDL_OFF")  # the default: no kernel without PDL
     assert not _pdl.built_without("rms_norm") and not _pdl.built_without("mla_decode")
-    assert _pdl.built_without("fp8_quant") and _pdl.built_without("fp8_grouped_gemm")
+    assert not _pdl.built_without("fp8_quant") and not _pdl.built_without("fp8_grouped_gemm")
 
 
 def _pdl_calls(func) -> int:

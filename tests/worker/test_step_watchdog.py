@@ -23,7 +23,7 @@ def test_a_wait_past_the_timeout_fires_once_with_its_name():
     assert len(fired) == 1 and dog.fired
     assert fired[0].startswith("decode step 7 (256 tokens, 256 sequences) has not finished on cuda:0 after ")
     assert "DEEPINFER_STEP_TIMEOUT=0.2" in fired[0] and f"code {STEP_TIMEOUT_EXIT_CODE}" in fired[0]
-    assert "DEEPINFER_PDL_OFF=all" in fired[0]  # the next thing to try, named
+    assert "DEEPINFER_PDL_OFF=all" in fired[0] and "info cuda kernels" in fired[0]  # the next things to try, named
 
 
 def test_waits_shorter_than_the_timeout_do_not_fire():

@@ -29,8 +29,7 @@ FP8 = torch.float8_e4m3fn
 # fp8_skinny_gemm (the quantisation inside the GEMM, one launch a projection) serves the projections of one-row
 # steps whose weights have at most SKINNY_MAX_WEIGHTS values: there the two-kernel path's launches cost more than
 # the kernel's repeated quantisation (each CTA quantises the row); on an H200 it won up to 11 M (5632 x 2048; M =
-# 2**20) and lost from 14 M (7168 x 2048) on (docs/kernels/fp8.md). Only with DEEPINFER_FP8_SKINNY=1 (off by
-# default until an FP8 engine with it on passes every batch under DEEPINFER_PDL_OFF's default: docs/kernels/pdl.md).
+# 2**20) and lost from 14 M (7168 x 2048) on (docs/kernels/fp8.md). DEEPINFER_FP8_SKINNY=0 turns it off.
 SKINNY_MAX_ROWS = 1
 SKINNY_MAX_WEIGHTS = 12 * 2**20
 
