@@ -85,12 +85,23 @@ def mark(func):
     return func.with_attr(*MARK)
 
 
-def _postproc(code: str, target) -> str:
-    return rewrite(code)
+_HOOK = "tilelang_callback_cuda_postproc"
+_installed = False
 
 
 def install() -> None:
-    """Register :func:`rewrite` as TileLang's CUDA post-processing hook (this process)."""
+    """Register :func:`rewrite` as TileLang's CUDA post-processing hook (this process, once). A hook registered
+    before runs first, and ours on its output."""
+    global _installed
+    if _installed:
+        return
+    import tvm_ffi
     from tilelang.engine.callback import register_cuda_postproc
 
-    register_cuda_postproc(_postproc, override=True)
+    before = tvm_ffi.get_global_func(_HOOK, allow_missing=True)
+
+    def postproc(code: str, target) -> str:
+        return rewrite(str(before(code, target)) if before is not None else code)
+
+    register_cuda_postproc(postproc, override=True)
+    _installed = True

@@ -82,3 +82,22 @@ def test_the_mark_keys_builds_apart_and_tracks_the_rules():
 
     thing = NotAPrimFunc()
     assert pw.mark(thing) is thing
+
+
+def test_install_runs_a_hook_registered_before_first(monkeypatch):
+    import pytest
+
+    tvm_ffi = pytest.importorskip("tvm_ffi")
+    pytest.importorskip("tilelang")
+    previous = tvm_ffi.get_global_func(pw._HOOK, allow_missing=True)
+    monkeypatch.setattr(pw, "_installed", False)
+    tvm_ffi.register_global_func(pw._HOOK, f=lambda code, target: code.replace("tl::other_op", "tl::tma_load"),
+                                 override=True)
+    try:
+        pw.install()
+        hook = tvm_ffi.get_global_func(pw._HOOK)
+        code = PRODUCER.replace("tl::tma_load(W_desc", "tl::other_op(W_desc")
+        assert MOVED in str(hook(code, None))  # the earlier hook restored the copy, then the wait moved
+    finally:  # this process's hook as it was
+        if previous is not None:
+            tvm_ffi.register_global_func(pw._HOOK, f=previous, override=True)
