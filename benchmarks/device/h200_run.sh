@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
-#             pytest-xdist workers (default 14, --dist worksteal: an idle worker takes queued tests from a busy one;
+#             pytest-xdist workers (default 6: 14 ran out of GPU memory in the V3-shape tests; --dist worksteal: an idle worker takes queued tests from a busy one;
 #             engines size their KV caches from an equal share of the memory, conftest.py) when the wheels phase
 #             installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
@@ -60,7 +60,7 @@ for phase in "$@"; do
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
     [ $LIM -lt 10 ] && { echo "skip $phase: deadline"; continue; }; fi
   case $phase in
-    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-14} --dist worksteal"
+    tests) x=""; python3 -c "import xdist" 2>/dev/null && x="-n ${TEST_WORKERS:-6} --dist worksteal"
              rm -f "$OUT/test_failures.log" "$OUT/test_durations.log"  # conftest.py writes them as tests end
              export TEST_FAILURE_LOG="$OUT/test_failures.log" TEST_DURATION_LOG="$OUT/test_durations.log"
              # a test running longer than the limit less 20 s prints every thread's stack (pytest's faulthandler:
