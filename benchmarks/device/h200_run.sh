@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One H200 call, phases chosen by arguments (run from the repository root with .carry/tilelang-*.tar.xz carried):
 #   tests     GPU tests: python -m pytest -m gpu $TESTS (default: tests, i.e. every GPU test), in TEST_WORKERS
-#             pytest-xdist workers (default 6: 14 ran out of GPU memory in the V3-shape tests; --dist worksteal: an idle worker takes queued tests from a busy one;
-#             engines size their KV caches from an equal share of the memory, conftest.py) when the wheels phase
-#             installed pytest-xdist, else in one process
+#             pytest-xdist workers (default 6: 14 ran out of GPU memory in the V3-shape tests; --dist worksteal: an
+#             idle worker takes queued tests from a busy one; engines size their KV caches from an equal share of the
+#             memory, conftest.py) when the wheels phase installed pytest-xdist, else in one process
 #   kernels   kernel benchmarks: python -m deepinfer_npu.kernels_cuda.bench NAME for each NAME in $KERNELS
 #             (default all; BENCH_ARGS: extra arguments, e.g. "--warp-specialized --block-m 16 64" for mla_decode)
 #   e2e       benchmarks/bench_decode_e2e.py with graphs, batch E2E_BATCH (default 1 16 64), prompts of E2E_PROMPT
