@@ -21,9 +21,11 @@ run one producer warp in it while the rest of its CTA waited at the next ``__syn
 :func:`rewrite` moves each such wait inside the elected thread's block, so the thread that issues a stage's copies
 is the one that waits for the stage to be free, and the other producer threads pass straight on (they touch no
 stage). It is a CUDA post-processing hook of TileLang (``register_cuda_postproc``), installed at import with
-tilelang; it rewrites only a wait followed directly by an elected block that issues TMA copies, in kernels with
-no ``cp.async`` copies, and leaves any other code as generated. :data:`MARK` goes into every PrimFunc the engine builds
-(``_prim_func_cache``), so a kernel that TileLang compiled before this hook existed is not served from its cache.
+tilelang; it rewrites only a free-stage wait followed directly by an elected block that arms a barrier and issues
+TMA copies, in kernels with no ``cp.async`` copies, and leaves any other code as generated. :data:`MARK` goes into
+every PrimFunc the engine builds (``_prim_func_cache``, which checks the hook is still the registered one first),
+so a kernel that TileLang compiled before this hook existed is not served from its cache. Kernels compiled from
+PrimFuncs built elsewhere get the rewrite but not the mark.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from pathlib import Path
 # a PrimFunc attribute, part of TileLang's cache key: a change to this file's rules is a new key
 MARK = ("deepinfer.producer_wait", "elected-" + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12])
 
-# a wait for a stage to be free (TileLang passes such a wait the parity `... ^ 1`: a stage is free before its first
-# use), then the elected thread's block
+# a wait for a stage to be free (TileLang passes such a wait the parity `... ^ 1`, a stage being free before its
+# first use, or `1` where a loop no longer than the pipeline folds it), then the elected thread's block
 _WAIT_THEN_ELECT = re.compile(
-    r"^(?P<indent>[ \t]*)(?P<wait>mbarrier\[[^;\n]*\]\.wait\([^;\n]*\^ 1\)\);)\n"
+    r"^(?P<indent>[ \t]*)(?P<wait>mbarrier\[[^;\n]*\]\.wait\((?:[^;\n]*\^ 1\)|1)\);)\n"
     r"(?P=indent)(?P<elect>if \(tl::tl_shuffle_elect<\d+>\(\)\) \{)\n",
     re.M,
 )
+# what makes an elected block the producer's: it arms a stage's barrier with the bytes its TMA copies will bring
+_ARMS = re.compile(r"\.(arrive_and_expect_tx|expect_transaction)\(")
 
 
 def _block_end(code: str, open_brace: int) -> int:
@@ -68,7 +72,7 @@ def rewrite(code: str) -> str:
     out, pos = [], 0
     for m in _WAIT_THEN_ELECT.finditer(code):
         block = code[m.start("elect"):_block_end(code, m.end("elect") - 1)]
-        if "tma_load" not in block:  # not a copy-issuing producer block
+        if "tma_load" not in block or not _ARMS.search(block):  # not the producer's copy-issuing block
             continue
         ind = m.group("indent")
         out.append(code[pos:m.start()])
@@ -79,21 +83,26 @@ def rewrite(code: str) -> str:
 
 
 def mark(func):
-    """``func`` (a PrimFunc) with :data:`MARK` set, so TileLang's cache keys it apart from builds before the hook."""
+    """``func`` (a PrimFunc) with :data:`MARK` set, so TileLang's cache keys it apart from builds before the hook;
+    the hook is checked first (:func:`ensure_installed`), so nothing compiled under the mark misses it."""
     if not hasattr(func, "with_attr"):
         return func
+    ensure_installed()
     return func.with_attr(*MARK)
 
 
 _HOOK = "tilelang_callback_cuda_postproc"
 _installed = False
+# a producer step as TileLang emits it: the registered hook must move its wait
+_PROBE = ("    mbarrier[4].wait(1);\n    if (tl::tl_shuffle_elect<128>()) {\n"
+          "      mbarrier[0].arrive_and_expect_tx(16);\n      tl::tma_load(d, mbarrier[0], s, 0);\n    }\n")
 
 
-def install() -> None:
-    """Register :func:`rewrite` as TileLang's CUDA post-processing hook (this process, once). A hook registered
-    before runs first, and ours on its output."""
+def install(force: bool = False) -> None:
+    """Register :func:`rewrite` as TileLang's CUDA post-processing hook (this process, once unless ``force``). A
+    hook registered before runs first, and ours on its output."""
     global _installed
-    if _installed:
+    if _installed and not force:
         return
     import tvm_ffi
     from tilelang.engine.callback import register_cuda_postproc
@@ -105,3 +114,19 @@ def install() -> None:
 
     register_cuda_postproc(postproc, override=True)
     _installed = True
+
+
+def ensure_installed() -> None:
+    """Install the hook again (after whatever replaced it) unless the registered one rewrites :data:`_PROBE`; a
+    no-op without tilelang."""
+    try:
+        import tvm_ffi
+    except ImportError:
+        return
+    hook = tvm_ffi.get_global_func(_HOOK, allow_missing=True)
+    try:
+        if hook is not None and str(hook(_PROBE, None)) == rewrite(_PROBE):
+            return
+    except Exception:  # noqa: BLE001 - a hook that cannot take the probe: ours goes on top of it
+        pass
+    install(force=True)

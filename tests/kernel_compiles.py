@@ -17,6 +17,7 @@ import importlib
 import inspect
 import multiprocessing
 import os
+import re
 import shutil
 import time
 import traceback
@@ -177,3 +178,28 @@ def start(items, cache_dir: Path, every_config: bool = False) -> CompileJobs | N
 def stop() -> None:
     while _SESSION:
         _SESSION.pop().close()
+
+
+def unmoved_producer_waits(src: str) -> list[str]:
+    """The waits (any parity) every producer thread still runs right before an elected block that arms a barrier and
+    issues TMA copies (the producer's), in a kernel without ``cp.async`` (kernels_cuda/_producer_wait.py moves them;
+    test_compile.py checks every compiled sm_90a kernel). Written apart from the rewrite's own pattern, so that a
+    wait the rewrite misses shows here."""
+    if "cp_async" in src:
+        return []
+    lines = src.splitlines()
+    found = []
+    for i, line in enumerate(lines[:-1]):
+        if ".wait(" in line and re.match(r"\s*if \(tl::tl_shuffle_elect<\d+>\(\)\) \{", lines[i + 1]):
+            depth, j = 0, i + 1
+            block = []
+            while j < len(lines):
+                block.append(lines[j])
+                depth += lines[j].count("{") - lines[j].count("}")
+                if depth <= 0:
+                    break
+                j += 1
+            text = "\n".join(block)
+            if "tma_load" in text and ("arrive_and_expect_tx(" in text or "expect_transaction(" in text):
+                found.append(line.strip())
+    return found
