@@ -59,10 +59,10 @@ def _watch(ref: weakref.ref) -> None:
                 f"{what} has not finished on {dog.device} after {time.monotonic() - since:.0f} s "
                 f"(DEEPINFER_STEP_TIMEOUT={dog.timeout_s:g}): a kernel never ended, and a stuck device cannot be "
                 f"recovered in this process, so it exits with code {STEP_TIMEOUT_EXIT_CODE}; the Python stacks of "
-                f"its threads follow. On CUDA, `cuda-gdb -p {os.getpid()} -batch -ex 'info cuda kernels' -ex "
-                f"'info cuda warps'` run before it exits names the kernel and where its warps wait; a run with "
-                f"DEEPINFER_PDL_OFF=all (kernels launched without programmatic dependent launch) shows whether the "
-                f"overlap of kernels is involved")
+                f"its threads follow. On CUDA, to see which kernel and where its warps wait: run again with "
+                f"DEEPINFER_STEP_TIMEOUT=0 and, once it stalls, `cuda-gdb -p <pid> -batch -ex 'info cuda kernels' "
+                f"-ex 'info cuda warps'`; a run with DEEPINFER_PDL_OFF=all (kernels launched without programmatic "
+                f"dependent launch) shows whether the overlap of kernels is involved")
             return
         del dog
         time.sleep(poll)
