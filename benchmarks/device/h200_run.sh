@@ -91,7 +91,8 @@ for l in open('$OUT/h200_kernels.jsonl'):
              # a run whose log stops growing for E2E_STALL seconds (default 45) after its first timed batch: cuda-gdb
              # lists the resident kernels and where their warps are, then SIGABRT (Python stacks) ends it
              while kill -0 $tpid 2>/dev/null; do sleep 5; now=$(wc -c < /tmp/e2e_raw.log)
-               if grep -q "engine batch=" /tmp/e2e_raw.log && [ "$now" = "$last" ]; then still=$((still + 5)); else still=0; fi
+               if grep -q "engine batch=" /tmp/e2e_raw.log && [ "$now" = "$last" ]; then still=$((still + 5))
+               else still=0; fi
                last=$now
                if [ $still -ge ${E2E_STALL:-45} ]; then ppid=$(pgrep -P $tpid | head -1)
                  echo "   no progress for ${still}s: cuda-gdb on $ppid -> $OUT/e2e_gdb_$n.log"
