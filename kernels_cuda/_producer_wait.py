@@ -12,7 +12,8 @@ elected thread arms the "full" barrier and issues the copies::
 
 The other three warps arrive on nothing, so nothing keeps them in step: the consumers need only the elected
 thread's copies, and an ``mbarrier`` wait tells phases apart by parity alone. A warp that falls two phases of a
-barrier behind waits for a phase that has already completed, and then for one that never comes. On an H200 this
+barrier behind (one, at a wait whose parity TileLang folded to the first pass's) waits for a phase that has already
+completed, and then for one that never comes. On an H200 this
 hung FP8 engines (V2-Lite shape, decode batch 64-256 and prefill): ``cuda-gdb`` showed one CTA of
 ``fp8_grouped_gemm`` left, with producer warps 1-3 in that wait after every other warp had exited, and in another
 run one producer warp in it while the rest of its CTA waited at the next ``__syncthreads()``
@@ -23,8 +24,8 @@ is the one that waits for the stage to be free, and the other producer threads p
 stage). It is a CUDA post-processing hook of TileLang (``register_cuda_postproc``), installed at import with
 tilelang; it rewrites only a free-stage wait followed directly by an elected block that arms a barrier and issues
 TMA copies, in kernels with no ``cp.async`` copies, and leaves any other code as generated. :data:`MARK` goes into
-every PrimFunc the engine builds (``_prim_func_cache``, which checks the hook is still the registered one first),
-so a kernel that TileLang compiled before this hook existed is not served from its cache. Kernels compiled from
+every PrimFunc the engine builds (``_prim_func_cache``; :func:`mark` first checks the hook is still registered), so
+a kernel that TileLang compiled before this hook existed is not served from its cache. Kernels compiled from
 PrimFuncs built elsewhere get the rewrite but not the mark.
 """
 
