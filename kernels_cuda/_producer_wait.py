@@ -13,11 +13,10 @@ elected thread arms the "full" barrier and issues the copies::
 The other three warps arrive on nothing, so nothing keeps them in step: the consumers need only the elected
 thread's copies, and an ``mbarrier`` wait tells phases apart by parity alone. A warp that falls two phases of a
 barrier behind (one, at a wait whose parity TileLang folded to the first pass's) waits for a phase that has already
-completed, and then for one that never comes. On an H200 this
-hung FP8 engines (V2-Lite shape, decode batch 64-256 and prefill): ``cuda-gdb`` showed one CTA of
-``fp8_grouped_gemm`` left, with producer warps 1-3 in that wait after every other warp had exited, and in another
-run one producer warp in it while the rest of its CTA waited at the next ``__syncthreads()``
-(docs/kernels/pdl.md). CUTLASS's producers have one warp wait and one thread issue.
+completed, and then for one that never comes. On an H200 this hung FP8 engines (V2-Lite shape, decode batch 64-256
+and prefill): ``cuda-gdb`` showed one CTA of ``fp8_grouped_gemm`` left, with producer warps 1-3 in that wait after
+every other warp had exited, and in another run one producer warp in it while the rest of its CTA waited at the
+next ``__syncthreads()`` (docs/kernels/pdl.md). CUTLASS's producers have one warp wait and one thread issue.
 
 :func:`rewrite` moves each such wait inside the elected thread's block, so the thread that issues a stage's copies
 is the one that waits for the stage to be free, and the other producer threads pass straight on (they touch no
