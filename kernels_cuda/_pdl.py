@@ -15,14 +15,13 @@ kernel waits ahead of the one running. Kernels not built with PDL (torch, cuBLAS
 what precedes them; a PDL kernel after one of them waits for its completion too.
 
 ``DEEPINFER_PDL_OFF`` names the kernels built without it: kernel-name prefixes (e.g. ``fp8``: the FP8 GEMM and
-quantisation kernels; ``mla_decode_split_fp8`` and the expert scan keep PDL), ``all`` or ``none`` (the default:
-every kernel with PDL). Such a PrimFunc
-loses its wait and trigger before it is compiled; TileLang's default (tvm_ffi) execution backend then launches it
-without programmatic stream serialization, because it sets that launch attribute only for a kernel with the wait
-(``lower_pdl.cc``), so it starts after the previous kernel ends and the next one starts after it ends. TileLang also
-marks a kernel's pointer parameters ``__restrict__`` only without the wait, so such a build differs in that too.
-FP8 decode graphs that hung on an H200 were first blamed on PDL; they hung without it as well, in a TileLang
-pipeline's producer wait (``_producer_wait.py``, docs/kernels/pdl.md).
+quantisation kernels; ``mla_decode_split_fp8`` and the expert scan keep PDL), ``all`` or ``none`` (the default: every
+kernel with PDL). Such a PrimFunc loses its wait and trigger before it is compiled; TileLang's default (tvm_ffi)
+execution backend then launches it without programmatic stream serialization, because it sets that launch attribute
+only for a kernel with the wait (``lower_pdl.cc``), so it starts after the previous kernel ends and the next one
+starts after it ends. TileLang also marks a kernel's pointer parameters ``__restrict__`` only without the wait, so
+such a build differs in that too. FP8 decode graphs that hung on an H200 were first blamed on PDL; they hung without
+it as well, in a TileLang pipeline's producer wait (``_producer_wait.py``, docs/kernels/pdl.md).
 """
 
 from __future__ import annotations

@@ -55,6 +55,9 @@ python3 -c "import deepinfer_npu.kernels_cuda, deepinfer_npu._core" >> /tmp/buil
   || echo "IMPORT FAILED: deepinfer_npu.kernels_cuda / the C++ core" >> /tmp/build.log
 tail -3 /tmp/build.log >> "$OUT/setup.log"; el "setup done"; tail -2 /tmp/build.log
 filt() { grep -v "tilelang.jit.kernel:INFO\|USDT:\|^INFO" ; }
+# gpu_dump PID FILE: the CUDA kernels resident in process PID and where their warps and lanes are, into FILE
+gpu_dump() { timeout 90 cuda-gdb -p "$1" -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
+  -ex "info cuda lanes" -ex "bt" > "$2" 2>&1; head -40 "$2"; }
 for phase in "$@"; do
   el "phase $phase"
   if [ -n "${DEADLINE:-}" ]; then left=$(( DEADLINE - ($(date +%s) - T0) )); LIM=$(( left < ${PHASE_LIMIT:-150} ? left : ${PHASE_LIMIT:-150} ))
@@ -96,8 +99,7 @@ for l in open('$OUT/h200_kernels.jsonl'):
                last=$now
                if [ $still -ge ${E2E_STALL:-45} ]; then ppid=$(pgrep -P $tpid | head -1)
                  echo "   no progress for ${still}s: cuda-gdb on $ppid -> $OUT/e2e_gdb_$n.log"
-                 timeout 90 cuda-gdb -p $ppid -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
-                   -ex "info cuda lanes" -ex "bt" > "$OUT/e2e_gdb_$n.log" 2>&1; head -30 "$OUT/e2e_gdb_$n.log"
+                 gpu_dump $ppid "$OUT/e2e_gdb_$n.log"
                  kill -ABRT $ppid; sleep 5; kill -9 $ppid 2>/dev/null; break; fi; done
              wait $tpid; rc=$?; filt < /tmp/e2e_raw.log > /tmp/e2e_one.log
              # each run's end now (a later timeout of the whole call must not hide it), and the whole log in $OUT
@@ -161,8 +163,7 @@ for l in open('$OUT/h200_throughput.jsonl'):
                if [ $still -ge 30 ] || [ $secs -ge $LIM ]; then
                  grep -q "^captured" "$log" && echo "== $v: replays stalled for ${still}s (${secs}s in): cuda-gdb" \
                    || echo "== $v: phase limit before the replays began (${secs}s; building?): cuda-gdb"
-                 timeout 60 cuda-gdb -p $pid -batch -ex "info cuda kernels" -ex "info cuda sms" -ex "info cuda warps" \
-                   -ex "info cuda lanes" > "$OUT/pdlhang_${v}_gdb.log" 2>&1; head -60 "$OUT/pdlhang_${v}_gdb.log"
+                 gpu_dump $pid "$OUT/pdlhang_${v}_gdb.log"
                  kill -9 $pid; break; fi; done
              wait $pid 2>/dev/null; echo "== DEEPINFER_PDL_OFF=$v: $(grep -v '^{' "$log" | tail -2 | tr '\n' ' ')"; done ;;
     startup) timeout $LIM python3 -m benchmarks.bench_startup --backend cuda ${STARTUP_ARGS:-} \
