@@ -168,16 +168,17 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
             "host_top": [[n[:70], round(us / 1e6, 4), calls] for n, us, calls in host_ops(prof, top)]}
 
 
-def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict, peak: float, log,
-               first: dict[str, float]) -> list[dict]:
-    """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default) through every workload -> rows."""
+def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict | None, meta: dict, peak: float,
+               log, first: dict[str, float]) -> list[dict]:
+    """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default; ``max_num_seqs``) through every
+    workload -> rows."""
     from deepinfer_npu import LLM, SamplingParams
 
     device = "cuda" if args.backend == "cuda" else "cpu"
     extra = {} if mnbt is None else {"max_num_batched_tokens": mnbt}
     t0 = time.perf_counter()
     llm = LLM(write_model_dir(cfg, "bench_throughput_"), load_format="dummy", backend=args.backend, dtype=args.dtype,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, enable_graphs=bool(args.graphs),
+              max_model_len=args.max_model_len, max_num_seqs=max_num_seqs, enable_graphs=bool(args.graphs),
               seed=args.seed, **extra)
     engine = llm.llm_engine
     log(f"engine ready in {time.perf_counter() - t0:.1f}s; " + warmup_summary(engine))
@@ -187,7 +188,8 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
         return SamplingParams(max_tokens=out_tokens, temperature=0.0, ignore_eos=True)
 
     # warm-up: every prefill and decode shape class once (kernel configurations compiled lazily, cuBLAS plans)
-    warm = workload("mix", 2 * args.max_num_seqs if not args.tiny else 8, cfg["vocab_size"], args.seed + 1,
+    # (twice the engine's requests, at most 512: every batch size class, without a long warm-up at 1024)
+    warm = workload("mix", min(2 * max_num_seqs, 512) if not args.tiny else 8, cfg["vocab_size"], args.seed + 1,
                     args.tiny)
     llm.generate([{"prompt_token_ids": p} for p, _ in warm], [params_of(min(o, 16)) for _, o in warm], use_tqdm=False)
     rows = []
@@ -233,7 +235,8 @@ def run_engine(args, cfg: dict, mnbt: int | None, peer: dict | None, meta: dict,
         rows.append(row)
         print(json.dumps(row), flush=True)
         append_jsonl(args.out, [row])  # as measured: a run stopped by a time limit keeps its finished rows
-        log(f"{name} (max_num_batched_tokens {cfg_engine.max_num_batched_tokens}): {len(reqs)} requests in "
+        log(f"{name} (max_num_batched_tokens {cfg_engine.max_num_batched_tokens}, max_num_seqs "
+            f"{cfg_engine.max_num_seqs}): {len(reqs)} requests in "
             f"{elapsed:.2f}s = {row['req_s']} req/s, prompt "
             f"{row['prompt_tok_s']} tok/s, output {row['output_tok_s']} tok/s, "
             f"{row['frac_of_tensor_core_roofline']:.3f} of {peak:.0f} TFLOP/s; host {row['host_step_ms']} of "
@@ -256,7 +259,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workload", nargs="+", default=["prefill", "mix", "vllm"], choices=["prefill", "mix", "vllm"])
     p.add_argument("--num-prompts", type=int, default=0, help="0: each workload's own count (512, 512, 200)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[256],
+                   help="one engine each (after each --max-num-batched-tokens value), side by side in this run")
     p.add_argument("--max-num-batched-tokens", type=int, nargs="*", default=None,
                    help="one engine each, in this order, side by side in this run (rows carry their req/s over the "
                    "first's); none given: the engine's default")
@@ -286,7 +290,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     first: dict[str, float] = {}  # workload -> the first engine's req/s (the others' rows carry their ratio)
     for mnbt in args.max_num_batched_tokens or [None]:
-        rows += run_engine(args, cfg, mnbt, peer, meta, peak, log, first)
+        for max_num_seqs in args.max_num_seqs:
+            rows += run_engine(args, cfg, mnbt, max_num_seqs, peer, meta, peak, log, first)
     return 0
 
 

@@ -55,3 +55,15 @@ def test_cpu_rehearsal_profile_names_device_and_host_time(tmp_path):
     assert prof["max_num_batched_tokens"] == 4096 and prof["wall_s"] > 0
     assert 0 < len(prof["top"]) <= 5 and 0 < len(prof["host_top"]) <= 5
     assert all(isinstance(n, str) and s >= 0 and c >= 1 for n, s, c in prof["host_top"])
+
+
+def test_cpu_rehearsal_runs_one_engine_a_max_num_seqs(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    bench.main(["--backend", "cpu", "--tiny", "--num-prompts", "6", "--peer-prompts", "0", "--max-num-seqs", "2", "6",
+                "--max-model-len", "256", "--workload", "mix", "--out", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["workload"], r["max_num_seqs"]) for r in rows] == [("mix", 2), ("mix", 6)]
+    assert all(r["all_outputs_complete"] for r in rows)
+    # six requests at most two at a time take more steps than all six at once
+    assert rows[0]["steps"] > rows[1]["steps"]
+    assert rows[1]["over_first_engine"] == round(rows[1]["req_s"] / rows[0]["req_s"], 4)
