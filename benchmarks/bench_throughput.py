@@ -168,10 +168,10 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
             "host_top": [[n[:70], round(us / 1e6, 4), calls] for n, us, calls in host_ops(prof, top)]}
 
 
-def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict | None, meta: dict, peak: float,
-               log, first: dict[str, float]) -> list[dict]:
-    """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default; ``max_num_seqs``) through every
-    workload -> rows."""
+def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: str, peer: dict | None, meta: dict,
+               peak: float, log, first: dict[str, float]) -> list[dict]:
+    """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default; ``max_num_seqs``; decode graphs
+    captured ``capture`` = "lazy" | "startup") through every workload -> rows."""
     from deepinfer_npu import LLM, SamplingParams
 
     device = "cuda" if args.backend == "cuda" else "cpu"
@@ -179,9 +179,13 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict 
     t0 = time.perf_counter()
     llm = LLM(write_model_dir(cfg, "bench_throughput_"), load_format="dummy", backend=args.backend, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=max_num_seqs, enable_graphs=bool(args.graphs),
-              seed=args.seed, **extra)
+              seed=args.seed, graph_capture=capture, **extra)
     engine = llm.llm_engine
-    log(f"engine ready in {time.perf_counter() - t0:.1f}s; " + warmup_summary(engine))
+    ready_s = time.perf_counter() - t0
+    graphs = engine.worker.graphs
+    log(f"engine ready in {ready_s:.1f}s (decode graphs captured at start-up: "
+        f"{len(graphs.graphs.static_out) if graphs is not None else 0}, "
+        f"{graphs.capture_s if graphs is not None else 0.0:.2f}s); " + warmup_summary(engine))
     cfg_engine = engine.config
 
     def params_of(out_tokens: int) -> SamplingParams:
@@ -199,6 +203,9 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict 
             engine.stats[k] = 0
         for k in ("forward_ms", "model_ms", "step_ms", "host_wait_ms"):
             engine.stats[k] = 0.0
+        graphs = engine.worker.graphs
+        capture_s0 = graphs.capture_s if graphs is not None else 0.0
+        captured0 = len(graphs.graphs.static_out) if graphs is not None else 0
         sync(device)
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [params_of(o) for _, o in reqs],
@@ -226,6 +233,10 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict 
                "model": "tiny-v2-dummy" if args.tiny else "deepseek-v2-lite-shape-dummy", "dtype": args.dtype,
                "max_num_seqs": cfg_engine.max_num_seqs, "max_num_batched_tokens": cfg_engine.max_num_batched_tokens,
                "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,
+               # decode graphs captured inside the timed run, and the host seconds that took
+               "graph_capture": capture, "engine_ready_s": round(ready_s, 2),
+               "graphs_captured_in_run": (len(graphs.graphs.static_out) - captured0) if graphs is not None else 0,
+               "graph_capture_s_in_run": round(graphs.capture_s - capture_s0, 3) if graphs is not None else 0.0,
                "flops": "2 x linear (kv_b decompressed) + 2 x heads x (qk + v dims) a layer per attended position + "
                         "2 x hidden x vocab per logits row"}
         first.setdefault(name, row["req_s"])
@@ -236,7 +247,8 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, peer: dict 
         print(json.dumps(row), flush=True)
         append_jsonl(args.out, [row])  # as measured: a run stopped by a time limit keeps its finished rows
         log(f"{name} (max_num_batched_tokens {cfg_engine.max_num_batched_tokens}, max_num_seqs "
-            f"{cfg_engine.max_num_seqs}): {len(reqs)} requests in "
+            f"{cfg_engine.max_num_seqs}, graphs {capture}: {row['graphs_captured_in_run']} captured in the run, "
+            f"{row['graph_capture_s_in_run']}s): {len(reqs)} requests in "
             f"{elapsed:.2f}s = {row['req_s']} req/s, prompt "
             f"{row['prompt_tok_s']} tok/s, output {row['output_tok_s']} tok/s, "
             f"{row['frac_of_tensor_core_roofline']:.3f} of {peak:.0f} TFLOP/s; host {row['host_step_ms']} of "
@@ -264,6 +276,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, nargs="*", default=None,
                    help="one engine each, in this order, side by side in this run (rows carry their req/s over the "
                    "first's); none given: the engine's default")
+    p.add_argument("--graph-capture", nargs="+", default=["lazy"], choices=["lazy", "startup"],
+                   help="EngineConfig.graph_capture; one engine each (innermost), side by side in this run")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")
     p.add_argument("--seed", type=int, default=0)
@@ -291,7 +305,8 @@ def main(argv=None) -> int:
     first: dict[str, float] = {}  # workload -> the first engine's req/s (the others' rows carry their ratio)
     for mnbt in args.max_num_batched_tokens or [None]:
         for max_num_seqs in args.max_num_seqs:
-            rows += run_engine(args, cfg, mnbt, max_num_seqs, peer, meta, peak, log, first)
+            for capture in args.graph_capture:
+                rows += run_engine(args, cfg, mnbt, max_num_seqs, capture, peer, meta, peak, log, first)
     return 0
 
 

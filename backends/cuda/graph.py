@@ -7,12 +7,18 @@ on the device flow into the replay with no host involvement. Unlike the NPU runn
 patching: the TileLang MLA decode kernel takes seqlens as device tensors and its grid depends only on host values
 fixed per graph (batch rows, block-table width, the bucketed max query length).
 
+A capture after the first does not empty torch's device and pinned-host caches, as ``torch.cuda.graph`` does on
+entry: a lazy capture in a running engine would otherwise hand back the blocks the next steps allocate again
+(``cudaMalloc`` / ``cudaHostAlloc`` inside later steps). vLLM skips that clean-up after its first graph too. A
+capture that runs out of memory empties them and tries once more.
+
 Driven by the worker's ``DecodeGraphs`` (``deepinfer_npu/worker/decode_graphs.py``) when
 ``EngineConfig.enable_graphs`` is set; the interface is ``deepinfer_npu.hal.graph_runner.GraphRunner``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +43,7 @@ class CudaGraphRunner(GraphRunner):
         self.device_index = device_index
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_stream: torch.cuda.Stream | None = None
 
     def pick(self, total_q: int) -> int | None:
         """Smallest captured size >= ``total_q`` (None: run eagerly)."""
@@ -61,14 +68,39 @@ class CudaGraphRunner(GraphRunner):
         with torch.cuda.stream(side):
             fn(**static_inputs)
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(**static_inputs)
+        if self.pool is None:  # the first graph: free what the caches hold, as torch.cuda.graph does
+            torch.cuda.synchronize(self.device_index)
+            torch.cuda.empty_cache()
+        try:
+            graph, out = self._record(fn, static_inputs)
+        except torch.OutOfMemoryError:
+            torch.cuda.synchronize(self.device_index)
+            torch.cuda.empty_cache()
+            graph, out = self._record(fn, static_inputs)
         if self.pool is None:
             self.pool = graph.pool()  # later graphs share the memory pool
         self.graphs[size], self.static_in[size], self.static_out[size] = graph, static_inputs, out
         self.num_captures += 1
         return out
+
+    def _record(self, fn: Callable[..., Any], static_inputs: dict[str, torch.Tensor]):
+        """``torch.cuda.graph``'s capture without its cache clean-up: on a stream of its own, after the work queued
+        before it; -> (graph, outputs)."""
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(device=self.device_index)
+        stream, graph = self.capture_stream, torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                out = fn(**static_inputs)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture is invalid already; report fn's error
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph, out
 
     def replay(self, size: int) -> Any:
         """Replay on the static buffers' contents (their owner writes them: ``DecodeGraphs`` keeps a record of what

@@ -59,6 +59,7 @@ def stats_report(engine) -> dict:
     if graphs is not None:
         s["graphs_captured"] = sorted(graphs.graphs.static_out)
         s["graphs_disabled"] = graphs.disabled
+        s["graph_capture_s"] = round(graphs.capture_s, 3)  # host time capturing, at start-up or at first use
     if engine.config.nextn:
         rows = max(s["spec_verify_rows"], 1)
         s["speculative_method"] = engine.config.speculative_method

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -83,6 +84,7 @@ class DecodeGraphs:
         self.k = k
         self.sizes = graph_sizes(max_tokens)
         self.disabled: str | None = None  # why graphs were turned off (a failed capture)
+        self.capture_s = 0.0  # host seconds spent capturing (the warm-up run included), at start-up or lazily
         self._ep_layers = 0  # expert-parallel MoE layers a replay runs (counted for the group's model steps)
         if get_expert_parallel() is not None:
             self._ep_layers = _main_ep_layers(runner.model)
@@ -190,6 +192,13 @@ class DecodeGraphs:
                     st["slots_per_token"][t:].zero_()
         self._filled = (*key, width)
 
+    def _capture(self, size: int, static: dict[str, torch.Tensor]) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.graphs.capture(size, self._forward, static)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture every size now (start-up), on all-padding inputs (they write nothing outside block 0), largest
@@ -211,7 +220,7 @@ class DecodeGraphs:
                 try:
                     self.graphs.set_step_host_lengths(size, None, self.k)
                     with agreed_ep_tokens(size):
-                        self.graphs.capture(size, self._forward, st)
+                        self._capture(size, st)
                 except Exception as e:  # noqa: BLE001 - as at a lazy capture: decode stays correct, only eager
                     self.disabled = f"graph of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
                     logger.warning("decode graphs disabled: %s", self.disabled)
@@ -229,7 +238,7 @@ class DecodeGraphs:
             if not self.graphs.has(size):
                 logger.info("capturing the decode graph of %d tokens", size)
                 with agreed_ep_tokens(size):  # under expert parallelism the step already declared this size
-                    self.graphs.capture(size, self._forward, self._static(size))
+                    self._capture(size, self._static(size))
         except Exception as e:  # noqa: BLE001 - e.g. an op that syncs; decode stays correct, only eager
             self.disabled = f"graph of size {size} failed: {type(e).__name__}: {str(e)[:300]}"
             logger.warning("decode graphs disabled: %s", self.disabled)

@@ -67,3 +67,14 @@ def test_cpu_rehearsal_runs_one_engine_a_max_num_seqs(tmp_path):
     # six requests at most two at a time take more steps than all six at once
     assert rows[0]["steps"] > rows[1]["steps"]
     assert rows[1]["over_first_engine"] == round(rows[1]["req_s"] / rows[0]["req_s"], 4)
+
+
+def test_cpu_rehearsal_graph_capture_at_start_up_captures_nothing_in_the_run(tmp_path, graph_runners):
+    out = tmp_path / "rows.jsonl"
+    bench.main(["--backend", "cpu", "--tiny", "--num-prompts", "6", "--peer-prompts", "0", "--max-num-seqs", "4",
+                "--max-model-len", "256", "--workload", "mix", "--graph-capture", "lazy", "startup",
+                "--out", str(out)])
+    lazy, startup = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (lazy["graph_capture"], startup["graph_capture"]) == ("lazy", "startup")
+    assert startup["graphs_captured_in_run"] == 0 and startup["graph_capture_s_in_run"] == 0.0
+    assert lazy["all_outputs_complete"] and startup["all_outputs_complete"]
