@@ -60,6 +60,7 @@ def stats_report(engine) -> dict:
         s["graphs_captured"] = sorted(graphs.graphs.static_out)
         s["graphs_disabled"] = graphs.disabled
         s["graph_capture_s"] = round(graphs.capture_s, 3)  # host time capturing, at start-up or at first use
+        s["graph_substituted_steps"] = graphs.substituted  # steps replayed in a larger graph than their size
     if engine.config.nextn:
         rows = max(s["spec_verify_rows"], 1)
         s["speculative_method"] = engine.config.speculative_method

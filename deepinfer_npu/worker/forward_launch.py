@@ -97,7 +97,7 @@ class ForwardLaunch:
             # own T (a dummy step's one row included): a graph bakes in its all-to-all capacity
             agreed = current_agreed_ep_tokens()
             tokens = plan.num_tokens if agreed is None else max(plan.num_tokens, agreed)
-            size = self.graphs.size_for(tokens, plan.block_tables.shape[1])
+            size = self.graphs.pick(tokens, plan.block_tables.shape[1])
         hook_in_graph = size is not None and self.graphs.drafter_hook is not None
         slots_per_token = slots.index_select(0, row) if self.drafter is not None else None
         replayed = None
