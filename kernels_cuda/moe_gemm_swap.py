@@ -12,8 +12,10 @@ fills that A tile with a synchronous masked loop at every K step (64 x 64 values
 bytes at the copy bandwidth, 0.93 ms of a 2.8 ms step. Here the weight tile is the wgmma M side and the rows are
 its N side: ``C^T [BLOCK_N, RT] = W_tile [BLOCK_N, K] @ A_rows [RT, K]^T`` with RT = 8 or 16 (wgmma's N goes down
 to 8), so a K step fills an 8-row A tile and the pipeline carries weights only. Gated, a CTA streams the matching
-gate and up tiles (two wgmmas into two accumulators) and writes the activation: no [M, 2I] intermediate, no
-``silu_mul`` launch. Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
+gate and up tiles into one [2 BLOCK_N, 64] stage (one wgmma, the up rows below the gate rows) and writes the
+activation: no [M, 2I] intermediate, no ``silu_mul`` launch. (Two wgmmas on one cp.async row tile raced: TileLang
+0.1.15 freed the rows' stage after the first, and the producer refilled it under the second; 24 outputs of a V3-shape
+case were off by up to 0.2 on an H200. tests/kernels_cuda/test_compile.py checks the generated code for this.) Grid: (output columns / BLOCK_N, min(E, M) hit-expert slots), as ``moe_gemm``; an expert with
 more than RT rows loops over row tiles (correct for any count, fast for few).
 
 Checked on an H200 against the fp32 reference in 13 cases (tests/kernels_cuda/test_moe_gemm_swap.py: bf16 within
@@ -46,6 +48,7 @@ def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: i
     NO = n // 2 if gated else n
     assert NO % block_n == 0 and k % BLOCK_K == 0 and rt in (8, 16), (n, k, block_n, rt)
     K, BN, BK, RT = k, block_n, BLOCK_K, rt
+    WR = 2 * BN if gated else BN  # weight rows a K step: [gate | up] tiles when gated
     dtype, acc, f32 = T.bfloat16, T.float32, T.float32
     M = T.dynamic("num_rows")
     E = T.dynamic("num_experts")
@@ -62,36 +65,38 @@ def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: i
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             A_s = T.alloc_shared([RT, BK], dtype)
-            G_s = T.alloc_shared([BN, BK], dtype)
-            U_s = T.alloc_shared([BN, BK], dtype)
-            C = T.alloc_fragment([BN, RT], acc)  # C^T: weight rows x token rows
-            CU = T.alloc_fragment([BN, RT], acc)
+            # gated: the gate tile's rows, then the up tile's, in one buffer read by one GEMM. With two GEMMs on one
+            # A_s, TileLang's warp-specialised pipeline freed a stage's cp.async rows once the first GEMM was done,
+            # so the producer could refill them while the second still read them (wrong sums at V3 shapes).
+            W_s = T.alloc_shared([WR, BK], dtype)
+            C = T.alloc_fragment([WR, RT], acc)  # C^T: weight rows x token rows
+            C_s = T.alloc_shared([WR, RT], acc)  # gated: the epilogue pairs gate row j with up row BN + j here
             hit = scan[E + 1 + slot]
             e = T.max(hit, 0)  # a slot past the hit experts reads expert 0's range and does no row
             row0 = scan[e]
             cnt = T.if_then_else(hit >= 0, scan[e + 1] - row0, 0)
             for mb in T.serial(T.ceildiv(cnt, RT)):
                 T.clear(C)
-                if gated:
-                    T.clear(CU)
                 for kk in T.Pipelined(K // BK, num_stages=num_stages):
                     for i, j in T.Parallel(RT, BK):  # rows past this expert's range read as zero
                         A_s[i, j] = T.if_then_else(
                             mb * RT + i < cnt, A[row0 + mb * RT + i, kk * BK + j], T.cast(0, dtype)
                         )
-                    T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], G_s)
-                    T.gemm(G_s, A_s, C, transpose_B=True)
+                    T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], W_s[0:BN, :])
                     if gated:
-                        T.copy(W[e, NO + bn * BN : NO + (bn + 1) * BN, kk * BK : (kk + 1) * BK], U_s)
-                        T.gemm(U_s, A_s, CU, transpose_B=True)
-                for j, i in T.Parallel(BN, RT):
-                    if mb * RT + i < cnt:
-                        if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
-                            gv = T.cast(T.cast(C[j, i], dtype), f32)
+                        T.copy(W[e, NO + bn * BN : NO + (bn + 1) * BN, kk * BK : (kk + 1) * BK], W_s[BN : 2 * BN, :])
+                    T.gemm(W_s, A_s, C, transpose_B=True)
+                if gated:  # the reference's roundings: bf16 GEMM outputs, bf16 silu, bf16 product
+                    T.copy(C, C_s)
+                    for j, i in T.Parallel(BN, RT):
+                        if mb * RT + i < cnt:
+                            gv = T.cast(T.cast(C_s[j, i], dtype), f32)
                             s = T.cast(gv / (T.float32(1) + T.exp(-gv)), dtype)
                             Out[row0 + mb * RT + i, bn * BN + j] = T.cast(
-                                T.cast(s, f32) * T.cast(T.cast(CU[j, i], dtype), f32), dtype)
-                        else:
+                                T.cast(s, f32) * T.cast(T.cast(C_s[BN + j, i], dtype), f32), dtype)
+                else:
+                    for j, i in T.Parallel(BN, RT):
+                        if mb * RT + i < cnt:
                             Out[row0 + mb * RT + i, bn * BN + j] = T.cast(C[j, i], dtype)
 
     return moe_gemm_swap

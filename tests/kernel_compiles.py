@@ -180,6 +180,36 @@ def stop() -> None:
         _SESSION.pop().close()
 
 
+_CP_ASYNC_DEST = re.compile(r"cp_async_gs(?:_conditional)?<\d+>\(\(&\(\(\(\w+\*\)(\w+)\)\[")
+_DESCRIPTOR_OF = re.compile(r"initialize_wgmma_descriptor<[^>]*>\(\w+, \(&\(\(\(\w+\*\)(\w+)\)\[")
+
+
+def cp_async_rows_freed_early(src: str) -> list[str]:
+    """Shared buffers a warp-specialised pipeline fills with ``cp.async`` whose stage a consumer loop frees (its first
+    ``mbarrier[..].arrive()``) before a later wgmma reads them. TileLang 0.1.15 frees such a buffer with the first
+    GEMM that reads it, so the producer may refill it while a second GEMM still reads it (moe_gemm_swap's gated form
+    had two GEMMs on one row tile; test_compile.py checks every compiled sm_90a kernel)."""
+    filled = set(_CP_ASYNC_DEST.findall(src))
+    if not filled:
+        return []
+    found = []
+    for loop in re.finditer(r"for \(int \w+ = 0; [^)]*\) \{", src):
+        depth, i = 0, loop.end() - 1
+        for i in range(loop.end() - 1, len(src)):
+            depth += {"{": 1, "}": -1}.get(src[i], 0)
+            if depth == 0:
+                break
+        body = src[loop.end():i]
+        if ".wait(" not in body or "wgmma" not in body:
+            continue
+        free = body.find("].arrive();")
+        if free < 0:
+            continue
+        late = [m.group(1) for m in _DESCRIPTOR_OF.finditer(body, free) if m.group(1) in filled]
+        found += [f"{name} read by a wgmma after its stage was freed" for name in late]
+    return found
+
+
 def unmoved_producer_waits(src: str) -> list[str]:
     """The waits (any parity) every producer thread still runs right before an elected block that arms a barrier and
     issues TMA copies (the producer's), in a kernel without ``cp.async`` (kernels_cuda/_producer_wait.py moves them;

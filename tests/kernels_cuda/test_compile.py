@@ -31,7 +31,14 @@ import pytest
 
 from deepinfer_npu import kernels_cuda
 from tests import kernel_compiles
-from tests.kernel_compiles import Compiled, full_only_reason, sm100_configs, sm100_skip_reason, unmoved_producer_waits
+from tests.kernel_compiles import (
+    Compiled,
+    cp_async_rows_freed_early,
+    full_only_reason,
+    sm100_configs,
+    sm100_skip_reason,
+    unmoved_producer_waits,
+)
 
 #: one pytest-xdist worker runs the whole module: its compile pool serves every compile test of the session
 pytestmark = pytest.mark.xdist_group("kernel_compiles")
@@ -87,6 +94,7 @@ def _check(name: str, arch: str, got: Compiled) -> None:
             assert "cudaGridDependencySynchronize" in src, f"{name}: a kernel without the PDL wait"
         if arch == "sm_90a":  # the producer-wait hook ran: no wait left for every producer thread
             assert not unmoved_producer_waits(src), f"{name}: producer waits the hook did not move"
+            assert not (early := cp_async_rows_freed_early(src)), f"{name}: {early}"
     if arch == "sm_90a" and name in ELECTED_WAIT_MODULES:
         assert any(ELECTED_WAIT.search(src) for src in got.sources), f"{name}: no elected producer wait"
     if arch == "sm_90a" and name in FP8_WGMMA_MODULES:  # the GEMMs multiply e4m3 operands, not upcast copies
