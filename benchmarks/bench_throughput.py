@@ -168,6 +168,18 @@ def profile_rows(llm, reqs, params_of, device: str, top: int) -> dict:
             "host_top": [[n[:70], round(us / 1e6, 4), calls] for n, us, calls in host_ops(prof, top)]}
 
 
+def step_kinds(kinds: list[str], runs: int = 40) -> str:
+    """Run-length code of step kinds: ["P", "P", "D"] -> "P2 D1"; past ``runs`` runs, the rest as "... (N more)"."""
+    coded: list[str] = []
+    for kind in kinds:
+        if coded and coded[-1][0] == kind:
+            coded[-1] = (kind, coded[-1][1] + 1)
+        else:
+            coded.append((kind, 1))
+    text = " ".join(f"{k}{n}" for k, n in coded[:runs])
+    return text + (f" ... ({len(coded) - runs} more runs)" if len(coded) > runs else "")
+
+
 def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: str, peer: dict | None, meta: dict,
                peak: float, log, first: dict[str, float]) -> list[dict]:
     """One engine (``max_num_batched_tokens=mnbt``, None: the engine's default; ``max_num_seqs``; decode graphs
@@ -182,6 +194,14 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: st
               seed=args.seed, graph_capture=capture, **extra)
     engine = llm.llm_engine
     ready_s = time.perf_counter() - t0
+    kinds: list[str] = []  # each step's kind, "P" (a prefill step: chunks, maybe with decodes) or "D", in order
+    run_plan = engine._run_plan
+
+    def recording_run_plan(plan):
+        kinds.append("P" if plan.is_prefill else "D")
+        return run_plan(plan)
+
+    engine._run_plan = recording_run_plan
     graphs = engine.worker.graphs
     log(f"engine ready in {ready_s:.1f}s (decode graphs captured at start-up: "
         f"{len(graphs.graphs.static_out) if graphs is not None else 0}, "
@@ -203,6 +223,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: st
             engine.stats[k] = 0
         for k in ("forward_ms", "model_ms", "step_ms", "host_wait_ms"):
             engine.stats[k] = 0.0
+        kinds.clear()
         graphs = engine.worker.graphs
         capture_s0 = graphs.capture_s if graphs is not None else 0.0
         captured0 = len(graphs.graphs.static_out) if graphs is not None else 0
@@ -225,6 +246,8 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: st
                "model_tflops": round(flops / elapsed / 1e12, 2), "gemm_tflops": round(peak, 1),
                "frac_of_tensor_core_roofline": round(flops / elapsed / 1e12 / peak, 4),
                "steps": s["num_steps"], "prefill_steps": s["prefill_steps"], "decode_steps": s["decode_steps"],
+               # the order of the steps' kinds, run-length coded ("P13 D99": 13 prefill steps, then 99 decode steps)
+               "step_kinds": step_kinds(kinds),
                "host_wait_frac": round(s["host_wait_ms"] / (1e3 * elapsed), 3),
                # wall ms a step, and the host's busy ms a step (engine.step less its wait on the device's results,
                # launches included): a host-bound run has host_step_ms close to step_ms and host_wait_frac near 0

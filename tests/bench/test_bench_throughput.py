@@ -38,6 +38,9 @@ def test_cpu_rehearsal_rows(tmp_path):
     assert rows[0]["over_first_engine"] == 1.0 and rows[2]["over_first_engine"] == round(
         rows[2]["req_s"] / rows[0]["req_s"], 4)
     assert rows[2]["prefill_steps"] > rows[0]["prefill_steps"]  # smaller steps: more of them
+    for r in rows:  # every step's kind, in order
+        runs = r["step_kinds"].split()
+        assert runs[0].startswith("P") and sum(int(x[1:]) for x in runs) == r["steps"], r["step_kinds"]
     prefill, mix = rows[:2]
     assert prefill["output_tokens"] == 6 and mix["output_tokens"] > 6
     assert prefill["peer_prompts"] == 2 and prefill["peer_prompt_tok_s"] > 0 and prefill["over_peer_flop_rate"] > 0
@@ -78,3 +81,9 @@ def test_cpu_rehearsal_graph_capture_at_start_up_captures_nothing_in_the_run(tmp
     assert (lazy["graph_capture"], startup["graph_capture"]) == ("lazy", "startup")
     assert startup["graphs_captured_in_run"] == 0 and startup["graph_capture_s_in_run"] == 0.0
     assert lazy["all_outputs_complete"] and startup["all_outputs_complete"]
+
+
+def test_step_kinds_are_run_length_coded():
+    assert bench.step_kinds(["P", "P", "D", "D", "D", "P"]) == "P2 D3 P1"
+    assert bench.step_kinds(["P", "D"] * 3, runs=2) == "P1 D1 ... (4 more runs)"
+    assert bench.step_kinds([]) == ""
