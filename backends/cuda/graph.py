@@ -69,19 +69,21 @@ class CudaGraphRunner(GraphRunner):
             fn(**static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:  # the first graph: free what the caches hold, as torch.cuda.graph does
-            torch.cuda.synchronize(self.device_index)
-            torch.cuda.empty_cache()
+            self._free_cached_blocks()
         try:
             graph, out = self._record(fn, static_inputs)
         except torch.OutOfMemoryError:
-            torch.cuda.synchronize(self.device_index)
-            torch.cuda.empty_cache()
+            self._free_cached_blocks()
             graph, out = self._record(fn, static_inputs)
         if self.pool is None:
             self.pool = graph.pool()  # later graphs share the memory pool
         self.graphs[size], self.static_in[size], self.static_out[size] = graph, static_inputs, out
         self.num_captures += 1
         return out
+
+    def _free_cached_blocks(self) -> None:
+        torch.cuda.synchronize(self.device_index)
+        torch.cuda.empty_cache()
 
     def _record(self, fn: Callable[..., Any], static_inputs: dict[str, torch.Tensor]):
         """``torch.cuda.graph``'s capture without its cache clean-up: on a stream of its own, after the work queued
