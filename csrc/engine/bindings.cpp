@@ -205,6 +205,9 @@ PYBIND11_MODULE(_core, m) {
            "-1: force prefill (ANY point and wants it, or nothing runs and the waiting head is schedulable); "
            "1: ALL point and wants it; 0: otherwise. All-reduce MIN across DP ranks, then schedule(global != "
            "0).")
+      .def("restart_attempt_points", &Scheduler::restart_attempt_points,
+           "Count attempt points from the current decode step (call when no sequence runs in the whole DP group: "
+           "every rank restarts together).")
       .def(
           "schedule",
           [](py::object self, bool do_prefill) {

@@ -264,9 +264,15 @@ int32_t Scheduler::prefill_vote() {
   if (count_[static_cast<int>(SeqStatus::PROMPTED)] + count_[static_cast<int>(SeqStatus::RUNNING)] == 0)
     return -1;
   if (kv_.usage() > cfg_.prefill_kv_usage_threshold) return 0;
-  if (decode_steps_ % cfg_.prefill_any_attempt_interval == 0) return -1;
-  if (decode_steps_ % cfg_.prefill_attempt_interval == 0) return 1;
+  const int64_t since = decode_steps_ - attempt_origin_;
+  if (since % cfg_.prefill_any_attempt_interval == 0) return -1;
+  if (since % cfg_.prefill_attempt_interval == 0) return 1;
   return 0;
+}
+
+void Scheduler::restart_attempt_points() {
+  std::lock_guard<std::mutex> lock(mu_);
+  attempt_origin_ = decode_steps_;
 }
 
 ScheduleOutput Scheduler::schedule(bool do_prefill) {

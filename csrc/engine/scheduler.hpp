@@ -56,6 +56,9 @@ class Scheduler {
   bool abort(int64_t seq_id);
   bool finish(int64_t seq_id, SeqStatus status);
   int32_t prefill_vote();
+  // Attempt points count decode steps from here on (the step loop calls it when no sequence runs anywhere in its
+  // group, so a burst of requests after an idle engine prefills at once instead of waiting for the next point).
+  void restart_attempt_points();
   ScheduleOutput schedule(bool do_prefill);
   void update(const int64_t* seq_ids, const int32_t* num_new_tokens, int64_t n, const int32_t* new_token_ids,
               int64_t num_token_ids);
@@ -133,6 +136,7 @@ class Scheduler {
   int64_t next_arrival_ = 0;
   int64_t num_preemptions_ = 0;
   int64_t decode_steps_ = 0;
+  int64_t attempt_origin_ = 0;  // decode_steps_ at the last restart_attempt_points()
   uint64_t generation_ = 0;
   uint64_t update_epoch_ = 0;
 

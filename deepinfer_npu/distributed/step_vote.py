@@ -5,7 +5,9 @@ running; 1 = prefill at an ALL point; 0 = no) and an all-reduce MIN over the CPU
 prefill step, otherwise every rank must say 1. Round two: after scheduling, an all-reduce MAX asks whether any
 rank actually scheduled a prompt; if none did, every rank schedules decode instead, so a vote can never lock the
 deployment into empty prefill steps. The padded size every rank runs is the MAX of their token counts, so
-collectives and captured graphs line up; a rank with no work runs an empty step of the agreed kind.
+collectives and captured graphs line up; a rank with no work runs an empty step of the agreed kind. Round one also
+says whether the whole group was idle (no rank had a sequence running): every rank then restarts its attempt points
+at once, so the counters that place them stay equal across ranks.
 """
 
 from __future__ import annotations
@@ -33,12 +35,20 @@ def _all_reduce(values: list[int], op: dist.ReduceOp, group: dist.ProcessGroup |
     return t.tolist()
 
 
-def vote_prefill(local_vote: int, group: dist.ProcessGroup | None) -> bool:
-    """Round one: all-reduce MIN of the schedulers' votes; ``True`` = prefill step."""
+@dataclass(frozen=True)
+class PrefillVote:
+    """Round one's outcome."""
+
+    prefill: bool  # the step kind, before round two
+    group_idle: bool  # no rank had a sequence running or prompted
+
+
+def vote_prefill(local_vote: int, idle: bool, group: dist.ProcessGroup | None) -> PrefillVote:
+    """Round one: all-reduce MIN of the schedulers' votes (and of the ranks' idle flags)."""
     if local_vote not in (-1, 0, 1):
         raise ValueError(f"prefill vote must be -1, 0 or 1, got {local_vote}")
-    (agreed,) = _all_reduce([local_vote], dist.ReduceOp.MIN, group)
-    return agreed != 0
+    agreed, all_idle = _all_reduce([local_vote, int(idle)], dist.ReduceOp.MIN, group)
+    return PrefillVote(prefill=agreed != 0, group_idle=bool(all_idle))
 
 
 def confirm_step(prefill: bool, scheduled_prompts: int, num_tokens: int,

@@ -54,6 +54,9 @@ class StepLoop:
         t0 = time.perf_counter()
         self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.scheduler.num_running == 0:
+            # nothing runs: a burst arriving now prefills at once, its attempt points counted from here
+            self.scheduler.restart_attempt_points()
         vote = self.scheduler.prefill_vote()
         out = self.scheduler.schedule(vote != 0)
         outputs += self._finished_by_scheduler(out.finished)
@@ -76,7 +79,10 @@ class StepLoop:
         t0 = time.perf_counter()
         self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
-        prefill = vote_prefill(self.scheduler.prefill_vote(), group)
+        round_one = vote_prefill(self.scheduler.prefill_vote(), self.scheduler.num_running == 0, group)
+        if round_one.group_idle:  # every rank restarts together: the attempt points stay aligned across ranks
+            self.scheduler.restart_attempt_points()
+        prefill = round_one.prefill
         out = self.scheduler.schedule(prefill)
         outputs += self._finished_by_scheduler(out.finished)
         agreed = confirm_step(prefill, out.num_seqs if prefill else 0, out.num_tokens, group)

@@ -54,6 +54,22 @@ def test_vote_attempt_points(all_every, any_every):
     assert s.num_decode_steps == horizon
 
 
+def test_restarting_the_attempt_points_counts_them_from_the_current_decode_step():
+    s = make_sched(prefill_attempt_interval=7, prefill_any_attempt_interval=10, num_kv_blocks=512)
+    s.add_seq(0, prompt(4), 100)
+    prefill_all(s)
+    s.add_seq(1, prompt(4), 8)
+    for _ in range(3):
+        decode(s)
+    assert s.prefill_vote() == 0  # 3 decode steps: no point
+    s.restart_attempt_points()
+    assert s.prefill_vote() == -1  # a restart is both kinds of point
+    for step in range(1, 11):
+        decode(s)
+        assert s.prefill_vote() == {7: 1, 10: -1}.get(step, 0), step
+    assert s.num_decode_steps == 13  # the restart moves the points, not the count
+
+
 def test_vote_respects_kv_usage_threshold():
     s = make_sched(num_kv_blocks=11, block_size=16, prefill_kv_usage_threshold=0.5)
     s.add_seq(0, prompt(96), 64)  # 6 of 10 blocks

@@ -84,6 +84,28 @@ def test_context_slots_follow_the_block_tables():
     assert slots.tolist() == want and cu_k.tolist() == [0, 66, 69]
 
 
+def test_one_kv_gemm_gives_the_keys_and_the_padded_values():
+    """The cache rows times ``kv_weight`` (bf16, as on the device): the rope columns of every head's key are the
+    rows' k_rope bit for bit, V's padding columns are zero, and the rest is the two kv_b products; the weight is
+    built once a layer."""
+    mha = MLAPrefillMHA(ks=None)
+    w = _weights("cpu", torch.bfloat16)
+    rows = (torch.randn(37, L + R, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16)
+    weight = mha.kv_weight(w)
+    assert weight.shape == (2 * H * (N + R), L + R) and mha.kv_weight(w) is weight
+    kv = torch.nn.functional.linear(rows, weight)
+    k, v = kv[:, : H * (N + R)].view(37, H, N + R), kv[:, H * (N + R):].view(37, H, N + R)
+    assert torch.equal(k[..., N:], rows[:, None, L:].expand(37, H, R))
+    assert torch.equal(v[..., V:], torch.zeros(37, H, N + R - V, dtype=torch.bfloat16))
+    c = rows[:, :L].float()
+    torch.testing.assert_close(k[..., :N].float(), torch.einsum("tl,hnl->thn", c, w.w_uk.float()), rtol=1e-2,
+                               atol=1e-2)
+    torch.testing.assert_close(v[..., :V].float(), torch.einsum("tl,hvl->thv", c, w.w_uv.float()), rtol=1e-2,
+                               atol=1e-2)
+    other = _weights("cpu", torch.bfloat16, seed=1)
+    assert not torch.equal(mha.kv_weight(other), weight)  # a layer each
+
+
 def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size=None, is_causal=None):
     """Flash attention's varlen contract in fp32 torch: per request, causal aligned to the bottom right (query i
     of Lq sees keys j <= i + Lk - Lq), ``scale`` on the scores."""

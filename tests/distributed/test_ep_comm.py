@@ -77,12 +77,14 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str, tokens_per_rank: 
         got = _ep_moe(hidden, router, w13, w2, placement, rank, groups.device_group)
         want = _reference_moe(hidden, router, w13, w2)
         votes = {2: [[-1, 0], [1, 0], [1, 1]], 4: [[-1, 0, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1]]}[world]
-        agreed = [vote_prefill(v[rank], groups.cpu_group) for v in votes]
+        agreed = [vote_prefill(v[rank], False, groups.cpu_group).prefill for v in votes]
+        idle = [vote_prefill(0, flags[rank], groups.cpu_group).group_idle
+                for flags in ([True] * world, [True] * (world - 1) + [False])]
         nobody = confirm_step(True, 0, 0, groups.cpu_group)
         somebody = confirm_step(True, int(rank == world - 1), 5 * rank, groups.cpu_group)
         size = agree_decode_size(rank + 1, groups.cpu_group)
         torch.save({"got": got, "want": want, "agreed": agreed, "nobody": nobody, "somebody": somebody,
-                    "size": size}, f"{out_dir}/rank{rank}.pt")
+                    "size": size, "idle": idle}, f"{out_dir}/rank{rank}.pt")
     finally:
         destroy_process_groups()
     leave_rank()
@@ -103,6 +105,7 @@ def test_ep_moe_equals_single_process(world, tokens, replicas, tmp_path):
         # the step vote: MIN of the votes (-1 forces, 1 needs every rank), second round, size MAX
         expected = {2: [True, False, True], 4: [True, False, True]}[world]
         assert res["agreed"] == expected
+        assert res["idle"] == [True, False]  # idle only when every rank is
         assert not res["nobody"].prefill and not res["nobody"].any_work
         assert res["somebody"].prefill and res["somebody"].max_num_tokens == 5 * (world - 1)
         assert res["size"] == world
