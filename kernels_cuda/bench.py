@@ -299,7 +299,7 @@ def bench_moe_gemm_swap(args, copy):
     from . import moe_gemm_swap as m
     from . import silu_mul
 
-    for tokens in (1, 2, 4, 8):
+    for tokens in () if args.swap_wide_only else (1, 2, 4, 8):
         a, w13, counts = problems.expert_rows(tokens, 6, 64, 2816, 2048, seed=1)
         _, w2, _ = problems.expert_rows(tokens, 6, 64, 2048, 1408, seed=2)
         hit = int((counts > 0).sum())
@@ -326,6 +326,31 @@ def bench_moe_gemm_swap(args, copy):
                        "w13_gated_us": round(time_us(w13_only)[0], 2), "timing": how}
                 yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * (2816 * 2048 + 2048 * 1408) * 2,
                            us, copy)
+    # batch decode sizes (moe_gemm + silu_mul in the engine): row tiles of 16 to 64, one weight pass an expert
+    # when its rows fit the tile
+    for tokens in args.swap_tokens:
+        a, w13, counts = problems.expert_rows(tokens, 6, 64, 2816, 2048, seed=1)
+        _, w2, _ = problems.expert_rows(tokens, 6, 64, 2048, 1408, seed=2)
+        hit, most = int((counts > 0).sum()), int(counts.max())
+        starts = mg.expert_starts(counts)
+        h = torch.empty(a.shape[0], 1408, dtype=torch.bfloat16, device="cuda")
+        o = torch.empty(a.shape[0], 2048, dtype=torch.bfloat16, device="cuda")
+
+        def unfused():
+            mid = silu_mul.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
+            mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
+
+        us_unfused, _ = time_us(unfused)
+        for rt in m.ROWS_TILES[1:]:
+            def fused(rt=rt):
+                m.moe_gemm_swap(a, w13, starts, gated=True, out=h, rows_tile_=rt)
+                m.moe_gemm_swap(h, w2, starts, out=o, rows_tile_=rt)
+
+            us, how = time_us(fused)
+            row = {"shape": "v2-lite-mlp", "tokens": tokens, "experts_hit": hit, "most_rows_an_expert": most,
+                   "rows_tile": rt, "block_n": m.BLOCK_N, "stages": 4, "timing": how}
+            yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * (2816 * 2048 + 2048 * 1408) * 2,
+                       us, copy)
 
 
 @bench
@@ -748,6 +773,10 @@ def main(argv=None) -> int:
     mla.add_argument("--warp-specialized", action="store_true", help="also mla_decode_ws' kernel (64-row tiles)")
     mla.add_argument("--kv-fp8", action="store_true", help="also the packed FP8 cache (kv_cache_dtype='fp8')")
     mla.add_argument("--sweep-batch1", action="store_true", help="batch-1 latency: splits x stages x threads x rows")
+    sw = ap.add_argument_group("moe_gemm_swap")
+    sw.add_argument("--swap-tokens", type=int, nargs="*", default=[16, 32, 64, 128, 200, 256],
+                    help="batch decode sizes (tokens x top-6 rows) timed at row tiles of 16 to 64")
+    sw.add_argument("--swap-wide-only", action="store_true", help="only those, not the 1-8 token block sweep")
     sk = ap.add_argument_group("skinny_gemm")
     sk.add_argument("--variants", nargs="+", default=["1,4", "2,4", "1,8", "2,8", "1,4,4"],
                     help="rows_per_warp,unroll[,col_iters] (the engine's: 1,4)")

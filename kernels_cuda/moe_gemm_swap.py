@@ -32,21 +32,30 @@ from ._prim_func_cache import cached_prim_func
 SM90_TARGET = {"kind": "cuda", "arch": "sm_90a"}
 BLOCK_K = 64
 BLOCK_N = 64  # weight rows a CTA in the engine's launches (supported() asks output columns % 64 == 0)
-MAX_ROWS_TILE = 16  # RT: 8 for up to 8 rows (M <= 8: every expert has at most M rows), else 16
+ROWS_TILES = (8, 16, 32, 64)  # RT, wgmma's N side: an expert with more rows than RT streams its weights again
+MAX_ROWS_TILE = ROWS_TILES[-1]
 
 
-def rows_tile(m: int) -> int:
-    return 8 if m <= 8 else MAX_ROWS_TILE
+def rows_tile(m: int, experts: int | None = None) -> int:
+    """The engine's RT for ``m`` dispatched rows over ``experts`` experts: every expert holds at most ``m``, so up to
+    16 rows the tile covers each expert at once; up to 64 rows 16; above, the smallest tile holding 1.5 times an
+    expert's mean rows (a busier expert loops: its weights are read once a tile)."""
+    if m <= 8:
+        return 8
+    if m <= 64 or not experts:
+        return 16
+    return next((t for t in ROWS_TILES if t >= 1.5 * m / experts), MAX_ROWS_TILE)
 
 
 @cached_prim_func
 def build_moe_gemm_swap(n: int, k: int, rt: int, gated: bool = False, block_n: int = BLOCK_N, num_stages: int = 4,
                         threads: int = 128):
     """PrimFunc for weights [E, n, k] (gated: n = 2I, output I columns); rows M and experts E are dynamic.
-    ``rt``: rows a tile (the wgmma N side, 8 or 16); ``block_n``: weight rows a CTA (the wgmma M side, 64 or 128)."""
+    ``rt``: rows a tile (the wgmma N side, one of ROWS_TILES); ``block_n``: weight rows a CTA (the wgmma M side, 64
+    or 128)."""
     assert tilelang is not None, "tilelang is not installed"
     NO = n // 2 if gated else n
-    assert NO % block_n == 0 and k % BLOCK_K == 0 and rt in (8, 16), (n, k, block_n, rt)
+    assert NO % block_n == 0 and k % BLOCK_K == 0 and rt in ROWS_TILES, (n, k, block_n, rt)
     K, BN, BK, RT = k, block_n, BLOCK_K, rt
     WR = 2 * BN if gated else BN  # weight rows a K step: [gate | up] tiles when gated
     dtype, acc, f32 = T.bfloat16, T.float32, T.float32
@@ -115,9 +124,9 @@ def supported(n: int, k: int, gated: bool) -> bool:
     return (not gated or n % 2 == 0) and no % BLOCK_N == 0 and k % BLOCK_K == 0
 
 
-def config_for(n: int, k: int, m: int, gated: bool) -> tuple:
-    """The cache key :func:`moe_gemm_swap` launches for ``m`` rows."""
-    return (int(n), int(k), rows_tile(m), bool(gated), BLOCK_N)
+def config_for(n: int, k: int, m: int, gated: bool, experts: int | None = None) -> tuple:
+    """The cache key :func:`moe_gemm_swap` launches for ``m`` rows over ``experts`` experts."""
+    return (int(n), int(k), rows_tile(m, experts), bool(gated), BLOCK_N)
 
 
 def precompile(configs):
@@ -126,7 +135,7 @@ def precompile(configs):
 
 def moe_gemm_swap(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, gated: bool = False,
                   out: torch.Tensor | None = None, block_n: int | None = None,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  num_stages: int | None = None, rows_tile_: int | None = None) -> torch.Tensor:
     """[M, K] rows sorted by expert x [E, N, K] -> [M, N] (gated: [M, N / 2]) bf16, with ``starts`` =
     ``moe_gemm.expert_starts(tokens_per_expert)``. No host read of device values."""
     m, k = a.shape
@@ -143,9 +152,11 @@ def moe_gemm_swap(a: torch.Tensor, w: torch.Tensor, starts: torch.Tensor, gated:
         out = torch.empty(m, no, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    cfg = config_for(n, k, m, gated)
-    if block_n is not None or num_stages is not None:  # tuning runs
-        cfg = (cfg[0], cfg[1], cfg[2], cfg[3], block_n or cfg[4], num_stages or 4)
+    cfg = config_for(n, k, m, gated, e)
+    if block_n is not None or num_stages is not None or rows_tile_ is not None:  # tuning runs
+        if rows_tile_ is not None and rows_tile_ not in ROWS_TILES:
+            raise ValueError(f"moe_gemm_swap: rows_tile_={rows_tile_}; one of {ROWS_TILES}")
+        cfg = (cfg[0], cfg[1], rows_tile_ or cfg[2], cfg[3], block_n or cfg[4], num_stages or 4)
     _CACHE.get("swap", cfg)(a.contiguous(), w, starts, out)
     return out
 

@@ -46,6 +46,27 @@ def test_moe_gemm_swap_matches_fp32_reference_gpu(case):
     assert ok, stats
 
 
+# batch-decode sizes at row tiles of 32 and 64 (tokens, top_k, experts, N, K, skew, gated, rows tile); skew: one
+# expert holds every token and loops over the tile
+WIDE = [(200, 6, 64, 2816, 2048, False, True, 32), (200, 6, 64, 2048, 1408, False, False, 32),
+        (256, 6, 64, 2816, 2048, False, True, 64), (100, 6, 64, 2048, 1408, True, False, 64),
+        (100, 6, 64, 2816, 2048, True, True, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("case", WIDE, ids=lambda c: f"T{c[0]}-N{c[3]}-g{int(c[6])}-skew{int(c[5])}-rt{c[7]}")
+def test_wide_row_tiles_match_fp32_reference_gpu(case):
+    from deepinfer_npu.kernels_cuda.moe_gemm import expert_starts
+
+    tokens, top_k, experts, n, k, skew, gated, rt = case
+    a, w, counts = expert_rows(tokens, top_k, experts, n, k, skew=skew)
+    ref = reference(a, w, counts, gated)
+    out = sw.moe_gemm_swap(a, w, expert_starts(counts), gated=gated, rows_tile_=rt)
+    ok, stats = close_to(out, ref, (4 if gated else 2) * 2.0**-8 * ref.abs() + 1e-2)
+    assert ok, stats
+
+
 def test_gated_reference_is_the_cpu_expert_mlp():
     """Small integers keep every GEMM exact, so the reference's roundings must equal the CPU backend's
     silu_and_mul(bf16 GEMM) bit for bit."""
@@ -73,6 +94,8 @@ def test_rejects_bad_shapes_with_the_dims_named():
         sw.moe_gemm_swap(a, torch.zeros(2, 128, 64, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32))
     with pytest.raises(ValueError, match="N=96"):
         sw.moe_gemm_swap(a, torch.zeros(2, 96, 64, dtype=torch.bfloat16), scan, gated=True)
+    with pytest.raises(ValueError, match="rows_tile_=24"):
+        sw.moe_gemm_swap(a, torch.zeros(2, 128, 64, dtype=torch.bfloat16), scan, rows_tile_=24)
 
 
 def test_row_tiles():

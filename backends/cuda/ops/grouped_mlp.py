@@ -1,6 +1,6 @@
 """``grouped_mlp``: the routed experts' SwiGLU MLP over contiguous row groups, by the step's row count (tokens x
-top-k, a host int): up to ``MOE_GEMM_SWAP_MAX_ROWS`` ``kernels_cuda.moe_gemm_swap`` (weight tiles on wgmma's M side,
-the SwiGLU in the w13 epilogue); up to ``MOE_GEMM_MAX_ROWS`` ``kernels_cuda.moe_gemm`` (one CTA per expert and N
+top-k, a host int): up to ``DEEPINFER_MOE_SWAP_MAX_ROWS`` ``kernels_cuda.moe_gemm_swap`` (weight tiles on wgmma's M
+side, the SwiGLU in the w13 epilogue); up to ``MOE_GEMM_MAX_ROWS`` ``kernels_cuda.moe_gemm`` (one CTA per expert and N
 tile streaming the hit experts' weights; at most ``MAX_EXPERTS`` experts); above, ``torch._grouped_mm`` (CUTLASS,
 device offsets); else the reference, which loops over experts after ``tokens_per_expert.tolist()`` (a sync)."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, OpImpl, kernel_module, known_syncing_fallback, logger, ref, step_token_bounds
@@ -15,8 +16,12 @@ from .linear import silu_mul_configs
 
 # moe_gemm re-reads an expert's weight tile per 64-row block, so prefill-sized batches go to the library GEMM
 MOE_GEMM_MAX_ROWS = 2048
-# a few rows an expert: the weight tile as wgmma's M side, 8 or 16 token rows as its N side
-MOE_GEMM_SWAP_MAX_ROWS = 64
+# a few rows an expert: the weight tile as wgmma's M side, 8 to 64 token rows as its N side, the SwiGLU fused; up to
+# DEEPINFER_MOE_SWAP_MAX_ROWS dispatched rows (64 by default)
+
+
+def swap_max_rows() -> int:
+    return envs.MOE_SWAP_MAX_ROWS
 
 
 class GroupedMLP(OpImpl):
@@ -76,12 +81,12 @@ class GroupedMLP(OpImpl):
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self.moe_gemm_for(sorted_hidden, w13, w2)
-        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= MOE_GEMM_SWAP_MAX_ROWS else None
+        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= swap_max_rows() else None
         if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
             starts = self.expert_starts(mg, tokens_per_expert)
             h = sw.moe_gemm_swap(sorted_hidden, w13, starts, gated=True)
             out = sw.moe_gemm_swap(h, w2, starts)
-            self.note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {MOE_GEMM_SWAP_MAX_ROWS}, SwiGLU "
+            self.note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {swap_max_rows()}, SwiGLU "
                       "in the w13 epilogue)", True)
             return out
         if mg is not None:
@@ -113,7 +118,7 @@ class GroupedMLP(OpImpl):
         """``silu_mul`` at the expert width (top_k rows a token, between the moe_gemm launches); ``moe_gemm``:
         ``("gemm", (n, k, block_n))`` for w13 [E, 2I, D] and w2 [E, D, I] at the row counts routed to it and
         ``("expert_scan", (E,))`` (compiled by its first launch); ``moe_gemm_swap``: w13 (gated) and w2 at the
-        row counts up to MOE_GEMM_SWAP_MAX_ROWS, where moe_gemm (whose scan it shares) applies."""
+        row counts up to ``DEEPINFER_MOE_SWAP_MAX_ROWS``, where moe_gemm (whose scan it shares) applies."""
         g = plan.moe_gating
         out: dict[str, list[tuple]] = {}
         if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
@@ -150,6 +155,8 @@ class GroupedMLP(OpImpl):
         if not (sw.supported(2 * inter, d, True) and sw.supported(d, inter, False)):
             return []
         lo, hi = step_token_bounds(plan)
-        rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_SWAP_MAX_ROWS) + 1)
-        cfgs = [c for r in rows for c in (sw.config_for(2 * inter, d, r, True), sw.config_for(d, inter, r, False))]
+        rows = range(lo * g.top_k, min(hi * g.top_k, swap_max_rows(), MOE_GEMM_MAX_ROWS) + 1)
+        e = g.num_experts
+        cfgs = [c for r in rows
+                for c in (sw.config_for(2 * inter, d, r, True, e), sw.config_for(d, inter, r, False, e))]
         return list(dict.fromkeys(cfgs))
