@@ -97,10 +97,11 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_ROUTER_TENSOR_CORES", "1", _flag,
                "1 (the default): the CUDA backend's MoE router past 16 rows runs as bf16 tensor-core GEMMs of its "
                "fp32 weight's exact bf16 split, fp32 out; 0: the rows cast to fp32 and cuBLAS' fp32 GEMM."),
-        EnvVar("DEEPINFER_MOE_SWAP_MAX_ROWS", "64", _positive_int,
+        EnvVar("DEEPINFER_MOE_SWAP_MAX_ROWS", "auto", _count_or_auto,
                "The CUDA backend's bf16 routed experts run on moe_gemm_swap (the SwiGLU in the w13 GEMM's epilogue) "
                "up to this many dispatched rows a step (tokens x top-k), on moe_gemm + silu_mul above it up to 2048 "
-               "rows, and on torch._grouped_mm past those (docs/kernels/moe_gemm_swap.md)."),
+               "rows, and on torch._grouped_mm past those; auto: 20 rows an expert on average (docs/kernels/"
+               "moe_gemm_swap.md), 0: never."),
         EnvVar("DEEPINFER_FP8_SKINNY", "1", _flag,
                "1 (the default): in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose "
                "weights hold at most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, "

@@ -38,13 +38,14 @@ MAX_ROWS_TILE = ROWS_TILES[-1]
 
 def rows_tile(m: int, experts: int | None = None) -> int:
     """The engine's RT for ``m`` dispatched rows over ``experts`` experts: every expert holds at most ``m``, so up to
-    16 rows the tile covers each expert at once; up to 64 rows 16; above, the smallest tile holding 1.5 times an
-    expert's mean rows (a busier expert loops: its weights are read once a tile)."""
+    16 rows the tile covers each expert at once; up to 64 rows 16; above, 16 while 1.5 times an expert's mean rows
+    fit it, else 32 (a busier expert loops: its weights are read once a tile). 64-row tiles were slower than
+    32-row ones at every size measured (docs/kernels/moe_gemm_swap.md); they remain for tuning runs."""
     if m <= 8:
         return 8
-    if m <= 64 or not experts:
+    if m <= 64 or not experts or 1.5 * m / experts <= 16:
         return 16
-    return next((t for t in ROWS_TILES if t >= 1.5 * m / experts), MAX_ROWS_TILE)
+    return 32
 
 
 @cached_prim_func

@@ -42,19 +42,38 @@ MOE_VARIANTS = {"moe_gemm_swap", "moe_combine_add", "moe_dispatch_scan"}
 
 
 def test_moe_gemm_swap_configs(recorded, v2_lite_plan, kernel_set):
-    """w13 (gated) and w2 at the row tiles of 6 .. 64 rows (1 .. 10 tokens x top-6), and moe_gemm's own
-    configurations still (larger batches); nothing of it when left out."""
+    """w13 (gated) and w2 at the row tiles of 6 .. 1280 rows (1 .. 213 tokens x top-6, up to 20 rows an expert:
+    prefill steps of a few prompts reach them), and moe_gemm's own configurations still (larger steps); nothing of
+    it when left out."""
     from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
 
     kernel_set().warmup(v2_lite_plan(k=0))
     (cfgs, _kw), = recorded["moe_gemm_swap"]
     assert cfgs == [(2816, 2048, 8, True, 64), (2048, 1408, 8, False, 64),
-                    (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64)]
-    assert all(sw.config_for(*c[:2], r, c[3]) in cfgs for c in cfgs for r in (6, 64))
+                    (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64),
+                    (2816, 2048, 32, True, 64), (2048, 1408, 32, False, 64)]
+    assert all(sw.config_for(*c[:2], r, c[3], 64) in cfgs for c in cfgs for r in (6, 64, 1280))
     assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]
     recorded.clear()
     kernel_set(skip=MOE_VARIANTS).warmup(v2_lite_plan(k=0))
     assert "moe_gemm_swap" not in recorded
+
+
+def test_moe_gemm_swap_row_tiles_follow_the_batch_and_the_setting(recorded, v2_lite_plan, kernel_set, monkeypatch):
+    """256 sequences: up to 20 rows an expert (1280 rows, 213 tokens) on moe_gemm_swap, 32-row tiles from 114
+    tokens; ``DEEPINFER_MOE_SWAP_MAX_ROWS`` caps the rows (0: never)."""
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    (cfgs, _kw), = recorded["moe_gemm_swap"]
+    assert sorted({c[2] for c in cfgs}) == [8, 16, 32]
+    monkeypatch.setenv("DEEPINFER_MOE_SWAP_MAX_ROWS", "64")
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    (cfgs, _kw), = recorded["moe_gemm_swap"]
+    assert sorted({c[2] for c in cfgs}) == [8, 16]
+    monkeypatch.setenv("DEEPINFER_MOE_SWAP_MAX_ROWS", "0")
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    assert not recorded.get("moe_gemm_swap")
 
 
 @pytest.mark.parametrize("variant, fused", [

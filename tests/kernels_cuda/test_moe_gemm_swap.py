@@ -100,4 +100,7 @@ def test_rejects_bad_shapes_with_the_dims_named():
 
 def test_row_tiles():
     assert [sw.rows_tile(m) for m in (1, 6, 8, 9, 48)] == [8, 8, 8, 16, 16]
+    # by an expert's mean rows past 64 rows: 64 tokens x top-6 of 64 experts = 6 a mean (16), 128 tokens = 12 (32)
+    assert [sw.rows_tile(t * 6, 64) for t in (64, 113, 114, 200, 341)] == [16, 16, 32, 32, 32]
+    assert sw.config_for(2816, 2048, 1200, True, 64) == (2816, 2048, 32, True, 64)
     assert sw.config_for(2816, 2048, 6, True) == (2816, 2048, 8, True, 64)

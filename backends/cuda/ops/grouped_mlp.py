@@ -16,12 +16,17 @@ from .linear import silu_mul_configs
 
 # moe_gemm re-reads an expert's weight tile per 64-row block, so prefill-sized batches go to the library GEMM
 MOE_GEMM_MAX_ROWS = 2048
-# a few rows an expert: the weight tile as wgmma's M side, 8 to 64 token rows as its N side, the SwiGLU fused; up to
-# DEEPINFER_MOE_SWAP_MAX_ROWS dispatched rows (64 by default)
+# moe_gemm_swap (the weight tile as wgmma's M side, 8-32 rows as its N side, the SwiGLU fused) up to this mean of rows
+# an expert: on an H200 (V2-Lite experts, 64 of them, top-6) it ran 1.07-1.01x moe_gemm + silu_mul from 16 to 200
+# tokens (up to 18.75 rows an expert), 0.99x at 256 (24 rows)
+SWAP_MAX_ROWS_AN_EXPERT = 20
 
 
-def swap_max_rows() -> int:
-    return envs.MOE_SWAP_MAX_ROWS
+def swap_max_rows(num_experts: int) -> int:
+    """Dispatched rows up to which grouped_mlp takes moe_gemm_swap (``DEEPINFER_MOE_SWAP_MAX_ROWS``, auto: 20 an
+    expert)."""
+    cap = envs.MOE_SWAP_MAX_ROWS
+    return SWAP_MAX_ROWS_AN_EXPERT * num_experts if cap is None else cap
 
 
 class GroupedMLP(OpImpl):
@@ -81,12 +86,13 @@ class GroupedMLP(OpImpl):
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self.moe_gemm_for(sorted_hidden, w13, w2)
-        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= swap_max_rows() else None
+        cap = swap_max_rows(w13.shape[0])
+        sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= cap else None
         if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
             starts = self.expert_starts(mg, tokens_per_expert)
             h = sw.moe_gemm_swap(sorted_hidden, w13, starts, gated=True)
             out = sw.moe_gemm_swap(h, w2, starts)
-            self.note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {swap_max_rows()}, SwiGLU "
+            self.note("grouped_mlp", f"kernels_cuda.moe_gemm_swap (bf16, rows <= {cap}, SwiGLU "
                       "in the w13 epilogue)", True)
             return out
         if mg is not None:
@@ -118,7 +124,7 @@ class GroupedMLP(OpImpl):
         """``silu_mul`` at the expert width (top_k rows a token, between the moe_gemm launches); ``moe_gemm``:
         ``("gemm", (n, k, block_n))`` for w13 [E, 2I, D] and w2 [E, D, I] at the row counts routed to it and
         ``("expert_scan", (E,))`` (compiled by its first launch); ``moe_gemm_swap``: w13 (gated) and w2 at the
-        row counts up to ``DEEPINFER_MOE_SWAP_MAX_ROWS``, where moe_gemm (whose scan it shares) applies."""
+        row counts up to :func:`swap_max_rows`, where moe_gemm (whose scan it shares) applies."""
         g = plan.moe_gating
         out: dict[str, list[tuple]] = {}
         if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
@@ -155,7 +161,7 @@ class GroupedMLP(OpImpl):
         if not (sw.supported(2 * inter, d, True) and sw.supported(d, inter, False)):
             return []
         lo, hi = step_token_bounds(plan)
-        rows = range(lo * g.top_k, min(hi * g.top_k, swap_max_rows(), MOE_GEMM_MAX_ROWS) + 1)
+        rows = range(lo * g.top_k, min(hi * g.top_k, swap_max_rows(g.num_experts), MOE_GEMM_MAX_ROWS) + 1)
         e = g.num_experts
         cfgs = [c for r in rows
                 for c in (sw.config_for(2 * inter, d, r, True, e), sw.config_for(d, inter, r, False, e))]
