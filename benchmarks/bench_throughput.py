@@ -203,6 +203,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: st
 
     engine._run_plan = recording_run_plan
     graphs = engine.worker.graphs
+    at_start = (len(graphs.graphs.static_out), round(graphs.capture_s, 3)) if graphs is not None else (0, 0.0)
     log(f"engine ready in {ready_s:.1f}s (decode graphs captured at start-up: "
         f"{len(graphs.graphs.static_out) if graphs is not None else 0}, "
         f"{graphs.capture_s if graphs is not None else 0.0:.2f}s); " + warmup_summary(engine))
@@ -258,6 +259,7 @@ def run_engine(args, cfg: dict, mnbt: int | None, max_num_seqs: int, capture: st
                "max_model_len": args.max_model_len, "graphs": bool(args.graphs), "backend": args.backend,
                # decode graphs captured inside the timed run, and the host seconds that took
                "graph_capture": capture, "engine_ready_s": round(ready_s, 2),
+               "graphs_captured_at_start": at_start[0], "graph_capture_s_at_start": at_start[1],
                "graphs_captured_in_run": (len(graphs.graphs.static_out) - captured0) if graphs is not None else 0,
                "graph_capture_s_in_run": round(graphs.capture_s - capture_s0, 3) if graphs is not None else 0.0,
                "flops": "2 x linear (kv_b decompressed) + 2 x heads x (qk + v dims) a layer per attended position + "
@@ -299,7 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, nargs="*", default=None,
                    help="one engine each, in this order, side by side in this run (rows carry their req/s over the "
                    "first's); none given: the engine's default")
-    p.add_argument("--graph-capture", nargs="+", default=["lazy"], choices=["lazy", "startup"],
+    p.add_argument("--graph-capture", nargs="+", default=["auto"], choices=["auto", "lazy", "startup"],
                    help="EngineConfig.graph_capture; one engine each (innermost), side by side in this run")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--graphs", type=int, default=1, help="decode from captured graphs (1) or eagerly (0)")

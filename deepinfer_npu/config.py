@@ -101,9 +101,10 @@ class EngineConfig:
     varlen_verification: bool = True
     # Decode steps replayed from captured graphs (one per total_q size, worker/decode_graphs.py) on backends with
     # a graph runner; None (default): the backend's choice (on for CUDA, off elsewhere); False: always eager.
-    # graph_capture: "lazy" (at a size's first step) | "startup" (all).
+    # graph_capture: "auto" (all at start-up when there are at most STARTUP_CAPTURE_MAX_GRAPHS sizes, else lazy) |
+    # "lazy" (at a size's first step) | "startup" (all).
     enable_graphs: bool | None = None
-    graph_capture: str = "lazy"
+    graph_capture: str = "auto"
     # Compile every kernel variant the engine can reach at start-up (KernelSet.warmup: CUDA's TileLang kernels),
     # after the model is loaded and before graphs are captured; False: each compiles at its first use.
     kernel_warmup: bool = True
@@ -182,8 +183,8 @@ class EngineConfig:
                              f"got {self.enable_graphs!r}")
         if not isinstance(self.kernel_warmup, bool):
             raise ValueError(f"kernel_warmup must be True or False, got {self.kernel_warmup!r}")
-        if self.graph_capture not in ("lazy", "startup"):
-            raise ValueError(f"graph_capture must be 'lazy' or 'startup', got {self.graph_capture!r}")
+        if self.graph_capture not in ("auto", "lazy", "startup"):
+            raise ValueError(f"graph_capture must be 'auto', 'lazy' or 'startup', got {self.graph_capture!r}")
         if not isinstance(self.distributed_timeout_s, (int, float)) or not self.distributed_timeout_s > 1:
             raise ValueError(f"distributed_timeout_s must be a number of seconds > 1, got {self.distributed_timeout_s!r}")
         if not isinstance(self.enable_expert_parallel, bool):

@@ -85,8 +85,9 @@ def build_parser(prog: str = "python -m deepinfer_npu.run", description: str | N
                    help="verify a confidence-chosen number of drafts per request (--no-varlen: all of them)")
     d.add_argument("--graphs", dest="enable_graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from captured graphs; None: the backend's choice (on for cuda)")
-    d.add_argument("--graph-capture", choices=["lazy", "startup"], default="lazy",
-                   help="capture each graph size at its first step, or all at start-up")
+    d.add_argument("--graph-capture", choices=["auto", "lazy", "startup"], default="auto",
+                   help="capture each graph size at its first step (lazy), all at start-up (startup), or all at "
+                        "start-up when there are at most 48 sizes (auto: up to 360 decode tokens a step)")
     d.add_argument("--kernel-warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="compile every kernel variant the engine can reach at start-up (cuda: TileLang)")
 

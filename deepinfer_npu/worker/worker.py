@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 
 DUMMY_SEQ_ID = -1  # the padding sequence of a dummy step (no request has it)
+# graph_capture="auto" captures every graph at start-up up to this many (decode sizes 1, 2, 4, then every 8 up to
+# 360 tokens a step: max_num_seqs 256 without drafts is 35), else each at its first use
+STARTUP_CAPTURE_MAX_GRAPHS = 48
 
 
 class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
@@ -71,7 +74,7 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
         # Every kernel variant the steps can reach, compiled now: before any capture, and before the first step
         # (which a stall of seconds per TileLang configuration would otherwise land in). None: kernel_warmup off.
         self.kernel_warmup: str | None = self._warm_up_kernels()
-        if self.graphs is not None and self.runner.config.graph_capture == "startup":
+        if self.graphs is not None and self._capture_at_startup():
             self._capture_graphs()
         self.graph_steps = 0  # decode steps run from a captured graph
         # Set to a list to time steps on the device: each launched step appends ``(is_prefill, start, end)``
@@ -114,6 +117,20 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
             hook = self.drafter.main_forward_hook_in_graph()
         return DecodeGraphs(self.runner, graph_runner, self.k, max_tokens, capture, extra_width=2 * self.k,
                             drafter_hook=hook)
+
+    def _capture_at_startup(self) -> bool:
+        """``graph_capture``: "startup" always, "lazy" never, "auto" when the decode and propose graphs number at
+        most ``STARTUP_CAPTURE_MAX_GRAPHS`` (about 90 ms each on an H200 at V2-Lite shape: a few seconds at start-up,
+        where an offline run whose batch sweeps the sizes would otherwise capture them inside the run)."""
+        mode = self.runner.config.graph_capture
+        if mode != "auto":
+            return mode == "startup"
+        propose_graphs = getattr(self.drafter, "propose_graphs", None)
+        count = len(self.graphs.sizes) + (len(propose_graphs.sizes) if propose_graphs is not None else 0)
+        at_startup = count <= STARTUP_CAPTURE_MAX_GRAPHS
+        logger.info("decode graphs: %d sizes, captured %s (graph_capture='auto': at start-up up to %d)", count,
+                    "at start-up" if at_startup else "at first use", STARTUP_CAPTURE_MAX_GRAPHS)
+        return at_startup
 
     def _capture_graphs(self) -> None:
         """``graph_capture="startup"``: capture every decode graph (and the drafter's propose graphs) now."""

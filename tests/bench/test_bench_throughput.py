@@ -80,6 +80,7 @@ def test_cpu_rehearsal_graph_capture_at_start_up_captures_nothing_in_the_run(tmp
     lazy, startup = [json.loads(line) for line in out.read_text().splitlines()]
     assert (lazy["graph_capture"], startup["graph_capture"]) == ("lazy", "startup")
     assert startup["graphs_captured_in_run"] == 0 and startup["graph_capture_s_in_run"] == 0.0
+    assert startup["graphs_captured_at_start"] > 0 and lazy["graphs_captured_at_start"] == 0
     assert lazy["all_outputs_complete"] and startup["all_outputs_complete"]
 
 
