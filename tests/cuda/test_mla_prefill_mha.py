@@ -106,6 +106,19 @@ def test_one_kv_gemm_gives_the_keys_and_the_padded_values():
     assert not torch.equal(mha.kv_weight(other), weight)  # a layer each
 
 
+def test_kv_weights_are_kept_up_to_the_byte_budget(monkeypatch):
+    from deepinfer_npu.backends.cuda.ops import mla_prefill_mha
+
+    one = 2 * H * (N + R) * (L + R) * 2  # bytes of one layer's bf16 weight
+    monkeypatch.setattr(mla_prefill_mha, "KV_WEIGHT_CACHE_BYTES", one + one // 2)
+    mha = MLAPrefillMHA(ks=None)
+    first, second = _weights("cpu", torch.bfloat16), _weights("cpu", torch.bfloat16, seed=1)
+    kept = mha.kv_weight(first)
+    made = mha.kv_weight(second)  # past the budget: made, not kept
+    assert mha.kv_weight(first) is kept and mha.kv_weight(second) is not made
+    assert torch.equal(mha.kv_weight(second), made)
+
+
 def _reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size=None, is_causal=None):
     """Flash attention's varlen contract in fp32 torch: per request, causal aligned to the bottom right (query i
     of Lq sees keys j <= i + Lk - Lq), ``scale`` on the scores."""

@@ -28,6 +28,9 @@ from deepinfer_npu.hal.types import MLAWeights, RopeLike
 from .base import BF16, NOT_ON_DEVICE, OpImpl, logger
 
 MAX_HEAD_DIM = 256  # FlashAttention-2's largest head dim
+# kv_weight's per-layer weights are kept up to this many bytes in all (they are made after the KV cache is sized):
+# V2-Lite's 27 layers take 191 MB; past it (128-head models: 57 MB a layer) a layer's weight is made at each step
+KV_WEIGHT_CACHE_BYTES = 256 << 20
 
 
 def _flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, scale: float, is_causal: bool = False):
@@ -94,6 +97,7 @@ class MLAPrefillMHA(OpImpl):
         # (the step's AttentionMetadata, key rows, cu_seqlens_k): every layer of a step reads the same rows
         self._step_keys: tuple | None = None
         self._kv_weights: dict[int, tuple] = {}  # id(w_uk) -> (w_uk, w_uv, kv_weight), a layer each
+        self._kv_weight_bytes = 0
 
     def select(self, cfg) -> None:
         super().select(cfg)
@@ -154,7 +158,8 @@ class MLAPrefillMHA(OpImpl):
         The rope part passes through an identity block (one product with 1.0 among zeros: exact in the fp32
         accumulator) and V's padding columns through zero rows, so one GEMM replaces the two kv_b GEMMs, the
         concatenation that broadcast k_rope over the heads and the padding of V (about 0.28 ms a layer of a
-        16384-token step on an H200, against about 0.07 ms for the GEMM's 1.7x FLOPs)."""
+        16384-token step on an H200, against about 0.07 ms for the GEMM's 1.7x FLOPs). Kept up to
+        ``KV_WEIGHT_CACHE_BYTES`` in all, else made again at each step (four small launches a layer)."""
         entry = self._kv_weights.get(id(w.w_uk))  # the layer's own tensor (MLAWeights is built every call)
         if entry is not None and entry[0] is w.w_uk and entry[1] is w.w_uv:
             return entry[2]
@@ -165,7 +170,10 @@ class MLAPrefillMHA(OpImpl):
         weight[0, :, nope:, lrank:] = torch.eye(rdim, dtype=w.w_uk.dtype, device=w.w_uk.device)
         weight[1, :, :vdim, :lrank] = w.w_uv
         weight = weight.view(2 * h * (nope + rdim), lrank + rdim)
-        self._kv_weights[id(w.w_uk)] = (w.w_uk, w.w_uv, weight)
+        size = weight.numel() * weight.element_size()
+        if self._kv_weight_bytes + size <= KV_WEIGHT_CACHE_BYTES:
+            self._kv_weights[id(w.w_uk)] = (w.w_uk, w.w_uv, weight)
+            self._kv_weight_bytes += size
         return weight
 
     def _attend(self, q, k, v, cu_q, cu_k, host, scale: float) -> torch.Tensor:
