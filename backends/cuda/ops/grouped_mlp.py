@@ -22,11 +22,10 @@ MOE_GEMM_MAX_ROWS = 2048
 SWAP_MAX_ROWS_AN_EXPERT = 20
 
 
-def swap_max_rows(num_experts: int) -> int:
-    """Dispatched rows up to which grouped_mlp takes moe_gemm_swap (``DEEPINFER_MOE_SWAP_MAX_ROWS``, auto: 20 an
-    expert)."""
-    cap = envs.MOE_SWAP_MAX_ROWS
-    return SWAP_MAX_ROWS_AN_EXPERT * num_experts if cap is None else cap
+def swap_max_rows(num_experts: int, setting: int | None) -> int:
+    """Dispatched rows up to which grouped_mlp takes moe_gemm_swap: ``setting`` (``DEEPINFER_MOE_SWAP_MAX_ROWS``,
+    read when the kernel set is made), None (auto) for 20 an expert."""
+    return SWAP_MAX_ROWS_AN_EXPERT * num_experts if setting is None else setting
 
 
 class GroupedMLP(OpImpl):
@@ -39,6 +38,7 @@ class GroupedMLP(OpImpl):
     def __init__(self, ks) -> None:
         super().__init__(ks)
         self._grouped_mm_error: str | None = None
+        self.swap_setting: int | None = envs.MOE_SWAP_MAX_ROWS  # once: the warm-up and the steps agree
 
     def _grouped_mm_reason(self, sorted_hidden, w13, w2) -> str | None:
         if not sorted_hidden.is_cuda:
@@ -86,7 +86,7 @@ class GroupedMLP(OpImpl):
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self.moe_gemm_for(sorted_hidden, w13, w2)
-        cap = swap_max_rows(w13.shape[0])
+        cap = swap_max_rows(w13.shape[0], self.swap_setting)
         sw = self._moe_gemm_swap_for(w13, w2) if mg is not None and rows <= cap else None
         if sw is not None:  # a few rows an expert: weight tiles on wgmma's M side, SwiGLU fused (2 launches + scan)
             starts = self.expert_starts(mg, tokens_per_expert)
@@ -133,7 +133,7 @@ class GroupedMLP(OpImpl):
         if gemm:
             out["moe_gemm"] = gemm
             if self.wants("moe_gemm_swap"):
-                out["moe_gemm_swap"] = self._moe_gemm_swap_configs(plan)
+                out["moe_gemm_swap"] = self._moe_gemm_swap_configs(plan, self.swap_setting)
         return out
 
     @staticmethod
@@ -155,13 +155,13 @@ class GroupedMLP(OpImpl):
         return items
 
     @staticmethod
-    def _moe_gemm_swap_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    def _moe_gemm_swap_configs(plan: KernelWarmupPlan, setting: int | None) -> list[tuple]:
         g, inter, d = plan.moe_gating, plan.moe_intermediate_size, plan.hidden_size
         sw = kernel_module("moe_gemm_swap")
         if not (sw.supported(2 * inter, d, True) and sw.supported(d, inter, False)):
             return []
         lo, hi = step_token_bounds(plan)
-        rows = range(lo * g.top_k, min(hi * g.top_k, swap_max_rows(g.num_experts), MOE_GEMM_MAX_ROWS) + 1)
+        rows = range(lo * g.top_k, min(hi * g.top_k, swap_max_rows(g.num_experts, setting), MOE_GEMM_MAX_ROWS) + 1)
         e = g.num_experts
         cfgs = [c for r in rows
                 for c in (sw.config_for(2 * inter, d, r, True, e), sw.config_for(d, inter, r, False, e))]
