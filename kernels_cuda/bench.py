@@ -294,15 +294,18 @@ def bench_moe_gemm(args, copy):
 
 @bench
 def bench_moe_gemm_swap(args, copy):
-    """V2-Lite experts at 1 / 2 / 4 / 8 tokens x top-6: w13 (SwiGLU fused) + w2 against moe_gemm + silu_mul."""
+    """V2-Lite experts at 1 / 2 / 4 / 8 tokens x top-6: w13 (SwiGLU fused) + w2 against moe_gemm + silu_mul; then
+    batch decode sizes (``--swap-tokens``) at row tiles of 16 to 32 and 64."""
     from . import moe_gemm as mg
     from . import moe_gemm_swap as m
     from . import silu_mul
 
-    for tokens in () if args.swap_wide_only else (1, 2, 4, 8):
+    mlp_bytes = 2 * (2816 * 2048 + 2048 * 1408)  # one expert's w13 + w2, bf16
+
+    def problem(tokens):
+        """(rows, w13, w2, counts, scan, h, o, moe_gemm + silu_mul's microseconds) for ``tokens`` x top-6."""
         a, w13, counts = problems.expert_rows(tokens, 6, 64, 2816, 2048, seed=1)
         _, w2, _ = problems.expert_rows(tokens, 6, 64, 2048, 1408, seed=2)
-        hit = int((counts > 0).sum())
         starts = mg.expert_starts(counts)
         h = torch.empty(a.shape[0], 1408, dtype=torch.bfloat16, device="cuda")
         o = torch.empty(a.shape[0], 2048, dtype=torch.bfloat16, device="cuda")
@@ -311,7 +314,11 @@ def bench_moe_gemm_swap(args, copy):
             mid = silu_mul.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
             mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
 
-        us_unfused, _ = time_us(unfused)
+        return a, w13, w2, counts, starts, h, o, time_us(unfused)[0]
+
+    for tokens in () if args.swap_wide_only else (1, 2, 4, 8):
+        a, w13, w2, counts, starts, h, o, us_unfused = problem(tokens)
+        hit = int((counts > 0).sum())
         for bn in (64, 128):
             for st in (3, 4, 6):
                 def w13_only(bn=bn, st=st):
@@ -324,23 +331,11 @@ def bench_moe_gemm_swap(args, copy):
                 us, how = time_us(both)
                 row = {"shape": "v2-lite-mlp", "tokens": tokens, "experts_hit": hit, "block_n": bn, "stages": st,
                        "w13_gated_us": round(time_us(w13_only)[0], 2), "timing": how}
-                yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * (2816 * 2048 + 2048 * 1408) * 2,
-                           us, copy)
-    # batch decode sizes (moe_gemm + silu_mul in the engine): row tiles of 16 to 64, one weight pass an expert
-    # when its rows fit the tile
+                yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * mlp_bytes, us, copy)
+    # batch decode sizes (moe_gemm + silu_mul in the engine): one weight pass an expert when its rows fit the tile
     for tokens in args.swap_tokens:
-        a, w13, counts = problems.expert_rows(tokens, 6, 64, 2816, 2048, seed=1)
-        _, w2, _ = problems.expert_rows(tokens, 6, 64, 2048, 1408, seed=2)
+        a, w13, w2, counts, starts, h, o, us_unfused = problem(tokens)
         hit, most = int((counts > 0).sum()), int(counts.max())
-        starts = mg.expert_starts(counts)
-        h = torch.empty(a.shape[0], 1408, dtype=torch.bfloat16, device="cuda")
-        o = torch.empty(a.shape[0], 2048, dtype=torch.bfloat16, device="cuda")
-
-        def unfused():
-            mid = silu_mul.silu_and_mul(mg.moe_gemm(a, w13, counts, starts=starts))
-            mg.moe_gemm(mid, w2, counts, out=o, starts=starts)
-
-        us_unfused, _ = time_us(unfused)
         for rt in m.ROWS_TILES[1:]:
             def fused(rt=rt):
                 m.moe_gemm_swap(a, w13, starts, gated=True, out=h, rows_tile_=rt)
@@ -349,8 +344,7 @@ def bench_moe_gemm_swap(args, copy):
             us, how = time_us(fused)
             row = {"shape": "v2-lite-mlp", "tokens": tokens, "experts_hit": hit, "most_rows_an_expert": most,
                    "rows_tile": rt, "block_n": m.BLOCK_N, "stages": 4, "timing": how}
-            yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * (2816 * 2048 + 2048 * 1408) * 2,
-                       us, copy)
+            yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * mlp_bytes, us, copy)
 
 
 @bench
