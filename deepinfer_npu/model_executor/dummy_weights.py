@@ -12,7 +12,9 @@ PORTABLE_CHUNK = 1 << 24  # values a float64 draw of dummy_portable holds at onc
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0, portable: bool = False) -> None:
     """Seeded random weights from the config alone (benchmarks): norms 1, correction biases small, matrices
-    ~N(0, 0.02) so activations stay in range at any depth. Same seed, same device type -> same weights.
+    ~N(0, 0.02) so activations stay in range at any depth; the MoE router's values bf16-representable (as in the
+    checkpoints) except with ``portable`` (the parity goldens' weights: float64 draws, kept as drawn). Same seed,
+    same device type -> same weights.
     ``portable`` (``load_format="dummy_portable"``, the real-dims parity goldens): the same weights on every
     backend, drawn by a CPU generator in float64 (torch's vectorized float32 CPU sampler gives different values
     under different CPU capabilities, e.g. AVX2 vs the default path; float64 does not), in chunks of at most
@@ -50,6 +52,11 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, portable: bool = F
             scale.copy_(s)
 
 
+def is_router_weight(name: str) -> bool:
+    """The MoE router's weight (``...mlp.gate.weight``, fp32 [E, D] here; checkpoints ship it in bf16)."""
+    return name.endswith("mlp.gate.weight")
+
+
 def _scale_of(name: str) -> float:
     return 0.01 if name.endswith("e_score_correction_bias") else 0.02
 
@@ -64,6 +71,10 @@ def _draw(name: str, param: torch.Tensor, data: torch.Tensor, gen: torch.Generat
         num_rows, keep = _rows(param)
         full = torch.randn((num_rows, *data.shape[1:]) if data.dim() else (), generator=gen, device=data.device,
                            dtype=torch.float32).mul_(0.02)
+        if is_router_weight(name):
+            # bf16 values, as a checkpoint's router (DeepSeek ships it in bf16): the engine's paths then are a real
+            # checkpoint's (on CUDA the router's tensor-core GEMM has one bf16 part, no sum of three)
+            full = full.to(torch.bfloat16).float()
         data.copy_(full if keep is None else full[torch.tensor(keep, device=data.device)])
 
 

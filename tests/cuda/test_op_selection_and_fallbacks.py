@@ -143,21 +143,23 @@ def test_prefill_attention_on_host_lengths_matches_reference(dtype):
     assert not ks.syncing_ops()
 
 
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [0, 1, 3])
 def test_absorb_heads_equals_the_reference_einsums(tokens):
-    """The per-head W_UK / W_UV matmuls of the CUDA prolog / epilogue (a direct batched GEMM for one token) equal
-    the reference's einsums, from the strided q_nope view and the transposed W_UV."""
+    """The per-head W_UK / W_UV matmuls of the CUDA prolog / epilogue (one batched GEMM writing [T, H, N]) equal
+    the reference's einsums, from the strided q_nope view and the transposed W_UV, and come out contiguous (the
+    decode kernel's query and o_proj's input then need no copy)."""
     from deepinfer_npu.backends.cuda.ops.mla_prolog import absorb_heads
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(tokens, 4, 48, generator=g)  # [T, H, nope + rope]
     w_uk = torch.randn(4, 32, 64, generator=g)  # [H, nope, L]
     got = absorb_heads(q[..., :32], w_uk)
+    assert got.is_contiguous()
     assert torch.allclose(got, torch.einsum("thn,hnl->thl", q[..., :32], w_uk), atol=1e-5)
     out_latent = torch.randn(tokens, 4, 64, generator=g)
     w_uv = torch.randn(4, 16, 64, generator=g)  # [H, V, L]
     got = absorb_heads(out_latent, w_uv.transpose(1, 2))
-    assert got.shape == (tokens, 4, 16)
+    assert got.shape == (tokens, 4, 16) and got.is_contiguous()
     assert torch.allclose(got, torch.einsum("thl,hvl->thv", out_latent, w_uv), atol=1e-5)
 
 

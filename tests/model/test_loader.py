@@ -242,6 +242,20 @@ def test_dummy_weights_are_seeded(v2_dir):
     assert torch.isfinite(_prefill_logits(models[0])).all()
 
 
+def test_dummy_router_weights_are_bf16_values_like_a_checkpoints(v2_dir):
+    """The router is fp32 in the model; its dummy values are bf16-representable, as a checkpoint's (portable draws
+    keep their float64 values)."""
+    cfg = DeepseekModelConfig.from_pretrained(v2_dir[1])
+    for load_format, bf16_valued in (("dummy", True), ("dummy_portable", False)):
+        m = build_model(cfg, get_backend("cpu"), torch.float32)
+        load_weights(m, load_format=load_format, seed=1)
+        gate = m.model.layers[1].mlp.gate.weight
+        assert gate.dtype == torch.float32 and gate.abs().max() > 0
+        assert torch.equal(gate, gate.to(torch.bfloat16).float()) is bf16_valued
+        attn = m.model.layers[1].self_attn.o_proj.weight  # every other matrix as drawn
+        assert not torch.equal(attn, attn.to(torch.bfloat16).float())
+
+
 def test_bfloat16_close_to_hf_fp32(v2_dir):
     hf, path = v2_dir
     ours = load_ours(path, dtype=torch.bfloat16)
