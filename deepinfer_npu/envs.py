@@ -102,6 +102,9 @@ _VARS: dict[str, EnvVar] = {
                "up to this many dispatched rows a step (tokens x top-k), on moe_gemm + silu_mul above it up to 2048 "
                "rows, and on torch._grouped_mm past those; auto: 20 rows an expert on average (docs/kernels/"
                "moe_gemm_swap.md), 0: never."),
+        EnvVar("DEEPINFER_MOE_GEMM_GATED", "1", _flag,
+               "1 (the default): past moe_gemm_swap's rows, the CUDA backend's bf16 routed experts run the w13 "
+               "moe_gemm with the SwiGLU in its epilogue (no silu_mul launch); 0: moe_gemm, then silu_mul."),
         EnvVar("DEEPINFER_FP8_SKINNY", "1", _flag,
                "1 (the default): in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose "
                "weights hold at most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, "

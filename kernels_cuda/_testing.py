@@ -189,6 +189,14 @@ def grouped_gemm_fp32(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch
     return out
 
 
+def grouped_mlp_gate_fp32(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """fp32 reference of a gated expert GEMM (``w`` = [gate | up]) with the roundings of the CPU reference's SwiGLU:
+    bf16 GEMM outputs, silu rounded to bf16, the product rounded to bf16."""
+    g, u = grouped_gemm_fp32(a, w, tokens_per_expert).to(torch.bfloat16).chunk(2, dim=-1)
+    s = torch.nn.functional.silu(g.float()).to(torch.bfloat16)
+    return (s.float() * u.float()).to(torch.bfloat16).float()
+
+
 def expert_starts_ref(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """``moe_gemm.expert_starts``' layout on the host: the exclusive scan of the counts, then the experts with
     rows, -1 padded (int32 [2E + 1])."""

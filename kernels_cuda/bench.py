@@ -295,7 +295,8 @@ def bench_moe_gemm(args, copy):
 @bench
 def bench_moe_gemm_swap(args, copy):
     """V2-Lite experts at 1 / 2 / 4 / 8 tokens x top-6: w13 (SwiGLU fused) + w2 against moe_gemm + silu_mul; then
-    batch decode sizes (``--swap-tokens``) at row tiles of 16 to 32 and 64."""
+    batch decode sizes (``--swap-tokens``) at row tiles of 16 to 32 and 64, and moe_gemm with the SwiGLU fused
+    (``"kernel": "moe_gemm_gated"``)."""
     from . import moe_gemm as mg
     from . import moe_gemm_swap as m
     from . import silu_mul
@@ -345,6 +346,15 @@ def bench_moe_gemm_swap(args, copy):
             row = {"shape": "v2-lite-mlp", "tokens": tokens, "experts_hit": hit, "most_rows_an_expert": most,
                    "rows_tile": rt, "block_n": m.BLOCK_N, "stages": 4, "timing": how}
             yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * mlp_bytes, us, copy)
+
+        def gated_moe_gemm():  # the engine's path past moe_gemm_swap's rows: moe_gemm with the SwiGLU fused
+            mg.moe_gemm(a, w13, counts, out=h, starts=starts, gated=True)
+            mg.moe_gemm(h, w2, counts, out=o, starts=starts)
+
+        us, how = time_us(gated_moe_gemm)
+        row = {"shape": "v2-lite-mlp", "tokens": tokens, "experts_hit": hit, "most_rows_an_expert": most,
+               "kernel": "moe_gemm_gated", "block_n": mg.pick_block_n(2816, 0, True), "stages": 3, "timing": how}
+        yield rate(against(row, us, "moe_gemm_silu_mul", us_unfused), hit * mlp_bytes, us, copy)
 
 
 @bench

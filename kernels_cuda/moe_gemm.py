@@ -16,6 +16,11 @@ uneven spread of the busy ones over the SMs). Each CTA streams its [BLOCK_N, K] 
 pipeline into wgmma with the rows padded to BLOCK_M = 64 (the wgmma minimum; compute is free here, bytes are
 not). Experts with more than 64 rows loop over row blocks (prefill-sized batches should use the library GEMM: the
 backend routes by the host row count).
+
+``gated=True`` fuses the SwiGLU as ``moe_gemm_swap`` does: ``w`` is [gate | up] = [E, 2I, K], a CTA streams the
+matching gate and up tiles into one [2 BLOCK_N, 64] stage (one wgmma) and writes ``silu(bf16(a @ gate^T)) *
+bf16(a @ up^T)`` [M, I] with the CPU reference's roundings: no [M, 2I] intermediate, no ``silu_mul`` launch, for
+the batches past ``moe_gemm_swap``'s (about 20 rows an expert and more).
 """
 
 import torch
@@ -79,12 +84,16 @@ def build_expert_scan():
 
 
 @cached_prim_func
-def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, threads: int = 128):
-    """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. n % block_n == 0, k % BLOCK_K == 0."""
+def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, threads: int = 128, gated: bool = False):
+    """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. n % block_n == 0, k % BLOCK_K == 0.
+    ``gated``: n = 2I, the output is [M, I] (SwiGLU), ``block_n`` output columns a CTA (its weight tile: the
+    matching ``block_n`` gate rows and ``block_n`` up rows)."""
     assert tilelang is not None, "tilelang is not installed"
-    assert n % block_n == 0 and k % BLOCK_K == 0, (n, k, block_n)
-    N, K, BM, BN, BK = n, k, BLOCK_M, block_n, BLOCK_K
-    dtype, acc = T.bfloat16, T.float32
+    NO = n // 2 if gated else n
+    assert NO % block_n == 0 and k % BLOCK_K == 0 and (not gated or n % 2 == 0), (n, k, block_n, gated)
+    K, BM, BN, BK = k, BLOCK_M, block_n, BLOCK_K
+    WR = 2 * BN if gated else BN  # weight rows a K step: [gate | up] tiles when gated
+    dtype, acc, f32 = T.bfloat16, T.float32, T.float32
     M = T.dynamic("num_rows")
     E = T.dynamic("num_experts")
     S = T.dynamic("scan_len")
@@ -92,32 +101,54 @@ def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, thre
     @T.prim_func
     def moe_gemm(
         A: T.Tensor([M, K], dtype),
-        W: T.Tensor([E, N, K], dtype),
+        W: T.Tensor([E, n, K], dtype),
         scan: T.Tensor([S], T.int32),  # expert_scan: row starts [E + 1], then the hit experts (-1 padded)
-        Out: T.Tensor([M, N], dtype),
+        Out: T.Tensor([M, NO], dtype),
     ):
-        with T.Kernel(N // BN, T.min(E, M), threads=threads) as (bn, slot):
+        with T.Kernel(NO // BN, T.min(E, M), threads=threads) as (bn, slot):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             A_s = T.alloc_shared([BM, BK], dtype)
-            B_s = T.alloc_shared([BN, BK], dtype)
-            C = T.alloc_fragment([BM, BN], acc)
+            # gated: the gate tile's rows, then the up tile's, in one buffer read by one GEMM (two GEMMs on one A
+            # stage raced in TileLang 0.1.15's pipeline: moe_gemm_swap's docstring)
+            B_s = T.alloc_shared([WR, BK], dtype)
+            C = T.alloc_fragment([BM, WR], acc)
             hit = scan[E + 1 + slot]
             e = T.max(hit, 0)  # a slot past the hit experts reads expert 0's range and does no row
             row0 = scan[e]
             cnt = T.if_then_else(hit >= 0, scan[e + 1] - row0, 0)
-            for mb in T.serial(T.ceildiv(cnt, BM)):
-                T.clear(C)
-                for kk in T.Pipelined(K // BK, num_stages=num_stages):
-                    for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
-                        A_s[i, j] = T.if_then_else(
-                            mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
-                        )
-                    T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s)
-                    T.gemm(A_s, B_s, C, transpose_B=True)
-                for i, j in T.Parallel(BM, BN):
-                    if mb * BM + i < cnt:
-                        Out[row0 + mb * BM + i, bn * BN + j] = T.cast(C[i, j], dtype)
+            if gated:
+                C_s = T.alloc_shared([BM, WR], acc)  # the epilogue pairs gate column j with up column BN + j here
+                for mb in T.serial(T.ceildiv(cnt, BM)):
+                    T.clear(C)
+                    for kk in T.Pipelined(K // BK, num_stages=num_stages):
+                        for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
+                            A_s[i, j] = T.if_then_else(
+                                mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
+                            )
+                        T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s[0:BN, :])
+                        T.copy(W[e, NO + bn * BN : NO + (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s[BN : 2 * BN, :])
+                        T.gemm(A_s, B_s, C, transpose_B=True)
+                    T.copy(C, C_s)
+                    for i, j in T.Parallel(BM, BN):  # the reference's roundings: bf16 GEMM outputs, silu, product
+                        if mb * BM + i < cnt:
+                            gv = T.cast(T.cast(C_s[i, j], dtype), f32)
+                            sv = T.cast(gv / (T.float32(1) + T.exp(-gv)), dtype)
+                            Out[row0 + mb * BM + i, bn * BN + j] = T.cast(
+                                T.cast(sv, f32) * T.cast(T.cast(C_s[i, BN + j], dtype), f32), dtype)
+            else:
+                for mb in T.serial(T.ceildiv(cnt, BM)):
+                    T.clear(C)
+                    for kk in T.Pipelined(K // BK, num_stages=num_stages):
+                        for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
+                            A_s[i, j] = T.if_then_else(
+                                mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
+                            )
+                        T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s)
+                        T.gemm(A_s, B_s, C, transpose_B=True)
+                    for i, j in T.Parallel(BM, BN):
+                        if mb * BM + i < cnt:
+                            Out[row0 + mb * BM + i, bn * BN + j] = T.cast(C[i, j], dtype)
 
     return moe_gemm
 
@@ -125,20 +156,24 @@ def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, thre
 _KERNELS: dict = {}
 
 
-def pick_block_n(n: int, rows: int) -> int:
+def pick_block_n(n: int, rows: int, gated: bool = False) -> int:
     """Host heuristic. Measured on an H200 (V2-Lite experts, 1 / 16 / 64 tokens x top-6): BLOCK_N 128 with 3
-    stages was within 5 % of the best variant everywhere; 64 only where N is not a multiple of 128."""
+    stages was within 5 % of the best variant everywhere; 64 only where N is not a multiple of 128. Gated: 64
+    output columns, i.e. the same 128 weight rows a K step."""
+    if gated:
+        return 64
     return 128 if n % 128 == 0 else 64
 
 
-def supported(n: int, k: int) -> bool:
-    return n % 64 == 0 and k % BLOCK_K == 0
+def supported(n: int, k: int, gated: bool = False) -> bool:
+    no = n // 2 if gated else n
+    return (not gated or n % 2 == 0) and no % 64 == 0 and k % BLOCK_K == 0
 
 
-def get_kernel(n: int, k: int, block_n: int, num_stages: int = 3):
-    key = (n, k, block_n, num_stages)
+def get_kernel(n: int, k: int, block_n: int, num_stages: int = 3, gated: bool = False):
+    key = (n, k, block_n, num_stages, bool(gated))
     if key not in _KERNELS:
-        func = build_moe_gemm(n, k, block_n, num_stages)
+        func = _build(n, k, block_n, num_stages, gated)
         _KERNELS[key] = tilelang.compile(func, out_idx=None, target=dict(SM90_TARGET))
     return _KERNELS[key]
 
@@ -160,30 +195,39 @@ def expert_starts(tokens_per_expert: torch.Tensor) -> torch.Tensor:
 
 
 def moe_gemm(a: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, out: torch.Tensor | None = None,
-             block_n: int | None = None, num_stages: int = 3, starts: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, K] rows sorted by expert x [E, N, K] -> [M, N] bf16 (no host read of device values). ``starts``: the
-    :func:`expert_starts` scan of ``tokens_per_expert`` when the caller already has it ([2E + 1] int32)."""
+             block_n: int | None = None, num_stages: int = 3, starts: torch.Tensor | None = None,
+             gated: bool = False) -> torch.Tensor:
+    """[M, K] rows sorted by expert x [E, N, K] -> [M, N] bf16 (gated: [M, N / 2], the SwiGLU of the [gate | up]
+    halves; no host read of device values). ``starts``: the :func:`expert_starts` scan of ``tokens_per_expert`` when
+    the caller already has it ([2E + 1] int32)."""
     m, k = a.shape
     e, n, k2 = w.shape
     if k2 != k:
         raise ValueError(f"moe_gemm: a has K={k} but w is [E={e}, N={n}, K={k2}]")
     if tokens_per_expert.shape[0] != e:
         raise ValueError(f"moe_gemm: tokens_per_expert has {tokens_per_expert.shape[0]} entries for {e} experts")
+    if gated and not supported(n, k, True):
+        raise ValueError(f"moe_gemm: gated N={n}, K={k}: needs an even N with N / 2 % 64 == 0 and K % {BLOCK_K} == 0")
     if starts is None:
         starts = expert_starts(tokens_per_expert)
     elif starts.shape[0] != 2 * e + 1 or starts.dtype != torch.int32:
         raise ValueError(f"moe_gemm: starts must be expert_starts' int32 [2E+1] = [{2 * e + 1}] scan, got "
                          f"{starts.dtype} {list(starts.shape)}")
     if out is None:
-        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+        out = torch.empty(m, n // 2 if gated else n, dtype=a.dtype, device=a.device)
     if m == 0:
         return out
-    kern = get_kernel(n, k, block_n or pick_block_n(n, m), num_stages)
+    kern = get_kernel(n, k, block_n or pick_block_n(n, m, gated), num_stages, gated)
     kern(a.contiguous(), w, starts, out)
     return out
 
 
-CI_CONFIGS = [(2816, 2048, 128), (2048, 1408, 64)]  # V2-Lite w13 / w2
+CI_CONFIGS = [(2816, 2048, 64, 3, True), (2816, 2048, 128), (2048, 1408, 64)]  # V2-Lite w13 gated, w13, w2
+
+
+def _build(n: int, k: int, block_n: int, num_stages: int = 3, gated: bool = False):
+    """``build_moe_gemm`` by :func:`get_kernel`'s arguments (the warm-up's and the CI configurations' layout)."""
+    return build_moe_gemm(n, k, block_n, num_stages, gated=bool(gated))
 
 
 def ci_compile(configs=None, target=None):
@@ -191,7 +235,7 @@ def ci_compile(configs=None, target=None):
     tests/kernels_cuda."""
 
     # parse on this thread (ast is not thread-safe)
-    funcs = [build_moe_gemm(*c) for c in (configs or CI_CONFIGS)] + [build_expert_scan()]
+    funcs = [_build(*c) for c in (configs or CI_CONFIGS)] + [build_expert_scan()]
 
     def one(func):
         return tilelang.compile(func, out_idx=None, target=dict(target or SM90_TARGET))

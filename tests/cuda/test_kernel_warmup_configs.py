@@ -56,7 +56,8 @@ COMMON = {
                     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True)),
                     # prefill steps of 4096 tokens: 24576 assignments > MAX_ASSIGN, the combine by position
                     ("unpermute", (2048, 6, "bfloat16", "torch_strided", 128, True, True))],
-    "moe_gemm": [("gemm", (2816, 2048, 128)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
+    # w13 with the SwiGLU in its epilogue (64 output columns a CTA), w2 plain
+    "moe_gemm": [("gemm", (2816, 2048, 64, 3, True)), ("gemm", (2048, 1408, 128)), ("expert_scan", (64,))],
     # the worker samples every step through spec_verify (prefill rows too), speculation or not
     "spec_verify": [("argmax", (102400, False)), ("accept", ()), ("argmax", (102400, True))],
 }

@@ -53,10 +53,22 @@ def test_moe_gemm_swap_configs(recorded, v2_lite_plan, kernel_set):
                     (2816, 2048, 16, True, 64), (2048, 1408, 16, False, 64),
                     (2816, 2048, 32, True, 64), (2048, 1408, 32, False, 64)]
     assert all(sw.config_for(*c[:2], r, c[3], 64) in cfgs for c in cfgs for r in (6, 64, 1280))
-    assert ("gemm", (2816, 2048, 128)) in recorded["moe_gemm"]
+    assert ("gemm", (2816, 2048, 64, 3, True)) in recorded["moe_gemm"]
     recorded.clear()
     kernel_set(skip=MOE_VARIANTS).warmup(v2_lite_plan(k=0))
     assert "moe_gemm_swap" not in recorded
+
+
+def test_moe_gemm_w13_gated_follows_the_setting(recorded, v2_lite_plan, kernel_set, monkeypatch):
+    """moe_gemm's w13 configuration fuses the SwiGLU by default; ``DEEPINFER_MOE_GEMM_GATED=0`` warms the plain
+    GEMM (then silu_mul) instead."""
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    assert recorded["moe_gemm"][0] == ("gemm", (2816, 2048, 64, 3, True))
+    monkeypatch.setenv("DEEPINFER_MOE_GEMM_GATED", "0")
+    recorded.clear()
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    assert recorded["moe_gemm"][0] == ("gemm", (2816, 2048, 128))
+    assert ("gemm", (2816, 2048, 64, 3, True)) not in recorded["moe_gemm"]
 
 
 def test_moe_gemm_swap_row_tiles_follow_the_batch_and_the_setting(recorded, v2_lite_plan, kernel_set, monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepinfer_npu.kernels_cuda import moe_gemm_swap as sw
-from deepinfer_npu.kernels_cuda._testing import close_to, expert_rows, grouped_gemm_fp32
+from deepinfer_npu.kernels_cuda._testing import close_to, expert_rows, grouped_gemm_fp32, grouped_mlp_gate_fp32
 
 # (tokens, top_k, experts, N, K, skew, gated, (block_n, stages) or None for the engine's choice); skew: one expert
 # gets every token, so it loops over row tiles (gated and not)
@@ -21,12 +21,9 @@ CASES += [(4, 6, 64, 2048, 1408, False, False, (128, 3))]
 
 def reference(a, w, tokens_per_expert, gated=False):
     """fp32 reference (gated: the roundings of the kernel's epilogue, i.e. of the CPU reference's SwiGLU)."""
-    h = grouped_gemm_fp32(a, w, tokens_per_expert)
-    if not gated:
-        return h
-    g, u = h.to(torch.bfloat16).chunk(2, dim=-1)
-    s = torch.nn.functional.silu(g.float()).to(torch.bfloat16)
-    return (s.float() * u.float()).to(torch.bfloat16).float()
+    if gated:
+        return grouped_mlp_gate_fp32(a, w, tokens_per_expert)
+    return grouped_gemm_fp32(a, w, tokens_per_expert)
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """``grouped_mlp``: the routed experts' SwiGLU MLP over contiguous row groups, by the step's row count (tokens x
 top-k, a host int): up to ``DEEPINFER_MOE_SWAP_MAX_ROWS`` ``kernels_cuda.moe_gemm_swap`` (weight tiles on wgmma's M
 side, the SwiGLU in the w13 epilogue); up to ``MOE_GEMM_MAX_ROWS`` ``kernels_cuda.moe_gemm`` (one CTA per expert and N
-tile streaming the hit experts' weights; at most ``MAX_EXPERTS`` experts); above, ``torch._grouped_mm`` (CUTLASS,
+tile streaming the hit experts' weights, the SwiGLU in the w13 epilogue unless ``DEEPINFER_MOE_GEMM_GATED=0``; at
+most ``MAX_EXPERTS`` experts); above, ``torch._grouped_mm`` (CUTLASS,
 device offsets); else the reference, which loops over experts after ``tokens_per_expert.tolist()`` (a sync)."""
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class GroupedMLP(OpImpl):
         super().__init__(ks)
         self._grouped_mm_error: str | None = None
         self.swap_setting: int | None = envs.MOE_SWAP_MAX_ROWS  # once: the warm-up and the steps agree
+        self.gated_setting: bool = envs.MOE_GEMM_GATED
 
     def _grouped_mm_reason(self, sorted_hidden, w13, w2) -> str | None:
         if not sorted_hidden.is_cuda:
@@ -83,6 +85,10 @@ class GroupedMLP(OpImpl):
             return None
         return mod
 
+    def gated(self, mg, w13) -> bool:
+        """Whether moe_gemm's w13 launch fuses the SwiGLU (``DEEPINFER_MOE_GEMM_GATED``, the [gate | up] dims)."""
+        return self.gated_setting and mg.supported(w13.shape[1], w13.shape[2], True)
+
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
         mg = self.moe_gemm_for(sorted_hidden, w13, w2)
@@ -97,10 +103,14 @@ class GroupedMLP(OpImpl):
             return out
         if mg is not None:
             starts = self.expert_starts(mg, tokens_per_expert)  # once for both GEMMs
-            h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts)
-            h = self.ks.silu_and_mul(h)
+            if self.gated(mg, w13):
+                h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts, gated=True)
+                form = ", SwiGLU in the w13 epilogue"
+            else:
+                h = self.ks.silu_and_mul(mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts))
+                form = ", then silu_mul"
             out = mg.moe_gemm(h, w2, tokens_per_expert, starts=starts)
-            self.note("grouped_mlp", f"kernels_cuda.moe_gemm (bf16, rows <= {MOE_GEMM_MAX_ROWS})", True)
+            self.note("grouped_mlp", f"kernels_cuda.moe_gemm (bf16, rows <= {MOE_GEMM_MAX_ROWS}{form})", True)
             return out
         why = self._grouped_mm_reason(sorted_hidden, w13, w2)
         if why is None and rows > 0:
@@ -129,15 +139,16 @@ class GroupedMLP(OpImpl):
         out: dict[str, list[tuple]] = {}
         if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
             out["silu_mul"] = silu_mul_configs(plan, [(plan.moe_intermediate_size, g.top_k)])
-        gemm = self._moe_gemm_configs(plan) if self.wants("moe_gemm") else []
+        gemm = self._moe_gemm_configs(plan, self.gated_setting) if self.wants("moe_gemm") else []
         if gemm:
             out["moe_gemm"] = gemm
             if self.wants("moe_gemm_swap"):
                 out["moe_gemm_swap"] = self._moe_gemm_swap_configs(plan, self.swap_setting)
         return out
 
-    @staticmethod
-    def _moe_gemm_configs(plan: KernelWarmupPlan) -> list[tuple]:
+    def _moe_gemm_configs(self, plan: KernelWarmupPlan, gated: bool) -> list[tuple]:
+        """w13 (gated where :meth:`gated` takes it) and w2 at the row counts moe_gemm runs: past moe_gemm_swap's
+        (where that applies), up to ``MOE_GEMM_MAX_ROWS``."""
         g = plan.moe_gating
         if g is None or plan.dtype != BF16 or not plan.moe_intermediate_size:
             return []
@@ -149,8 +160,11 @@ class GroupedMLP(OpImpl):
             return []
         lo, hi = step_token_bounds(plan)
         rows = range(lo * g.top_k, min(hi * g.top_k, MOE_GEMM_MAX_ROWS) + 1)
-        items = [("gemm", (n, kk, bn)) for n, kk in ((2 * inter, d), (d, inter))
-                 for bn in sorted({mg.pick_block_n(n, r) for r in rows})]
+        if gated and mg.supported(2 * inter, d, True):  # the launch's own key: get_kernel's arguments
+            items = [("gemm", (2 * inter, d, mg.pick_block_n(2 * inter, 0, True), 3, True))]
+        else:
+            items = [("gemm", (2 * inter, d, bn)) for bn in sorted({mg.pick_block_n(2 * inter, r) for r in rows})]
+        items += [("gemm", (d, inter, bn)) for bn in sorted({mg.pick_block_n(d, r) for r in rows})]
         items.append(("expert_scan", (g.num_experts,)))
         return items
 
