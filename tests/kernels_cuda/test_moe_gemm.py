@@ -32,7 +32,7 @@ def test_scan_reference_layout():
 
 GATED_CASES = [  # tokens, top_k, experts, N (= 2I), K, skew: 24 rows an expert (batch 256), more than 64 rows of one
     (256, 6, 64, 2816, 2048, False), (341, 6, 64, 2816, 2048, True), (3, 6, 64, 2816, 2048, False),
-    (40, 8, 256, 4096, 7168, False), (200, 2, 16, 256, 512, True),
+    (40, 8, 32, 4096, 7168, False), (200, 2, 16, 256, 512, True),
 ]
 
 
