@@ -52,14 +52,16 @@ def _run(monkeypatch, enabled: bool, params, **kw):
     from deepinfer_npu import LLM
 
     _use_kernels(monkeypatch, enabled)
-    llm = LLM(backend="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, **kw)
+    llm = LLM(backend="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=8, graph_capture="lazy", **kw)
     _forget_paths(llm)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return llm, [list(o.outputs[0].token_ids) for o in outs], dict(llm.llm_engine.backend.op_report())
 
 
 def _forget_paths(llm) -> None:
-    """The op report accumulates over the process (one backend): keep only this run's generate calls."""
+    """The op report accumulates over the process (one backend): keep only this run's generate calls. The engines
+    here capture their decode graphs lazily (``graph_capture="lazy"``): graphs captured at start-up would record the
+    decode paths before this clears them, and replays record nothing."""
     llm.llm_engine.backend.kernels.log.clear()
 
 
@@ -126,7 +128,8 @@ def test_prefill_kernel_in_the_engine(monkeypatch, deepseek_dims_model, assert_l
     def run(enabled: bool):
         _use_kernels(monkeypatch, enabled)
         llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=1024,
-                  max_num_seqs=4, max_num_batched_tokens=512)  # chunked prefill: context before later chunks
+                  max_num_seqs=4, max_num_batched_tokens=512,  # chunked prefill: context before later chunks
+                  graph_capture="lazy")
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return llm.llm_engine.backend.op_report()["mla_attention"], outs
@@ -151,7 +154,7 @@ def test_mla_absorb_in_the_engine(monkeypatch, deepseek_dims_model, assert_logpr
     def run(enabled: bool):
         _use_kernels(monkeypatch, True, set() if enabled else {"mla_absorb"})
         llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256,
-                  max_num_seqs=1)
+                  max_num_seqs=1, graph_capture="lazy")
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate([prompt], params, use_tqdm=False)]
         return llm.llm_engine.backend.op_report()["mla_prolog"], outs
@@ -180,7 +183,7 @@ def _ws_against_pipelined(monkeypatch, path: str, prompts, assert_logprobs_close
     def run(enabled: bool):
         _use_kernels(monkeypatch, True, set() if enabled else {"mla_decode_ws"})
         llm = LLM(path, load_format="dummy", backend="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
-                  **llm_kw)
+                  graph_capture="lazy", **llm_kw)
         _forget_paths(llm)
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         return llm.llm_engine.backend.op_report()["mla_attention"], outs
