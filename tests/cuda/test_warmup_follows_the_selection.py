@@ -71,6 +71,23 @@ def test_moe_gemm_w13_gated_follows_the_setting(recorded, v2_lite_plan, kernel_s
     assert ("gemm", (2816, 2048, 64, 3, True)) not in recorded["moe_gemm"]
 
 
+@pytest.mark.parametrize("swap,gated,want", [
+    ("auto", "1", [(1408, False)]),  # past 2048 rows only (torch._grouped_mm)
+    ("auto", "0", [(1408, False)]),  # moe_gemm + silu_mul from 1281 rows: the tile variant
+    ("0", "1", [(1408, False)]),
+    ("0", "0", [(1408, True), (1408, False)]),  # moe_gemm + silu_mul from one token's 6 rows: the row variant too
+])
+def test_expert_width_silu_mul_where_a_step_reaches_it(recorded, v2_lite_plan, kernel_set, monkeypatch, swap, gated,
+                                                       want):
+    """``silu_mul`` at the routed experts' width (1408) is warmed only for the row counts neither moe_gemm_swap nor
+    the gated moe_gemm takes (prefill steps of 16384 tokens reach torch._grouped_mm's 98304 rows)."""
+    monkeypatch.setenv("DEEPINFER_MOE_SWAP_MAX_ROWS", swap)
+    monkeypatch.setenv("DEEPINFER_MOE_GEMM_GATED", gated)
+    kernel_set().warmup(v2_lite_plan(k=0, max_num_seqs=256))
+    (cfgs, _kw), = recorded["silu_mul"]
+    assert [c for c in cfgs if c[0] == 1408] == want
+
+
 def test_moe_gemm_swap_row_tiles_follow_the_batch_and_the_setting(recorded, v2_lite_plan, kernel_set, monkeypatch):
     """256 sequences: up to 20 rows an expert (1280 rows, 213 tokens) on moe_gemm_swap, 32-row tiles from 114
     tokens; ``DEEPINFER_MOE_SWAP_MAX_ROWS`` caps the rows (0: never)."""

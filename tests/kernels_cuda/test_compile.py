@@ -64,11 +64,12 @@ def test_kernel_modules_found():
 
 
 def test_sm100_configs_keep_one_per_kernel_kind():
-    from deepinfer_npu.kernels_cuda import moe_routing, skinny_gemm, spec_verify
+    from deepinfer_npu.kernels_cuda import moe_gemm, moe_routing, skinny_gemm, spec_verify
 
     assert [k for k, _c in sm100_configs(moe_routing.CI_CONFIGS)] == ["gating", "permute", "unpermute", "route"]
     assert sm100_configs(moe_routing.CI_CONFIGS)[0] == moe_routing.CI_CONFIGS[0]
     assert sm100_configs(skinny_gemm.CI_CONFIGS) == skinny_gemm.CI_CONFIGS[:1]
+    assert [k for k, _c in sm100_configs(moe_gemm.CI_CONFIGS)] == ["gated", "gemm"]  # two code paths, both built
     assert [k for k, _c in sm100_configs(spec_verify.CI_CONFIGS)] == ["argmax", "accept"]
     assert sm100_configs([(128, 2, 1), (16, 4, 3)]) == [(128, 2, 1)]
 

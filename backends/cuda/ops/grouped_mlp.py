@@ -13,7 +13,7 @@ from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, OpImpl, kernel_module, known_syncing_fallback, logger, ref, step_token_bounds
-from .linear import silu_mul_configs
+from .linear import silu_mul_row_configs
 
 # moe_gemm re-reads an expert's weight tile per 64-row block, so prefill-sized batches go to the library GEMM
 MOE_GEMM_MAX_ROWS = 2048
@@ -21,6 +21,13 @@ MOE_GEMM_MAX_ROWS = 2048
 # an expert: on an H200 (V2-Lite experts, 64 of them, top-6) it ran 1.07-1.01x moe_gemm + silu_mul from 16 to 200
 # tokens (up to 18.75 rows an expert), 0.99x at 256 (24 rows)
 SWAP_MAX_ROWS_AN_EXPERT = 20
+
+
+class _W13Dims:
+    """w13's shape [E, 2I, D] from a warm-up plan (what :meth:`GroupedMLP.gated` reads of the weight)."""
+
+    def __init__(self, plan: KernelWarmupPlan) -> None:
+        self.shape = (plan.moe_gating.num_experts, 2 * plan.moe_intermediate_size, plan.hidden_size)
 
 
 def swap_max_rows(num_experts: int, setting: int | None) -> int:
@@ -131,20 +138,38 @@ class GroupedMLP(OpImpl):
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
-        """``silu_mul`` at the expert width (top_k rows a token, between the moe_gemm launches); ``moe_gemm``:
-        ``("gemm", (n, k, block_n))`` for w13 [E, 2I, D] and w2 [E, D, I] at the row counts routed to it and
-        ``("expert_scan", (E,))`` (compiled by its first launch); ``moe_gemm_swap``: w13 (gated) and w2 at the
-        row counts up to :func:`swap_max_rows`, where moe_gemm (whose scan it shares) applies."""
+        """``silu_mul`` at the expert width where a step's rows reach it (:meth:`_expert_silu_rows`); ``moe_gemm``:
+        ``("gemm", get_kernel's arguments)`` for w13 [E, 2I, D] (gated: ``(2I, D, 64, 3, True)``) and w2 [E, D, I]
+        at the row counts routed to it and ``("expert_scan", (E,))`` (compiled by its first launch);
+        ``moe_gemm_swap``: w13 (gated) and w2 at the row counts up to :func:`swap_max_rows`, where moe_gemm (whose
+        scan it shares) applies."""
         g = plan.moe_gating
         out: dict[str, list[tuple]] = {}
-        if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
-            out["silu_mul"] = silu_mul_configs(plan, [(plan.moe_intermediate_size, g.top_k)])
         gemm = self._moe_gemm_configs(plan, self.gated_setting) if self.wants("moe_gemm") else []
+        swap = self._moe_gemm_swap_configs(plan, self.swap_setting) if gemm and self.wants("moe_gemm_swap") else []
+        if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
+            lo, hi = self._expert_silu_rows(plan, bool(gemm), bool(swap))
+            cfgs = silu_mul_row_configs(plan, plan.moe_intermediate_size, lo, hi) if lo is not None else []
+            if cfgs:
+                out["silu_mul"] = cfgs
         if gemm:
             out["moe_gemm"] = gemm
-            if self.wants("moe_gemm_swap"):
-                out["moe_gemm_swap"] = self._moe_gemm_swap_configs(plan, self.swap_setting)
+        if swap:
+            out["moe_gemm_swap"] = swap
         return out
+
+    def _expert_silu_rows(self, plan: KernelWarmupPlan, gemm: bool, swap: bool) -> tuple[int | None, int | None]:
+        """(fewest, most) dispatched rows a step that run ``silu_mul`` at the expert width, or (None, None): every
+        row count where neither moe_gemm_swap nor the gated moe_gemm applies (``grouped_mlp``'s routing)."""
+        g = plan.moe_gating
+        lo, hi = step_token_bounds(plan)
+        lo, hi = lo * g.top_k, hi * g.top_k
+        if not gemm:  # torch._grouped_mm or the reference at every size, then silu_mul
+            return lo, hi
+        fused_up_to = MOE_GEMM_MAX_ROWS if self.gated(kernel_module("moe_gemm"), _W13Dims(plan)) else (
+            min(swap_max_rows(g.num_experts, self.swap_setting), MOE_GEMM_MAX_ROWS) if swap else 0)
+        first = max(lo, fused_up_to + 1)
+        return (first, hi) if first <= hi else (None, None)
 
     def _moe_gemm_configs(self, plan: KernelWarmupPlan, gated: bool) -> list[tuple]:
         """w13 (gated where :meth:`gated` takes it) and w2 at the row counts moe_gemm runs: past moe_gemm_swap's

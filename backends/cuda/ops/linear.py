@@ -159,13 +159,15 @@ def silu_mul_configs(plan: KernelWarmupPlan, widths: list[tuple[int, int]]) -> l
     the tile variant where it has more."""
     if plan.dtype != BF16:
         return []
-    sm = kernel_module("silu_mul")
     lo, hi = step_token_bounds(plan)
-    cfgs = []
-    for inter, per_token in widths:
-        if sm.supported(inter):
-            if lo * per_token <= sm.SMALL_ROWS:
-                cfgs.append((inter, True))
-            if hi * per_token > sm.SMALL_ROWS:
-                cfgs.append((inter, False))
+    cfgs = [c for inter, per_token in widths for c in silu_mul_row_configs(plan, inter, lo * per_token, hi * per_token)]
     return list(dict.fromkeys(cfgs))
+
+
+def silu_mul_row_configs(plan: KernelWarmupPlan, inter: int, lo_rows: int, hi_rows: int) -> list[tuple]:
+    """``(I, row_variant)`` for steps of ``lo_rows`` .. ``hi_rows`` rows of width ``inter``: the row variant where
+    some have <= SMALL_ROWS rows, the tile variant where some have more."""
+    sm = kernel_module("silu_mul")
+    if plan.dtype != BF16 or not sm.supported(inter):
+        return []
+    return ([(inter, True)] if lo_rows <= sm.SMALL_ROWS else []) + ([(inter, False)] if hi_rows > sm.SMALL_ROWS else [])
