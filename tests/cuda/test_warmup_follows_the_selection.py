@@ -88,6 +88,21 @@ def test_expert_width_silu_mul_where_a_step_reaches_it(recorded, v2_lite_plan, k
     assert [c for c in cfgs if c[0] == 1408] == want
 
 
+def test_quantised_experts_warm_none_of_the_bf16_expert_kernels(reachable, v2_lite_plan):
+    """FP8 (or W8A8) experts run the scheme's grouped MLP: moe_gemm, moe_gemm_swap and silu_mul at the experts' width
+    are not built for them (10 configurations on V2-Lite); the dense MLPs' silu_mul widths stay."""
+    import dataclasses
+
+    bf16 = reachable(v2_lite_plan(k=0), sm90=True)
+    fp8 = reachable(dataclasses.replace(v2_lite_plan(k=0), quantization="fp8"), sm90=True)
+    assert any(kind == "gemm" for kind, _c in bf16["moe_gemm"]) and bf16["moe_gemm_swap"]
+    assert (1408, False) in bf16["silu_mul"]
+    # the FP8 experts keep moe_gemm's expert scan (fp8_grouped_mlp's row starts) and their own GEMMs
+    assert fp8["moe_gemm"] == [("expert_scan", (64,))] and fp8["fp8_grouped_gemm"]
+    assert "moe_gemm_swap" not in fp8
+    assert all(width != 1408 for width, _variant in fp8["silu_mul"]) and (10944, False) in fp8["silu_mul"]
+
+
 def test_moe_gemm_swap_row_tiles_follow_the_batch_and_the_setting(recorded, v2_lite_plan, kernel_set, monkeypatch):
     """256 sequences: up to 20 rows an expert (1280 rows, 213 tokens) on moe_gemm_swap, 32-row tiles from 114
     tokens; ``DEEPINFER_MOE_SWAP_MAX_ROWS`` caps the rows (0: never)."""

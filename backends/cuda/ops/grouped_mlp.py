@@ -142,9 +142,11 @@ class GroupedMLP(OpImpl):
         ``("gemm", get_kernel's arguments)`` for w13 [E, 2I, D] (gated: ``(2I, D, 64, 3, True)``) and w2 [E, D, I]
         at the row counts routed to it and ``("expert_scan", (E,))`` (compiled by its first launch);
         ``moe_gemm_swap``: w13 (gated) and w2 at the row counts up to :func:`swap_max_rows`, where moe_gemm (whose
-        scan it shares) applies."""
+        scan it shares) applies. Nothing for a quantised model: its experts never reach these kernels."""
         g = plan.moe_gating
         out: dict[str, list[tuple]] = {}
+        if plan.quantization is not None:  # quantised experts run the scheme's grouped MLP (DeepseekMoE.experts_mlp)
+            return out
         gemm = self._moe_gemm_configs(plan, self.gated_setting) if self.wants("moe_gemm") else []
         swap = self._moe_gemm_swap_configs(plan, self.swap_setting) if gemm and self.wants("moe_gemm_swap") else []
         if g is not None and plan.moe_intermediate_size and self.ks.impl("linear").wants("silu_mul"):
