@@ -23,13 +23,6 @@ MOE_GEMM_MAX_ROWS = 2048
 SWAP_MAX_ROWS_AN_EXPERT = 20
 
 
-class _W13Dims:
-    """w13's shape [E, 2I, D] from a warm-up plan (what :meth:`GroupedMLP.gated` reads of the weight)."""
-
-    def __init__(self, plan: KernelWarmupPlan) -> None:
-        self.shape = (plan.moe_gating.num_experts, 2 * plan.moe_intermediate_size, plan.hidden_size)
-
-
 def swap_max_rows(num_experts: int, setting: int | None) -> int:
     """Dispatched rows up to which grouped_mlp takes moe_gemm_swap: ``setting`` (``DEEPINFER_MOE_SWAP_MAX_ROWS``,
     read when the kernel set is made), None (auto) for 20 an expert."""
@@ -92,9 +85,10 @@ class GroupedMLP(OpImpl):
             return None
         return mod
 
-    def gated(self, mg, w13) -> bool:
-        """Whether moe_gemm's w13 launch fuses the SwiGLU (``DEEPINFER_MOE_GEMM_GATED``, the [gate | up] dims)."""
-        return self.gated_setting and mg.supported(w13.shape[1], w13.shape[2], True)
+    def gated(self, mg, gate_up_rows: int, hidden: int) -> bool:
+        """Whether moe_gemm's w13 launch ([E, 2I, D]: ``gate_up_rows`` = 2I, ``hidden`` = D) fuses the SwiGLU
+        (``DEEPINFER_MOE_GEMM_GATED`` and the kernel's dims)."""
+        return self.gated_setting and mg.supported(gate_up_rows, hidden, True)
 
     def grouped_mlp(self, sorted_hidden, tokens_per_expert, w13, w2):
         rows = sorted_hidden.shape[0]  # host int: the dispatched rows (tokens x top-k)
@@ -110,7 +104,7 @@ class GroupedMLP(OpImpl):
             return out
         if mg is not None:
             starts = self.expert_starts(mg, tokens_per_expert)  # once for both GEMMs
-            if self.gated(mg, w13):
+            if self.gated(mg, w13.shape[1], w13.shape[2]):
                 h = mg.moe_gemm(sorted_hidden, w13, tokens_per_expert, starts=starts, gated=True)
                 form = ", SwiGLU in the w13 epilogue"
             else:
@@ -168,7 +162,8 @@ class GroupedMLP(OpImpl):
         lo, hi = lo * g.top_k, hi * g.top_k
         if not gemm:  # torch._grouped_mm or the reference at every size, then silu_mul
             return lo, hi
-        fused_up_to = MOE_GEMM_MAX_ROWS if self.gated(kernel_module("moe_gemm"), _W13Dims(plan)) else (
+        gated = self.gated(kernel_module("moe_gemm"), 2 * plan.moe_intermediate_size, plan.hidden_size)
+        fused_up_to = MOE_GEMM_MAX_ROWS if gated else (
             min(swap_max_rows(g.num_experts, self.swap_setting), MOE_GEMM_MAX_ROWS) if swap else 0)
         first = max(lo, fused_up_to + 1)
         return (first, hi) if first <= hi else (None, None)
