@@ -119,33 +119,28 @@ def build_moe_gemm(n: int, k: int, block_n: int = 128, num_stages: int = 3, thre
             cnt = T.if_then_else(hit >= 0, scan[e + 1] - row0, 0)
             if gated:
                 C_s = T.alloc_shared([BM, WR], acc)  # the epilogue pairs gate column j with up column BN + j here
-                for mb in T.serial(T.ceildiv(cnt, BM)):
-                    T.clear(C)
-                    for kk in T.Pipelined(K // BK, num_stages=num_stages):
-                        for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
-                            A_s[i, j] = T.if_then_else(
-                                mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
-                            )
+            for mb in T.serial(T.ceildiv(cnt, BM)):
+                T.clear(C)
+                for kk in T.Pipelined(K // BK, num_stages=num_stages):
+                    for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
+                        A_s[i, j] = T.if_then_else(
+                            mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
+                        )
+                    if gated:
                         T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s[0:BN, :])
                         T.copy(W[e, NO + bn * BN : NO + (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s[BN : 2 * BN, :])
-                        T.gemm(A_s, B_s, C, transpose_B=True)
+                    else:
+                        T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s)
+                    T.gemm(A_s, B_s, C, transpose_B=True)
+                if gated:  # the reference's roundings: bf16 GEMM outputs, silu, product
                     T.copy(C, C_s)
-                    for i, j in T.Parallel(BM, BN):  # the reference's roundings: bf16 GEMM outputs, silu, product
+                    for i, j in T.Parallel(BM, BN):
                         if mb * BM + i < cnt:
                             gv = T.cast(T.cast(C_s[i, j], dtype), f32)
                             sv = T.cast(gv / (T.float32(1) + T.exp(-gv)), dtype)
                             Out[row0 + mb * BM + i, bn * BN + j] = T.cast(
                                 T.cast(sv, f32) * T.cast(T.cast(C_s[i, BN + j], dtype), f32), dtype)
-            else:
-                for mb in T.serial(T.ceildiv(cnt, BM)):
-                    T.clear(C)
-                    for kk in T.Pipelined(K // BK, num_stages=num_stages):
-                        for i, j in T.Parallel(BM, BK):  # rows past this expert's range read as zero
-                            A_s[i, j] = T.if_then_else(
-                                mb * BM + i < cnt, A[row0 + mb * BM + i, kk * BK + j], T.cast(0, dtype)
-                            )
-                        T.copy(W[e, bn * BN : (bn + 1) * BN, kk * BK : (kk + 1) * BK], B_s)
-                        T.gemm(A_s, B_s, C, transpose_B=True)
+                else:
                     for i, j in T.Parallel(BM, BN):
                         if mb * BM + i < cnt:
                             Out[row0 + mb * BM + i, bn * BN + j] = T.cast(C[i, j], dtype)
