@@ -133,7 +133,7 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
         return at_startup
 
     def _capture_graphs(self) -> None:
-        """``graph_capture="startup"``: capture every decode graph (and the drafter's propose graphs) now."""
+        """Capture every decode graph (and the drafter's propose graphs) now (:meth:`_capture_at_startup`)."""
         self.graphs.capture_all()
         propose_graphs = getattr(self.drafter, "propose_graphs", None)
         if propose_graphs is not None:
