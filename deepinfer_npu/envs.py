@@ -105,6 +105,10 @@ _VARS: dict[str, EnvVar] = {
         EnvVar("DEEPINFER_MOE_GEMM_GATED", "1", _flag,
                "1 (the default): past moe_gemm_swap's rows, the CUDA backend's bf16 routed experts run the w13 "
                "moe_gemm with the SwiGLU in its epilogue (no silu_mul launch); 0: moe_gemm, then silu_mul."),
+        EnvVar("DEEPINFER_FUSED_A_PROJ", "1", _flag,
+               "1 (the default): the CUDA backend runs the MLA query's projection and kv_a as one GEMM in every "
+               "decode step of a model without q-LoRA (one row: one skinny_gemm launch); 0: one-row steps only, "
+               "two GEMMs on two streams at more rows."),
         EnvVar("DEEPINFER_FP8_SKINNY", "1", _flag,
                "1 (the default): in FP8 models the CUDA backend runs one-row projections (and dense MLPs) whose "
                "weights hold at most 12 M values on fp8_skinny_gemm (the activations' quantisation inside the GEMM, "

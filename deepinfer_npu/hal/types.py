@@ -143,7 +143,7 @@ class KernelWarmupPlan:
     decode_graph_width: int = 0  # block-table width of those graphs
     quantization: str | None = None  # EngineConfig.quantization ("fp8" / "w8a8") or None
     fp8_linear_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of the model's 2-D FP8 weights
-    fp8_one_row_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of FP8 weights run at one row only (fused_a_proj)
+    fp8_one_row_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of the fused q / kv_a FP8 weights (fused_a_proj)
     kv_cache_fp8: bool = False  # the latent caches hold packed FP8 rows (EngineConfig.kv_cache_dtype == "fp8")
 
     @property

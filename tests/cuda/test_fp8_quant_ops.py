@@ -89,9 +89,16 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     assert ("expert_scan", (g.num_experts,)) in cfgs["moe_gemm"]
     # fp8_dense_mlp's gated quantisation at the dense / shared-expert widths
     assert {fp8_quant.config_for(i, 1, True) for i in plan.mlp_intermediate_sizes} <= set(cfgs["fp8_quant"])
-    # the fused q / kv_a projection: one row only
-    fused = ks.warmup_configs(fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),)), 132)
-    assert set(fused["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
+    # the fused q / kv_a projection: at every row count, in place of q_proj's and kv_a_proj's configurations
+    fused_plan = fp8_plan(base, fp8_linear_shapes=shapes, fp8_one_row_shapes=((3648, 2048),))
+    fused = ks.warmup_configs(fused_plan, 132)
+    assert set(fused["fp8_gemm"]) == {c for n, k in ((3648, 2048), *shapes[2:]) for m in range(lo, hi + 1)
+                                      for c in fp8_gemm.configs_for(n, k, m)}
+    # DEEPINFER_FUSED_A_PROJ=0: at one row only, beside the two parts'
+    monkeypatch.setenv("DEEPINFER_FUSED_A_PROJ", "0")
+    one_row = ks.warmup_configs(fused_plan, 132)
+    assert set(one_row["fp8_gemm"]) - set(cfgs["fp8_gemm"]) == set(fp8_gemm.configs_for(3648, 2048, 1))
+    monkeypatch.setenv("DEEPINFER_FUSED_A_PROJ", "1")
     # one-row steps: the one-launch FP8 GEMM for each projection of at most SKINNY_MAX_WEIGHTS values (not the
     # dense layer's down projection, 2048 x 10944) and the shared experts' gated gate/up (2 x 2816 x 2048; not the
     # dense layer's 2 x 10944 x 2048)

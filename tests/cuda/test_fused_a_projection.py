@@ -57,8 +57,12 @@ class _StandInSkinny:
         return x @ w.t()
 
 
+@pytest.mark.parametrize("fused_multi_row", ["1", "0"])
 @pytest.mark.parametrize("q_lora_rank", [None, 96])
-def test_cuda_kernel_set_runs_one_gemm_for_one_row(q_lora_rank, monkeypatch):
+def test_cuda_kernel_set_runs_one_gemm(q_lora_rank, fused_multi_row, monkeypatch):
+    """One row: one GEMM for both projections. More rows: one GEMM too where the query is q_proj's and
+    DEEPINFER_FUSED_A_PROJ is on (q and kv then strided column slices of its output), else two."""
+    monkeypatch.setenv("DEEPINFER_FUSED_A_PROJ", fused_multi_row)
     layer = _layer(q_lora_rank)
     w = layer.weights()
     ks = CudaKernelSet()
@@ -77,8 +81,13 @@ def test_cuda_kernel_set_runs_one_gemm_for_one_row(q_lora_rank, monkeypatch):
         assert torch.equal(qr, rr) or torch.allclose(qr, rr, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(cache, ref_cache, rtol=1e-6, atol=1e-6)
         fused_shape = tuple(w.fused_a_proj.shape)
-        assert (fused_shape in stand_in.calls) == (rows == 1), (rows, stand_in.calls)
-    assert "one kernels_cuda.skinny_gemm launch (fused_a_proj)" in ks.op_report()["mla_prolog"]
+        fused_here = rows == 1 or (q_lora_rank is None and fused_multi_row == "1")
+        assert (fused_shape in stand_in.calls) == fused_here, (rows, stand_in.calls)
+        assert len(stand_in.calls) == (1 if fused_here else 2) + (q_lora_rank is not None), stand_in.calls  # + q_b
+    report = ks.op_report()["mla_prolog"]
+    assert "one kernels_cuda.skinny_gemm launch (fused_a_proj)" in report
+    assert ("of more than one row: one GEMM (fused_a_proj)" in report) == (q_lora_rank is None and
+                                                                         fused_multi_row == "1"), report
 
 
 @pytest.mark.gpu
@@ -176,3 +185,70 @@ def test_fp8_fused_projection_of_one_row_gpu():
         assert rel(got[0], want[0]) < 1e-2 and rel(got[1], want[1]) < 1e-2
     assert rel(fused[0], two[0]) < 1e-2 and rel(fused[1], two[1]) < 1e-2
     assert rel(caches[0], caches[2]) < 1e-2 and rel(caches[0], caches[1]) < 1e-2
+
+
+def _rope_table(device="cuda"):
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=device).float() / 64))
+    ang = torch.arange(4096, device=device).float()[:, None] * inv[None]
+    return SimpleNamespace(cos_sin_cache=torch.cat((ang.cos(), ang.sin()), -1), interleaved=True)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("rows", [2, 64, 256])
+def test_fused_projection_of_more_rows_gpu(rows, monkeypatch):
+    """V2-Lite dims, bf16, decode steps of more than one row: one cuBLAS GEMM [T, 3648] whose slices W_UK and
+    mla_rope_cache read in place, against the two-GEMM path (DEEPINFER_FUSED_A_PROJ=0) and the reference prolog.
+    Each output column is the same dot product; cuBLAS may sum K in another order for another N, so the bound is
+    bf16's: relative Frobenius error < 1e-2 (measured near one bf16 rounding), the written cache rows too."""
+    layer = _layer(None, dtype=torch.bfloat16, device="cuda", d=2048, heads=16)
+    w = layer.weights()
+    rope = _rope_table()
+    hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(16 * 64, device="cuda")[:rows] + 64
+    caches = [torch.zeros(17, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    fused_ks = CudaKernelSet()
+    got = fused_ks.mla_prolog(hidden, w, pos, rope, caches[0], slots)
+    assert "of more than one row: one GEMM (fused_a_proj)" in fused_ks.op_report()["mla_prolog"]
+    assert "kernels_cuda.mla_rope_cache" in fused_ks.op_report()["mla_prolog"]
+    monkeypatch.setenv("DEEPINFER_FUSED_A_PROJ", "0")
+    two = CudaKernelSet().mla_prolog(hidden, w, pos, rope, caches[1], slots)
+    want = ref_mla.mla_prolog(hidden, w, pos, rope, caches[2], slots)  # the reference ops in bf16 on the device
+    for a, b in zip(got, two):
+        assert _rel(a, b) < 1e-2
+    for a, b in zip(got, want):
+        assert _rel(a, b) < 1e-2
+    assert _rel(caches[0], caches[1]) < 1e-2 and _rel(caches[0], caches[2]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("rows", [2, 16, 64, 100])
+def test_fp8_fused_projection_of_more_rows_gpu(rows, monkeypatch):
+    """The FP8 prolog at more rows: one fp8_linear [T, 3648] (its slices read in place) against the two-GEMM path
+    and the reference prolog, within test_fp8_fused_projection_of_one_row_gpu's bound (1e-2)."""
+    from deepinfer_npu.backends.cpu import quant as ref
+
+    layer = _fp8_layer(heads=16, dims=(128, 64, 128, 512, 2048), device="cuda")
+    w, scales = layer.weights(), layer.quant_scales()
+    rope = _rope_table()
+    hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(16 * 64, device="cuda")[:rows] + 64
+    caches = [torch.zeros(17, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    ks = CudaKernelSet()
+    fused = ks.mla_prolog_quant(hidden, w, scales, pos, rope, caches[0], slots)
+    assert "of more than one row: one fp8_linear (fused_a_proj)" in ks.op_report()["mla_prolog_quant"]
+    monkeypatch.setenv("DEEPINFER_FUSED_A_PROJ", "0")
+    two = CudaKernelSet().mla_prolog_quant(hidden, w, scales, pos, rope, caches[1], slots)
+    unfused_scales = {k: v for k, v in scales.items() if k != "fused_a_proj"}
+    want = ref.mla_prolog_quant(hidden, w, unfused_scales, pos, rope, caches[2], slots)
+    for got in (fused, two):
+        assert _rel(got[0], want[0]) < 1e-2 and _rel(got[1], want[1]) < 1e-2
+    assert _rel(fused[0], two[0]) < 1e-2 and _rel(fused[1], two[1]) < 1e-2
+    assert _rel(caches[0], caches[2]) < 1e-2 and _rel(caches[0], caches[1]) < 1e-2

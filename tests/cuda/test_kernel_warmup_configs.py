@@ -46,7 +46,7 @@ def expected_mla_decode(plan: KernelWarmupPlan, short_prefill_on_decode: bool = 
 PREFILL_4096 = [(16, q * 16 // 64, 1, True) for q in (32, 64, 128, 256, 512, 1024, 2048, 4096)]
 COMMON = {
     "rms_norm": [(2048, False, 1e-6), (2048, True, 1e-6)],
-    "mla_rope_cache": [(16, 192, 128, True, 1e-6)],
+    "mla_rope_cache": [(16, 192, 128, True, 1e-6), (16, 192, 128, True, 1e-6, 3648, 3648, 3072)],  # compact; fused rows
     # the routed experts' width only past 2048 rows (torch._grouped_mm): moe_gemm_swap and the gated moe_gemm below
     "silu_mul": [(2816, True), (2816, False), (10944, True), (10944, False), (1408, False)],
     "moe_routing": [("gating", (64, 6, "softmax", "greedy", 1, 1, False, 1.0, "torch_last", False)),
@@ -270,7 +270,7 @@ def test_packed_fp8_cache_compiles_the_fp8_variant(recorded, v2_lite_plan, kerne
     from deepinfer_npu.kernels_cuda import fp8_quant
 
     hopper = reachable(plan, sm90=True)
-    assert hopper["mla_rope_cache"] == [(16, 192, 128, True, 1e-6)]
+    assert hopper["mla_rope_cache"] == [(16, 192, 128, True, 1e-6), (16, 192, 128, True, 1e-6, 3648, 3648, 3072)]
     assert {fp8_quant.config_for(512, m) for m in (1, 600)} <= set(hopper["fp8_quant"])
     assert (512, False, 1e-6) not in hopper.get("rms_norm", [])
     assert "fp8_gemm" not in hopper  # bf16 weights
@@ -312,7 +312,7 @@ def test_prefill_on_decompressed_keys_leaves_the_absorbed_prefill_kernels_to_the
     assert "mla_prefill" not in ks.impl("mla_attention").off
     on_failed(["mla_decode (16, 8, 1, True): RuntimeError: nvcc exploded"])
     assert ks.impl("mla_attention").off["mla_prefill"].startswith("background build failed: mla_decode (16, 8")
-    assert summary.split(";")[0].startswith("33 configs in ") and "mla_decode: 1," in summary.split(";")[0]
+    assert summary.split(";")[0].startswith("34 configs in ") and "mla_decode: 1," in summary.split(";")[0]
     assert summary.endswith("; 8 fallback-only configs (mla_decode: 8 (8 prefill)) building in the background "
                             "(8 in 4 processes)"), summary
 

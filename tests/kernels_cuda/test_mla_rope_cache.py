@@ -134,6 +134,37 @@ def test_mla_rope_cache_matches_reference_gpu(case):
     assert stats["q_rope"]["exact"] and stats["k_pe"]["exact"], stats  # the rope roundings are torch's exactly
 
 
+def test_shared_rows_finds_the_fused_projections_slices_only():
+    buf = torch.randn(5, 16 * 192 + HEAD_DIM)
+    q, kv = buf[:, : 16 * 192].view(5, 16, 192), buf[:, 16 * 192 :]
+    base, kv_off = mrc.shared_rows(q, kv)
+    assert kv_off == 16 * 192 and base.shape == buf.shape and base.data_ptr() == buf.data_ptr()
+    assert mrc.shared_rows(q.contiguous(), kv.contiguous()) is None  # compact rows: the compact kernel
+    assert mrc.shared_rows(q, kv.clone()) is None  # another buffer
+    assert mrc.shared_rows(q[:1], kv[:1]) is None  # one row: compact by definition
+    assert mrc.config_key(16, 192, 128, True, 1e-6, *mrc.fused_row(16, 192)) == (16, 192, 128, True, 1e-6, 3648,
+                                                                                  3648, 3072)
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("tokens,heads,interleaved", [(2, 16, True), (64, 16, True), (256, 16, False)])
+def test_reads_the_fused_projection_rows_in_place_gpu(tokens, heads, interleaved):
+    """q and kv as the column slices of one [T, H x 192 + 576] buffer (the fused q / kv_a GEMM's output), read in
+    place: the same bits as the compact kernel on contiguous copies (q_rope and every cache row)."""
+    inp = rope_cache(tokens, heads, seed=7, pad_every=3)
+    buf = torch.cat((inp["q"].reshape(tokens, -1), inp["kv"]), dim=1)
+    q_view, kv_view = buf[:, : heads * 192].view(tokens, heads, 192), buf[:, heads * 192 :]
+    assert mrc.shared_rows(q_view, kv_view) is not None and not kv_view.is_contiguous()
+    compact_cache, fused_cache = inp["kv_cache"].clone(), inp["kv_cache"].clone()
+    want = mrc.mla_rope_cache(**dict(inp, kv_cache=compact_cache), interleaved=interleaved)
+    got = mrc.mla_rope_cache(**dict(inp, q=q_view, kv=kv_view, kv_cache=fused_cache), interleaved=interleaved)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(fused_cache.view(torch.int16), compact_cache.view(torch.int16))
+    ok, stats = compare_all(inp, interleaved, got, fused_cache, inp["kv_cache"])
+    assert ok, stats
+
+
 @pytest.mark.gpu
 @pytest.mark.tilelang
 @pytest.mark.parametrize("tokens,heads,interleaved", [(64, 16, True), (40, 16, True), (48, 128, False)])

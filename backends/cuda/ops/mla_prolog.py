@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan, MLAWeights, RopeLike
 from deepinfer_npu.model_executor.quantization.kv_fp8 import FP8_KV_DTYPE, pack_fp8_latents
 
-from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref
+from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, ref, step_token_bounds
 from .mla_attention import KV_LORA, PAGE, ROPE, mla_dims_refusal
 from .norms import norm_configs
 
@@ -51,8 +52,8 @@ class MLAProlog(OpImpl):
             q = q.view(num_tokens, w.num_heads, nope + rdim)
             return q, (self.absorb_q(q, w) if absorb else q)
 
-        fused = self.fused_a_proj(hidden, w)
-        if fused is not None:  # one skinny launch for both projections (each column as in its own GEMM)
+        fused = self.fused_a_proj(hidden, w, absorb)
+        if fused is not None:  # one GEMM for both projections
             first, kv = fused
             q, q_latent = q_branch(first)
         else:  # the latent projection does not wait for the query's GEMMs (a second stream at decode sizes)
@@ -143,15 +144,29 @@ class MLAProlog(OpImpl):
             self.note("mla_prolog", f"W_UK of one token: cuBLAS batched GEMM ({path})", False)
         return absorb_heads(q[..., : w.qk_nope_head_dim], w.w_uk)
 
-    def fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights):
-        """One row and ``w.fused_a_proj`` set: one ``skinny_gemm`` launch for the query's first projection and
-        kv_a (q_proj or q_a_proj, then kv_a_proj: the same input) -> (first, kv) views of its output; None where
-        it does not apply. skinny_gemm computes each output column alone (a warp per column, the same K order), so
-        the columns are bit-identical to the two separate launches."""
+    def fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights, absorb: bool = True):
+        """``w.fused_a_proj`` set: the query's first projection and kv_a (q_proj or q_a_proj, then kv_a_proj: the
+        same input) as one GEMM -> (first, kv) views of its output; None where it does not apply.
+
+        One row: one ``skinny_gemm`` launch, which computes each output column alone (a warp per column, the same K
+        order), so the columns are bit-identical to the two separate launches. More rows (:func:`fused_rows`): one
+        cuBLAS GEMM [T, H x (N + R) + L + R] instead of two on two streams, where the query is q_proj's (no q-LoRA)
+        and the step absorbs it (decode): q and kv stay column slices of the one output, which W_UK's batched GEMM
+        and ``mla_rope_cache`` read in place (each column the same dot product; cuBLAS may order its K sums
+        differently for another N)."""
         fused = w.fused_a_proj
-        if fused is None or hidden.dim() != 2 or hidden.shape[0] != 1 or \
-                hidden.dtype != fused.dtype or w.q_a_bias is not None or w.kv_a_bias is not None:
+        if fused is None or hidden.dim() != 2 or hidden.dtype != fused.dtype or w.q_a_bias is not None or \
+                w.kv_a_bias is not None:
             return None
+        kv_rows = w.kv_a_proj.shape[0]
+        first_rows = fused.shape[0] - kv_rows
+        if hidden.shape[0] != 1:
+            if not fused_rows(hidden.shape[0], w, absorb):
+                return None
+            self.note("mla_prolog", "q and kv_a projections of more than one row: one GEMM (fused_a_proj), q and kv "
+                      "read in place", True)
+            out = self.ks.linear(hidden, fused)
+            return out[:, :first_rows], out[:, first_rows:]
         linear = self.ks.impl("linear")
         mod, _why = linear.skinny(hidden, fused)
         if mod is None:
@@ -159,9 +174,9 @@ class MLAProlog(OpImpl):
         linear.note_skinny_linear(mod)
         self.note("mla_prolog", "q / q_a and kv_a projections: one kernels_cuda.skinny_gemm launch (fused_a_proj)",
                   True)
-        flat, rows = mod.skinny_gemm(hidden, fused).view(-1), fused.shape[0] - w.kv_a_proj.shape[0]
+        flat = mod.skinny_gemm(hidden, fused).view(-1)
         # views with their own compact strides (a split's [1, n] views would keep the fused row stride)
-        return flat[:rows].view(1, rows), flat[rows:].view(1, w.kv_a_proj.shape[0])
+        return flat[:first_rows].view(1, first_rows), flat[first_rows:].view(1, kv_rows)
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def rope_cache_applies(self, plan: KernelWarmupPlan) -> bool:
@@ -186,9 +201,13 @@ class MLAProlog(OpImpl):
                 want.append((plan.kv_lora_rank, False, plan.latent_norm_eps))
             out["rms_norm"] = norm_configs(want)
         if applies:
+            mrc = kernel_module("mla_rope_cache")
             nope = plan.qk_nope_head_dim
-            out["mla_rope_cache"] = [(plan.num_heads, nope + plan.qk_rope_head_dim, nope, bool(plan.rope_interleaved),
-                                      float(plan.latent_norm_eps))]
+            key = (plan.num_heads, nope + plan.qk_rope_head_dim, nope, bool(plan.rope_interleaved),
+                   float(plan.latent_norm_eps))
+            out["mla_rope_cache"] = [mrc.config_key(*key)]
+            if fused_rows_planned(plan):  # decode steps of more than one row read the fused projection's rows
+                out["mla_rope_cache"].append(mrc.config_key(*key, *mrc.fused_row(plan.num_heads, key[1])))
         if self.wants("mla_absorb") and plan.dtype == BF16:
             ma = kernel_module("mla_absorb")
             h, n, lrank = plan.num_heads, plan.qk_nope_head_dim, plan.kv_lora_rank
@@ -234,3 +253,17 @@ def write_rows_sync_free(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mappin
     idx = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
     vals = torch.where(valid.unsqueeze(-1), rows, flat[0].unsqueeze(0))
     flat.index_copy_(0, idx, vals)
+
+
+def fused_rows(rows: int, w: MLAWeights, absorb: bool) -> bool:
+    """Whether a step of ``rows`` (> 1) rows runs the query's projection and kv_a as one GEMM
+    (``DEEPINFER_FUSED_A_PROJ``): decode steps (the query absorbed) of models whose query is q_proj's (with
+    q-LoRA the first projection's output goes through a norm and q_b_proj, which would copy the slice)."""
+    return rows > 1 and absorb and w.q_proj is not None and envs.FUSED_A_PROJ
+
+
+def fused_rows_planned(plan: KernelWarmupPlan) -> bool:
+    """:func:`fused_rows` for the warm-up: steps of more than one row, no q-LoRA, ``DEEPINFER_FUSED_A_PROJ``.
+    (A model whose two weights are not one tensor's slices runs two GEMMs: one configuration built needlessly.)"""
+    _lo, hi = step_token_bounds(plan)
+    return hi > 1 and not plan.q_lora_rank and envs.FUSED_A_PROJ

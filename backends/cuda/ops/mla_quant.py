@@ -14,7 +14,7 @@ import torch
 from deepinfer_npu.hal.types import MLAWeights, RopeLike
 
 from .base import OpImpl, known_syncing_fallback, ref
-from .mla_prolog import absorb_heads
+from .mla_prolog import absorb_heads, fused_rows
 
 FP8 = torch.float8_e4m3fn
 PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj")
@@ -56,7 +56,7 @@ class MLAQuant(OpImpl):
             return q, prolog.absorb_q(q, w)
 
         fused = self.fused_a_proj(hidden, w, scales)
-        if fused is not None:  # one row: one GEMM for both projections
+        if fused is not None:  # one GEMM for both projections
             first, kv = fused
             q, q_latent = q_branch(first)
         else:  # kv_a does not wait for the query's GEMMs (a second stream at decode sizes, as the bf16 prolog)
@@ -69,17 +69,26 @@ class MLAQuant(OpImpl):
                                                op="mla_prolog_quant")
 
     def fused_a_proj(self, hidden: torch.Tensor, w: MLAWeights, scales: dict[str, torch.Tensor]):
-        """One row and the layer's FP8 ``fused_a_proj`` (with ``scales["fused_a_proj"]``): the query's first
-        projection and kv_a (same input) as one ``fp8_linear`` -- one quantisation and one GEMM instead of two
-        each -> (first, kv), views with compact strides; None where it does not apply. Each output column is the
-        same dot product as in its own GEMM (only the fp32 order of its K slices may differ)."""
+        """The layer's FP8 ``fused_a_proj`` (with ``scales["fused_a_proj"]``) for one row, or for a decode step of
+        more rows where ``mla_prolog.fused_rows`` takes it: the query's first projection and kv_a (same input) as one
+        ``fp8_linear`` -- one quantisation and one GEMM instead of two each -> (first, kv); one row: views with
+        compact strides, more: column slices of the one output (read in place, as the bf16 prolog's). None where it
+        does not apply. Each output column is the same dot product as in its own GEMM (only the fp32 order of its K
+        slices may differ)."""
         fused, scale = w.fused_a_proj, scales.get("fused_a_proj")
-        if fused is None or scale is None or fused.dtype != FP8 or hidden.dim() != 2 or hidden.shape[0] != 1:
+        if fused is None or scale is None or fused.dtype != FP8 or hidden.dim() != 2:
             return None
         if w.q_a_bias is not None or w.kv_a_bias is not None:
             return None
-        flat = self.ks.fp8_linear(hidden, fused, scale).view(-1)
         rows = fused.shape[0] - w.kv_a_proj.shape[0]
+        if hidden.shape[0] != 1:
+            if not fused_rows(hidden.shape[0], w, absorb=True):
+                return None
+            out = self.ks.fp8_linear(hidden, fused, scale)
+            self.note("mla_prolog_quant", "q and kv_a projections of more than one row: one fp8_linear "
+                      "(fused_a_proj), q and kv read in place", True)
+            return out[:, :rows], out[:, rows:]
+        flat = self.ks.fp8_linear(hidden, fused, scale).view(-1)
         self.note("mla_prolog_quant", "q / q_a and kv_a projections of one row: one fp8_linear (fused_a_proj)",
                   True)
         return flat[:rows].view(1, rows), flat[rows:].view(1, w.kv_a_proj.shape[0])

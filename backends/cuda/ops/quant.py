@@ -23,6 +23,7 @@ from deepinfer_npu import envs
 from deepinfer_npu.hal.types import KernelWarmupPlan
 
 from .base import BF16, NOT_ON_DEVICE, OpConfig, OpImpl, kernel_module, known_syncing_fallback, ref, step_token_bounds
+from .mla_prolog import fused_rows_planned
 from .scaled_mm import ScaledMM
 
 FP8 = torch.float8_e4m3fn
@@ -191,8 +192,9 @@ class QuantOps(OpImpl):
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
         """``fp8_quant`` at the latent width for a packed FP8 cache; for an FP8 model (``plan.quantization ==
         "fp8"``), at every row count a step can have: ``fp8_gemm``
-        for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` (and at one row of
-        ``plan.fp8_one_row_shapes``) and ``fp8_quant`` at its K;
+        for each FP8 projection ``(N, K)`` of ``plan.fp8_linear_shapes`` (and of ``plan.fp8_one_row_shapes``, the
+        fused q / kv_a weight: at one row, or at every row count with ``mla_prolog.fused_rows_planned``, its two
+        parts then at none) and ``fp8_quant`` at its K;
         ``fp8_grouped_gemm`` for w13 / w2 and ``fp8_quant`` at D and (gated) I; ``moe_gemm``'s expert scan."""
         if plan.dtype != BF16:
             return {}
@@ -206,8 +208,13 @@ class QuantOps(OpImpl):
             return {name: list(dict.fromkeys(cfgs)) for name, cfgs in out.items() if cfgs}
         if self.wants("fp8_gemm"):
             fg = kernel_module("fp8_gemm")
-            shapes = [(n, k, range(lo, hi + 1)) for n, k in plan.fp8_linear_shapes]
-            shapes += [(n, k, range(1, 2)) for n, k in plan.fp8_one_row_shapes if lo <= 1]
+            # the fused q / kv_a weight: at one row, and at every row count where the prolog runs it then (and
+            # q_proj and kv_a_proj, its parts, nowhere)
+            every_row = fused_rows_planned(plan)
+            parts = fused_parts(plan) if every_row else set()
+            shapes = [(n, k, range(lo, hi + 1)) for n, k in plan.fp8_linear_shapes if (n, k) not in parts]
+            fused = range(lo, hi + 1) if every_row else range(1, 2 if lo <= 1 else 1)
+            shapes += [(n, k, fused) for n, k in plan.fp8_one_row_shapes]
             # fp8_dense_mlp's down projections, their SwiGLU fused into the quantisation
             gated = {(plan.hidden_size, inter) for inter in plan.mlp_intermediate_sizes if fq.supported(inter)}
             for n, k, rows in shapes:
@@ -241,6 +248,15 @@ class QuantOps(OpImpl):
         cfgs += [fs.config_for(d, 1, gated=True, n_out=i) for i in plan.mlp_intermediate_sizes
                  if fs.supported(d) and 2 * i * d <= SKINNY_MAX_WEIGHTS]
         return cfgs
+
+
+def fused_parts(plan: KernelWarmupPlan) -> set[tuple[int, int]]:
+    """The (out, in) shapes of q_proj and kv_a_proj where the plan's fused FP8 weights hold them as row slices."""
+    q_rows = plan.num_heads * (plan.qk_nope_head_dim + plan.qk_rope_head_dim)
+    kv_rows = plan.kv_lora_rank + plan.qk_rope_head_dim
+    if (q_rows + kv_rows, plan.hidden_size) not in plan.fp8_one_row_shapes:
+        return set()
+    return {(q_rows, plan.hidden_size), (kv_rows, plan.hidden_size)}
 
 
 def grouped_shape_reason(gg, quant, d: int, inter: int) -> str | None:
