@@ -21,10 +21,13 @@ from deepinfer_npu.model_executor.layers.mla import MLAAttention
 from deepinfer_npu.model_executor.quantization.config import QuantConfig
 
 
-def _layer(q_lora_rank=None, attention_bias=False, dtype=torch.float32, device="cpu", d=256, heads=4, seed=0):
-    cfg = SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-                          kv_lora_rank=64, softmax_scale=48**-0.5, hidden_size=d, attention_bias=attention_bias,
-                          q_lora_rank=q_lora_rank, qk_head_dim=48, quant=None)
+def _layer(q_lora_rank=None, attention_bias=False, dtype=torch.float32, device="cpu", d=256, heads=4, seed=0,
+           dims=(32, 16, 32, 64)):
+    """dims: (nope, rope, v, kv_lora); DeepSeek's are (128, 64, 128, 512)."""
+    nope, rope, v, lrank = dims
+    cfg = SimpleNamespace(num_attention_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+                          kv_lora_rank=lrank, softmax_scale=(nope + rope) ** -0.5, hidden_size=d,
+                          attention_bias=attention_bias, q_lora_rank=q_lora_rank, qk_head_dim=nope + rope, quant=None)
     layer = MLAAttention(cfg, SimpleNamespace(), CpuKernelSet(), dtype=dtype, device=device)
     g = torch.Generator().manual_seed(seed)
     for p in layer.parameters():  # as the loader does: a copy into each parameter
@@ -205,8 +208,9 @@ def test_fused_projection_of_more_rows_gpu(rows, monkeypatch):
     mla_rope_cache read in place, against the two-GEMM path (DEEPINFER_FUSED_A_PROJ=0) and the reference prolog.
     Each output column is the same dot product; cuBLAS may sum K in another order for another N, so the bound is
     bf16's: relative Frobenius error < 1e-2 (measured near one bf16 rounding), the written cache rows too."""
-    layer = _layer(None, dtype=torch.bfloat16, device="cuda", d=2048, heads=16)
+    layer = _layer(None, dtype=torch.bfloat16, device="cuda", d=2048, heads=16, dims=(128, 64, 128, 512))
     w = layer.weights()
+    assert tuple(w.fused_a_proj.shape) == (3648, 2048)
     rope = _rope_table()
     hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
     pos = torch.randint(0, 4096, (rows,), device="cuda")
