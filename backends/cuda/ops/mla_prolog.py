@@ -1,6 +1,7 @@
 """``mla_prolog``: the reference's arithmetic (``backends/cpu/mla.py``) with the projections through the kernel
-set's ``linear``; for one row the query's first projection and kv_a as one ``skinny_gemm`` launch
-(``MLAWeights.fused_a_proj``) and W_UK on ``kernels_cuda.mla_absorb``, else cuBLAS' batched GEMM. The tail (kv_a
+set's ``linear``; the query's first projection and kv_a as one GEMM (``MLAWeights.fused_a_proj``: one
+``skinny_gemm`` launch for one row, one cuBLAS GEMM at more rows in decode steps, ``fused_rows``); W_UK on
+``kernels_cuda.mla_absorb`` for one row, else cuBLAS' batched GEMM. The tail (kv_a
 layernorm, both ropes, the latent-cache write) is one ``kernels_cuda.mla_rope_cache`` launch for bf16 on the DeepSeek
 dims (a packed FP8 cache: that kernel into scratch rows, then ``kernels_cuda.fp8_quant`` and the packed write); else
 composed torch with a cache write that needs no host read."""
