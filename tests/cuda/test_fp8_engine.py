@@ -37,7 +37,10 @@ def _generate(prompts, backend: str, **kw):
     if backend == "cuda":
         report = dict(llm.llm_engine.backend.op_report())
         worker = llm.llm_engine.worker
-        assert worker.graphs is not None and worker.graph_steps > 0, "the FP8 decode steps did not replay graphs"
+        kernels = llm.llm_engine.backend.kernels
+        why = kernels.quantization_capture_refusal("fp8", hidden_size=1, moe_intermediate_size=0)
+        assert worker.graphs is not None and worker.graph_steps > 0, (
+            f"the FP8 decode steps did not replay graphs: {why}; warm-up: {worker.kernel_warmup}")
     return [o.outputs[0] for o in outs], report
 
 
