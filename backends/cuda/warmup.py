@@ -72,6 +72,19 @@ def _compile(name: str, mod, cfgs: list[tuple], plan: KernelWarmupPlan, device: 
         mod.precompile(cfgs)
 
 
+def _compile_retrying(name: str, mod, cfgs: list[tuple], plan: KernelWarmupPlan, device: torch.device) -> None:
+    """:func:`_compile`, once more after a failure before the module is turned off: a build can fail for a reason
+    of the moment (a compiler process killed on a loaded host, an I/O error), and turning a module off costs every
+    later step its kernel (an FP8 engine, its decode graphs). The configurations built before the failure are in
+    TileLang's cache, so the second attempt redoes only the rest; a second failure is the one reported."""
+    try:
+        _compile(name, mod, cfgs, plan, device)
+    except Exception as e:  # noqa: BLE001 - retried once; the caller reports a second failure
+        logger.warning("kernel warm-up: kernels_cuda.%s failed to build (%s: %s); trying once more", name,
+                       type(e).__name__, str(e).strip()[:200])
+        _compile(name, mod, cfgs, plan, device)
+
+
 #: worker processes of :func:`fill_disk_cache` at most (each imports torch and TileLang: about 1 GB)
 MAX_COMPILE_WORKERS = 16
 
@@ -341,7 +354,7 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     for i, (name, cfgs) in enumerate(configs.items(), 1):
         t1 = time.perf_counter()
         try:
-            _compile(name, kernels.modules.get(name), cfgs, plan, device)
+            _compile_retrying(name, kernels.modules.get(name), cfgs, plan, device)
         except Exception as e:  # noqa: BLE001 - never fail start-up: the ops fall back to the reference
             why = f"warm-up compile failed: {type(e).__name__}: {str(e).strip()[:200]}"
             failed[name] = why

@@ -97,8 +97,9 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
             why = self.kernels.quantization_capture_refusal(
                 cfg.quantization, hidden_size=mc.hidden_size,
                 moe_intermediate_size=mc.moe_intermediate_size if mc.n_routed_experts else 0)
-            if why is not None:
-                (logger.warning if explicit else logger.info)("decode graphs are off: %s", why)
+            if why is not None:  # a warning even under the default: eager decode is several times slower
+                logger.warning("decode graphs are off%s: %s", "" if explicit else " (the backend's default is on)",
+                               why)
                 return None
         if self.drafter is not None:  # the drafter's propose gets graphs of its own (asked first: its own pool)
             draft_runner = self.backend.graph_runner()
