@@ -94,6 +94,12 @@ class CudaKernelSet(DeepEPNormalMode, CpuKernelSet):
         self.select(OpConfig.from_plan(plan, current_device_is_sm90(), self.SKIP))
         return warm_up(self, plan)
 
+    def start_early_warmup(self, plan: KernelWarmupPlan) -> str | None:
+        """The warm-up's builds started before the weights load (``backends/cuda/warmup.py`` ``start_early``)."""
+        from .warmup import start_early
+
+        return start_early(self, plan)
+
     def warmup_configs(self, plan: KernelWarmupPlan, num_sms: int) -> dict[str, list[tuple]]:
         """``{kernels_cuda module: [config, ...]}`` of every selected family for ``plan``, merged in family
         order, empty ones left out."""

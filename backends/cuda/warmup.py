@@ -338,6 +338,9 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
         later = later_pending = {}
     total = sum(len(c) for c in configs.values())
     logger.info("kernel warm-up: compiling %d TileLang kernel configs (%s) ...", total, _counts(configs))
+    if not warmup_background.wait_key(_early_key(scale), WORKER_TIMEOUT_S):  # start_early's builds, marked
+        logger.warning("kernel warm-up: the early build is still running after %d s; building the rest now",
+                       WORKER_TIMEOUT_S)
     pending = _not_compiled(configs, scale)
     workers = compile_workers(sum(len(c) for c in pending.values()))
     if workers:
@@ -384,6 +387,51 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
             _start_background(kernels, later_pending, later_workers, scale)
     logger.info("kernel warm-up: %s", summary)
     return summary
+
+
+def _early_key(scale: float) -> tuple:
+    return ("early", float(scale))
+
+
+def start_early(kernels: Any, plan: KernelWarmupPlan) -> str:
+    """Start building ``plan``'s configurations into TileLang's disk cache now, in worker processes on a thread,
+    while the caller goes on (the engine loads the weights and sizes the KV cache): -> what was started, one line.
+    ``plan`` is the engine's expected plan (built from the model before its weights are loaded); :func:`warm_up`
+    waits for these builds, then compiles what they did not cover (a configuration the real plan adds) and loads
+    everything as before. So a cold start costs max(load, build) instead of their sum. The workers run at the
+    lowest CPU priority (the load comes first; idle cores build), each in its own process group (stopped with its
+    nvcc when the process exits). The listing runs on a separate kernel set: the live one's selection is made by
+    :func:`warm_up`. Never raises."""
+    if not tilelang_importable():
+        return "not started: tilelang is not installed"
+    try:
+        from . import kernels as cuda_kernels  # its module attribute: the device check a test may stand in for
+        from .ops import OpConfig
+
+        probe = type(kernels)()
+        probe.SKIP = kernels.SKIP
+        num_sms = kernels.num_sms
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        probe.num_sms = num_sms
+        probe.select(OpConfig.from_plan(plan, cuda_kernels.current_device_is_sm90(), probe.SKIP))
+        configs = {name: cfgs for name, cfgs in reachable_configs(probe, plan, num_sms).items()
+                   if probe.modules.get(name) is not None}
+        warmup_background.split_deferred(probe, plan, configs)  # the fallback-only ones: built after ready
+        scale = float(plan.softmax_scale)
+        pending = _not_compiled(configs, scale)
+        count = sum(len(c) for c in pending.values())
+        workers = compile_workers(count)
+        if not workers:
+            return f"not started: {count} configurations to build, no worker processes"
+        started = warmup_background.start(pending, workers, functools.partial(fill_disk_cache, softmax_scale=scale),
+                                          functools.partial(mark_compiled, softmax_scale=scale), low_priority=True,
+                                          key=_early_key(scale))
+    except Exception as e:  # noqa: BLE001 - the warm-up builds everything itself then
+        logger.warning("kernel warm-up: the early build could not start (%s: %s)", type(e).__name__, e)
+        return f"not started: {type(e).__name__}: {e}"
+    logger.info("kernel warm-up: building %d configurations in %d processes while the model loads", started, workers)
+    return f"{started} configurations building in {workers} processes"
 
 
 def _not_compiled(configs: dict[str, list[tuple]], softmax_scale: float) -> dict[str, list[tuple]]:

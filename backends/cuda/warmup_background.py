@@ -29,6 +29,7 @@ _lock = threading.Lock()
 _building: set[tuple] = set()  # (key, module, config) a background build of this process has claimed
 _procs: list[subprocess.Popen] = []  # the live builds' worker processes (stopped at exit)
 _threads: list[threading.Thread] = []
+_keyed: list[tuple[object, threading.Thread]] = []  # (key, thread) of each build, for wait_key
 _finished: list[tuple[float, float]] = []  # (wall seconds, time.perf_counter() at the end) of each finished build
 
 
@@ -67,6 +68,7 @@ def start(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., lis
                                                        on_failed),
                                   name="deepinfer-kernel-background-build", daemon=True)
         _threads.append(thread)
+        _keyed.append((key, thread))
         thread.start()
     return count
 
@@ -115,6 +117,18 @@ def wait(timeout: float) -> tuple[float, float] | None:
         if thread.is_alive():
             return None
     return _finished[-1] if _finished else None
+
+
+def wait_key(key: object, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for this process's builds started under ``key`` -> True when none is left
+    running (or none was started)."""
+    deadline = time.monotonic() + timeout
+    for k, thread in list(_keyed):
+        if k == key:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return False
+    return True
 
 
 @atexit.register

@@ -16,6 +16,7 @@ launch, lockstep with other ranks) and ``OutputProcessing`` (``output_processing
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Iterable
 
@@ -38,8 +39,11 @@ from deepinfer_npu.hal.registry import get_backend
 from deepinfer_npu.model_executor.model_config import DeepseekModelConfig
 from deepinfer_npu.spec.factory import build_drafter
 from deepinfer_npu.spec.varlen import VarlenController
+from deepinfer_npu.worker.kernel_warmup import expected_kernel_warmup_plan
 from deepinfer_npu.worker.model_runner import ModelRunner
 from deepinfer_npu.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
@@ -62,7 +66,7 @@ class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
             )
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = load_tokenizer(config.model_dir)
-        self.runner = ModelRunner(config, self.backend, self.model_config)
+        self.runner = ModelRunner(config, self.backend, self.model_config, on_model_built=self._start_kernel_builds)
         sched_cfg = self._scheduler_config()
         self.scheduler = _core.Scheduler(sched_cfg)
         self.drafter = build_drafter(config, self.runner)
@@ -90,6 +94,19 @@ class LLMEngine(RequestAdmission, StepLoop, OutputProcessing):
         self._step_id = 0
         self.stats = new_counters()
         self.spec_counters = SpecCounters(config.nextn)
+
+    def _start_kernel_builds(self, runner: ModelRunner) -> None:
+        """``ModelRunner``'s hook before the weights load: the kernel set starts building what the worker's
+        warm-up will need (``KernelSet.start_early_warmup``, from the plan the model as built implies), so that
+        the load and the builds overlap. Best effort: the warm-up builds whatever this missed."""
+        if not self.config.kernel_warmup:
+            return
+        try:
+            plan = expected_kernel_warmup_plan(runner)
+        except Exception as e:  # noqa: BLE001 - an unusual model layout: the warm-up lists its own plan later
+            logger.info("early kernel builds not started: the expected plan failed: %s: %s", type(e).__name__, e)
+            return
+        self.backend.kernels.start_early_warmup(plan)
 
     def _scheduler_config(self):
         c = self.config

@@ -295,6 +295,12 @@ class KernelSet(abc.ABC):
         Returns a one-line summary. Default: nothing is compiled ahead of use."""
         return "nothing to warm up"
 
+    def start_early_warmup(self, plan: KernelWarmupPlan) -> str | None:
+        """Start building ``plan``'s kernel variants in the background before the model's weights are loaded
+        (``plan``: the engine's expected plan, from the model as built); :meth:`warmup` waits for them later.
+        -> a one-line note, None when this kernel set builds nothing ahead of use (the default)."""
+        return None
+
     # ---- reporting -----------------------------------------------------------------------------------------
     def op_report(self) -> dict[str, str]:
         """``{op: "native" | "fallback (reason)"}``: an op is a fallback when this class inherits it from the

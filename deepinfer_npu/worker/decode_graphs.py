@@ -67,6 +67,11 @@ def _main_ep_layers(model) -> int:
     return sum(getattr(m, "ep_layer", None) is not None for layer in layers for m in layer.modules())
 
 
+def decode_graph_max_tokens(cfg, k: int) -> int:
+    """The largest decode graph of an engine with ``k`` drafts a request: its tokens a step at most."""
+    return min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (k + 1))
+
+
 def graph_table_width(max_model_len: int, block_size: int, extra_width: int = 0) -> int:
     """Block-table width of the decode graphs: room for every key a decode step can hold, ``max_model_len`` plus
     the ``extra_width`` drafts a re-split may add."""

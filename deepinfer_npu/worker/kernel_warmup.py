@@ -7,8 +7,12 @@ the first steps that reach them.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import torch
 
+from deepinfer_npu.hal.graph_sizes import graph_sizes
 from deepinfer_npu.hal.types import KernelWarmupPlan
 from deepinfer_npu.model_executor.layers.mla import LATENT_NORM_EPS
 from deepinfer_npu.model_executor.layers.mlp import DenseMLP
@@ -65,3 +69,24 @@ def build_kernel_warmup_plan(runner, *, k: int, varlen: bool, drafter=None, grap
                                          if getattr(m, "fused_a_proj", None) is not None
                                          and m.fused_a_proj.dtype == torch.float8_e4m3fn})),
     )
+
+
+def expected_kernel_warmup_plan(runner) -> KernelWarmupPlan:
+    """The plan :func:`build_kernel_warmup_plan` will give the worker, from the model as built (its weights not yet
+    loaded, no drafter, no decode graphs yet): the drafts and the re-split from the engine's settings, the decode
+    graph sizes the worker plans when graphs are on by request or by the backend's default. A DFlash drafter's own
+    norms (and the sizes of a graph set the worker then refuses) are the difference; the worker's warm-up builds
+    what this plan missed. For ``KernelSet.start_early_warmup``."""
+    from deepinfer_npu.worker.decode_graphs import decode_graph_max_tokens, graph_table_width
+
+    cfg, backend = runner.config, runner.backend
+    k = cfg.num_speculative_tokens if cfg.speculative_method else 0
+    varlen = bool(cfg.varlen_verification and k and cfg.zero_overhead_scheduling
+                  and backend.supports_device_resplit)
+    graphs = None
+    wanted = cfg.enable_graphs if cfg.enable_graphs is not None else getattr(backend, "graphs_by_default", False)
+    if wanted:
+        graphs = SimpleNamespace(sizes=graph_sizes(decode_graph_max_tokens(cfg, k)),
+                                 width=graph_table_width(runner.max_model_len, runner.block_size, 2 * k))
+    plan = build_kernel_warmup_plan(runner, k=k, varlen=varlen, graphs=graphs)
+    return dataclasses.replace(plan, speculative_method=cfg.speculative_method if k else None)  # no drafter yet

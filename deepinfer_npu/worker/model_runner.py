@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,16 +39,22 @@ def resolve_dtype(requested: str, backend, model_config: DeepseekModelConfig) ->
 class ModelRunner:
     """Builds the model on ``backend`` and runs forwards over the paged latent KV cache."""
 
-    def __init__(self, config: EngineConfig, backend, model_config: DeepseekModelConfig) -> None:
+    def __init__(self, config: EngineConfig, backend, model_config: DeepseekModelConfig,
+                 on_model_built: Callable[[ModelRunner], None] | None = None) -> None:
+        """``on_model_built(runner)``: called once the model's modules and parameters exist, before the weights are
+        loaded into them (the engine starts the kernel builds there, to overlap the load)."""
         self.config = config
         self.backend = backend
         self.device = backend.device
         self.model_config = model_config
         self.dtype = resolve_dtype(config.dtype, backend, model_config)
         self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
 
         t0 = time.perf_counter()
         self.model = build_model(model_config, backend, self.dtype, quantization=config.quantization)
+        if on_model_built is not None:
+            on_model_built(self)
         if config.load_format in ("dummy", "dummy_portable"):
             self.model.init_dummy_weights(seed=config.seed, portable=config.load_format == "dummy_portable")
         else:
@@ -62,7 +69,6 @@ class ModelRunner:
         self.kv_dim, self.kv_cache_dtype = latent_cache_layout(
             model_config.kv_lora_rank, model_config.qk_rope_head_dim, config.kv_cache_dtype, self.dtype)
         self.num_cache_layers = self.model.num_kv_cache_layers
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.num_kv_blocks = self._decide_num_kv_blocks()
         self.num_state_slots = 0  # set by the engine from the scheduler config
         self.kv_caches = [

@@ -30,7 +30,7 @@ import numpy as np
 from deepinfer_npu import envs
 from deepinfer_npu.hal.graph_runner import GraphRunner
 from deepinfer_npu.spec.drafter import Drafter
-from deepinfer_npu.worker.decode_graphs import DecodeGraphs
+from deepinfer_npu.worker.decode_graphs import DecodeGraphs, decode_graph_max_tokens
 from deepinfer_npu.worker.device_transfers import DeviceTransfers
 from deepinfer_npu.worker.forward_launch import ForwardLaunch
 from deepinfer_npu.worker.kernel_warmup import build_kernel_warmup_plan
@@ -111,7 +111,7 @@ class Worker(ForwardLaunch, SampleLaunch, StepReadback, DeviceTransfers):
                 logger.warning("enable_graphs: backend %s has no graph runner for the worker; decode runs eagerly",
                                self.backend.name)
             return None
-        max_tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * (self.k + 1))
+        max_tokens = decode_graph_max_tokens(cfg, self.k)
         capture = self.drafter.capture_layer_ids if self.drafter is not None else None
         hook = None
         if self.drafter is not None and getattr(self.backend, "drafter_hook_in_graphs", False):

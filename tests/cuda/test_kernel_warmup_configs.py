@@ -391,3 +391,48 @@ def test_the_background_build_marks_only_what_it_built(failures, marked):
     assert reported == ([failures] if marked == ["b"] else [])
     # what was not built is released: a later engine of the process may try it again
     assert all(("k", "mla_decode", c) not in warmup_background._building for c, n in names.items() if n not in got)
+
+
+def test_early_build_fills_the_cache_and_the_warm_up_waits_for_it(recorded, monkeypatch, v2_lite_plan, kernel_set):
+    """``start_early`` (before the weights load): the plan's foreground configurations go to worker processes on a
+    thread (here a recorder stands in for ``fill_disk_cache``), the fallback-only ones do not; the live kernel set's
+    selection is untouched. The warm-up then waits for that build and finds every configuration marked compiled:
+    it starts no worker of its own, and its serial pass loads them all as before."""
+    import threading
+
+    from deepinfer_npu.backends.cuda import warmup, warmup_background
+
+    plan = v2_lite_plan(k=0)
+    filled, release = [], threading.Event()
+
+    def fill(configs, softmax_scale, workers, background=False, running=None):
+        release.wait(10)  # the warm-up below must wait for this
+        filled.append((configs, workers, background))
+        return []
+
+    monkeypatch.setattr(warmup, "fill_disk_cache", fill)
+    monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: 3)
+    ks = kernel_set()
+    note = ks.start_early_warmup(plan)
+    assert note.endswith("configurations building in 3 processes"), note
+    assert ks.config is None  # the probe selected, not the live set
+    started = int(note.split()[0])
+    threading.Timer(0.3, release.set).start()
+    real_workers = []
+    monkeypatch.setattr(warmup, "compile_workers", lambda num_jobs: real_workers.append(num_jobs) or 0)
+    summary = ks.warmup(plan)
+    (configs, workers, background), = filled
+    assert workers == 3 and background is True  # the lowest CPU priority: the weight load comes first
+    assert sum(len(c) for c in configs.values()) == started
+    assert all(len(c) != 4 for c in configs.get("mla_decode", []))  # the fallback-only prefill: after ready
+    # with no workers (this stand-in) the fallback-only configurations are built now; nothing else is pending
+    deferred = sum(1 for c in ks.warmup_configs(plan, SMS)["mla_decode"] if len(c) == 4)
+    assert deferred and real_workers == [deferred, deferred], (real_workers, deferred)
+    assert summary.startswith(f"{started + deferred} configs in "), (summary, started)
+    assert warmup_background.wait_key(("early", float(plan.softmax_scale)), 0)
+
+
+def test_early_build_without_workers_starts_nothing(recorded, v2_lite_plan, kernel_set):
+    ks = kernel_set()
+    note = ks.start_early_warmup(v2_lite_plan(k=0))
+    assert note.startswith("not started: ") and note.endswith("configurations to build, no worker processes")

@@ -102,3 +102,47 @@ def test_a_failing_plan_skips_the_warmup_and_the_engine_serves(warmups, monkeypa
 
     out = llm.generate(["def f(x):"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.fixture
+def early(monkeypatch):
+    """Spy on ``KernelSet.start_early_warmup`` and the weight load: -> the events in order, ("early", plan) and
+    ("load", None)."""
+    from deepinfer_npu.worker import model_runner
+
+    events: list[tuple[str, KernelWarmupPlan | None]] = []
+    cls = type(get_backend("cpu").kernels)
+    assert cls.start_early_warmup is KernelSet.start_early_warmup  # the default: nothing built ahead
+
+    def spy(self, plan):
+        events.append(("early", plan))
+        return KernelSet.start_early_warmup(self, plan)
+
+    real_load = model_runner.load_weights
+
+    def load(*a, **kw):
+        events.append(("load", None))
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(cls, "start_early_warmup", spy)
+    monkeypatch.setattr(model_runner, "load_weights", load)
+    return events
+
+
+@needs_reference_model
+@pytest.mark.parametrize("spec", [{}, dict(speculative_method="mtp", num_speculative_tokens=2, enable_graphs=True,
+                                           graph_capture="startup")], ids=["plain", "mtp-graphs"])
+def test_kernel_builds_start_before_the_weights_load_with_the_warmups_plan(warmups, early, spec):
+    """The early builds (``start_early_warmup``) get the plan the warm-up gets later, from the model as built,
+    before its weights are loaded: a cold start then overlaps the load with the kernel builds."""
+    calls, _ = warmups
+    LLM(max_num_seqs=4, **spec, **SMALL_KV)
+    assert [name for name, _ in early] == ["early", "load"]
+    (plan, _), = calls
+    assert early[0][1] == plan
+
+
+@needs_reference_model
+def test_no_early_builds_without_the_warmup(warmups, early):
+    LLM(max_num_seqs=4, kernel_warmup=False, **SMALL_KV)
+    assert [name for name, _ in early] == ["load"]
