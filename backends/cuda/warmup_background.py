@@ -102,8 +102,8 @@ def _build(configs: dict[str, list[tuple]], workers: int, fill: Callable[..., li
     _finished.append((seconds, time.perf_counter()))
     count = len(jobs)
     if failures:
-        logger.warning("kernel warm-up: background build of %d configs ended in %.1f s; not built (compiled at "
-                       "first use, where the error shows): %s", count, seconds, "; ".join(failures))
+        logger.warning("kernel warm-up: background build of %d configs ended in %.1f s; not built (built again by "
+                       "the warm-up or at first use, where the error shows): %s", count, seconds, "; ".join(failures))
     else:
         logger.info("kernel warm-up: %d background configs built in %.1f s", count, seconds)
 
