@@ -307,19 +307,11 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     if not tilelang_importable():
         return "nothing to warm up: tilelang is not installed (every TileLang op runs the reference)"
     try:
-        num_sms = kernels.num_sms
-        if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-            kernels.num_sms = num_sms
-        configs = reachable_configs(kernels, plan, num_sms)
+        configs = _listed(kernels, plan)
     except Exception as e:  # noqa: BLE001 - a bug here must not stop start-up; the kernels compile at first use
         logger.warning("kernel warm-up skipped: listing the configurations failed: %s: %s", type(e).__name__, e)
         return f"skipped: listing the configurations failed: {type(e).__name__}: {e}"
-    skipped: dict[str, str] = {}
-    for name in list(configs):
-        if kernels.modules.get(name) is None:  # imported as the op would; the reason is kept
-            skipped[name] = kernels.modules.error(name)
-            del configs[name]
+    skipped = _drop_unimportable(kernels, configs)
     # configurations an earlier process compiled are loaded by the serial pass: worker processes (seconds to start
     # each) only for the rest
     scale = float(plan.softmax_scale)
@@ -389,6 +381,23 @@ def warm_up(kernels: Any, plan: KernelWarmupPlan) -> str:
     return summary
 
 
+def _listed(kernels: Any, plan: KernelWarmupPlan) -> dict[str, list[tuple]]:
+    """:func:`reachable_configs` for ``kernels``' selection (its SM count read from the device once)."""
+    if kernels.num_sms is None:
+        kernels.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return reachable_configs(kernels, plan, kernels.num_sms)
+
+
+def _drop_unimportable(kernels: Any, configs: dict[str, list[tuple]]) -> dict[str, str]:
+    """Remove the modules that do not import (as the op would import them) from ``configs`` -> {module: why}."""
+    skipped = {}
+    for name in list(configs):
+        if kernels.modules.get(name) is None:
+            skipped[name] = kernels.modules.error(name)
+            del configs[name]
+    return skipped
+
+
 def _early_key(scale: float) -> tuple:
     return ("early", float(scale))
 
@@ -409,14 +418,10 @@ def start_early(kernels: Any, plan: KernelWarmupPlan) -> str:
         from .ops import OpConfig
 
         probe = type(kernels)()
-        probe.SKIP = kernels.SKIP
-        num_sms = kernels.num_sms
-        if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        probe.num_sms = num_sms
+        probe.SKIP, probe.num_sms = kernels.SKIP, kernels.num_sms
         probe.select(OpConfig.from_plan(plan, cuda_kernels.current_device_is_sm90(), probe.SKIP))
-        configs = {name: cfgs for name, cfgs in reachable_configs(probe, plan, num_sms).items()
-                   if probe.modules.get(name) is not None}
+        configs = _listed(probe, plan)
+        _drop_unimportable(probe, configs)
         warmup_background.split_deferred(probe, plan, configs)  # the fallback-only ones: built after ready
         scale = float(plan.softmax_scale)
         pending = _not_compiled(configs, scale)

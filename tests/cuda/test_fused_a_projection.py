@@ -196,6 +196,16 @@ def _rope_table(device="cuda"):
     return SimpleNamespace(cos_sin_cache=torch.cat((ang.cos(), ang.sin()), -1), interleaved=True)
 
 
+def _decode_step(rows):
+    """A V2-Lite-dims decode step of ``rows`` tokens on the device: (rope table, hidden, positions, slots, three
+    zeroed caches: the path under test's, the two-GEMM path's, the reference's)."""
+    hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (rows,), device="cuda")
+    slots = torch.randperm(16 * 64, device="cuda")[:rows] + 64
+    caches = [torch.zeros(17, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    return _rope_table(), hidden, pos, slots, caches
+
+
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -211,11 +221,7 @@ def test_fused_projection_of_more_rows_gpu(rows, monkeypatch):
     layer = _layer(None, dtype=torch.bfloat16, device="cuda", d=2048, heads=16, dims=(128, 64, 128, 512))
     w = layer.weights()
     assert tuple(w.fused_a_proj.shape) == (3648, 2048)
-    rope = _rope_table()
-    hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
-    pos = torch.randint(0, 4096, (rows,), device="cuda")
-    slots = torch.randperm(16 * 64, device="cuda")[:rows] + 64
-    caches = [torch.zeros(17, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    rope, hidden, pos, slots, caches = _decode_step(rows)
     fused_ks = CudaKernelSet()
     got = fused_ks.mla_prolog(hidden, w, pos, rope, caches[0], slots)
     assert "of more than one row: one GEMM (fused_a_proj)" in fused_ks.op_report()["mla_prolog"]
@@ -240,11 +246,7 @@ def test_fp8_fused_projection_of_more_rows_gpu(rows, monkeypatch):
 
     layer = _fp8_layer(heads=16, dims=(128, 64, 128, 512, 2048), device="cuda")
     w, scales = layer.weights(), layer.quant_scales()
-    rope = _rope_table()
-    hidden = (torch.randn(rows, 2048, device="cuda") * 0.5).to(torch.bfloat16)
-    pos = torch.randint(0, 4096, (rows,), device="cuda")
-    slots = torch.randperm(16 * 64, device="cuda")[:rows] + 64
-    caches = [torch.zeros(17, 64, 576, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    rope, hidden, pos, slots, caches = _decode_step(rows)
     ks = CudaKernelSet()
     fused = ks.mla_prolog_quant(hidden, w, scales, pos, rope, caches[0], slots)
     assert "of more than one row: one fp8_linear (fused_a_proj)" in ks.op_report()["mla_prolog_quant"]
