@@ -129,8 +129,15 @@ def golden_path(backend: str, dtype: str) -> Path:
 
 
 def write(doc: dict, path: Path) -> Path:
+    """The golden as JSON: the header indented, each trace on one line (a prompt's change is one line of a diff,
+    and the file half the size of an indented one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    if not doc.get("traces"):
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        return path
+    head = json.dumps({k: v for k, v in doc.items() if k != "traces"}, indent=1)
+    traces = ",\n  ".join(json.dumps(t) for t in doc["traces"])
+    path.write_text(head[: -len("\n}")] + f',\n "traces": [\n  {traces}\n ]\n}}\n')
     return path
 
 
