@@ -12,14 +12,20 @@ MULT_K = 16  # 16-byte rows for the TMA copies; a partial last K block is zero-f
 
 @cached_prim_func
 def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 64, num_stages: int = 4,
-                        threads: int = 128):
+                        threads: int = 128, staged_scales: bool = True):
     """PrimFunc of the "swap" form for w [n, k]: ``rt`` token rows a tile (wgmma N), ``block_n`` weight rows a
     CTA (wgmma M), K in ``split`` equal slices (one CTA each); rows M are dynamic (more than ``rt``: row tiles in
     a loop). ``split`` 1 writes ``Out`` [1, M, N] bf16; more write fp32 partial sums [split, M, N] for
-    :func:`build_split_reduce`."""
+    :func:`build_split_reduce`.
+
+    ``staged_scales``: the row tile's activation scales and the CTA's weight-scale row for its K slice are copied
+    to shared memory before the K loop, so the promotion after each K step reads shared memory. Read from global
+    memory there instead (``False``), every K step waits one load latency after its wgmma: one CTA a
+    multiprocessor has nothing else to run meanwhile (the same arithmetic either way)."""
     assert tilelang is not None, "tilelang is not installed"
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
+    assert not staged_scales or SCALE_BLOCK % block_n == 0, (block_n, "one weight-scale row a CTA")
     N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
     num_stages = max(1, min(num_stages, KBS))  # no deeper than the K loop
     fp8, bf16, f32 = T.float8_e4m3fn, T.bfloat16, T.float32
@@ -41,17 +47,29 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
             W_s = T.alloc_shared([BN, BK], fp8)
             C = T.alloc_fragment([BN, RT], f32)  # C^T: weight rows x token rows
             Acc = T.alloc_fragment([BN, RT], f32)
+            if staged_scales:
+                SA_s = T.alloc_shared([RT, KBS], f32)
+                SW_s = T.alloc_shared([KBS], f32)
             for mb in T.serial(T.ceildiv(M, RT)):
                 T.clear(Acc)
+                if staged_scales:
+                    for i, kk in T.Parallel(RT, KBS):
+                        SA_s[i, kk] = T.if_then_else(mb * RT + i < M, SA[mb * RT + i, ks * KBS + kk], T.float32(0))
+                    for kk in T.Parallel(KBS):
+                        SW_s[kk] = SW[bn * BN // SCALE_BLOCK, ks * KBS + kk]
                 for kk in T.Pipelined(KBS, num_stages=num_stages):
                     kb = ks * KBS + kk
                     T.copy(A[mb * RT, kb * BK], A_s)  # rows past M read as zero (bounds-checked copy)
                     T.copy(W[bn * BN, kb * BK], W_s)
                     T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
-                    for j, i in T.Parallel(BN, RT):
-                        Acc[j, i] += C[j, i] * (
-                            T.if_then_else(mb * RT + i < M, SA[mb * RT + i, kb], T.float32(0))
-                            * SW[(bn * BN + j) // SCALE_BLOCK, kb])
+                    if staged_scales:
+                        for j, i in T.Parallel(BN, RT):
+                            Acc[j, i] += C[j, i] * (SA_s[i, kk] * SW_s[kk])
+                    else:
+                        for j, i in T.Parallel(BN, RT):
+                            Acc[j, i] += C[j, i] * (
+                                T.if_then_else(mb * RT + i < M, SA[mb * RT + i, kb], T.float32(0))
+                                * SW[(bn * BN + j) // SCALE_BLOCK, kb])
                 for j, i in T.Parallel(BN, RT):
                     if mb * RT + i < M:
                         Out[ks, mb * RT + i, bn * BN + j] = T.cast(Acc[j, i], out_dtype)

@@ -511,7 +511,8 @@ def bench_zos_fixup(args, copy):
 # ---- FP8 (DeepGEMM's numerics) ------------------------------------------------------------------------------------
 #: dense (N, K): DeepGEMM's published V3 set, then V2-Lite's projections (q_proj, kv_a_proj, o_proj)
 FP8_DENSE_SHAPES = [(2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048),
-                    (3072, 2048), (576, 2048), (2048, 2048)]
+                    (3072, 2048), (576, 2048), (2048, 2048),
+                    (3648, 2048), (5632, 2048), (2048, 2816)]  # V2-Lite's q + kv_a, shared experts' w13 and w2
 #: grouped contiguous prefill (experts, rows an expert, N, K): DeepGEMM's published set
 FP8_GROUPED_PREFILL = [(4, 8192, 4096, 7168), (4, 8192, 7168, 2048), (8, 4096, 4096, 7168), (8, 4096, 7168, 2048)]
 #: grouped decode (name, experts, top_k, D, I)
@@ -600,7 +601,8 @@ def bench_fp8_quant(args, copy):
 
 def fp8_gemm_variants(m, n: int, k: int, rows: int) -> list[tuple[str, tuple]]:
     """Configurations ``--fp8-sweep`` times beside the heuristic's: tile shapes and pipeline depths at prefill
-    rows, K slicing off and doubled at decode rows."""
+    rows; at decode rows K slicing off and doubled, and the heuristic's own with the promotion reading its scales
+    from global memory (``staged_scales=False``)."""
     if rows > m.SWAP_MAX_ROWS:
         bn = 128 if n % 128 == 0 else 64
         return [("tile", (n, k, 128, bn, 3)), ("tile", (n, k, 128, bn, 6)), ("tile", (n, k, 64, bn, 4, 128)),
@@ -608,7 +610,7 @@ def fp8_gemm_variants(m, n: int, k: int, rows: int) -> list[tuple[str, tuple]]:
     rt, split = m.rows_tile(rows), m.split_for(n, k)
     kb = -(-k // m.BLOCK_K)
     alts = [("swap", (n, k, rt, 1))] + ([("swap", (n, k, rt, 2 * split))] if kb % (2 * split) == 0 else [])
-    return [c for c in alts if c[1][3] != split]
+    return [c for c in alts if c[1][3] != split] + [("swap", (n, k, rt, split, 64, 4, 128, False))]
 
 
 def grouped_decode_variants(base: tuple) -> list[tuple]:
@@ -631,7 +633,7 @@ def bench_fp8_gemm(args, copy):
     from . import fp8_gemm as m
     from . import fp8_quant
 
-    cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in ((1, 16, 64, 4096) if n != 576 else (1, 16, 64))]
+    cases = [(n, k, rows) for n, k in FP8_DENSE_SHAPES for rows in args.fp8_rows if n != 576 or rows <= 64]
     precompile_in_processes([("fp8_gemm", c) for n, k, rows in cases for c in m.configs_for(n, k, rows)
                              + (fp8_gemm_variants(m, n, k, rows) if args.fp8_sweep else [])]
                             + [("fp8_quant", fp8_quant.config_for(k, rows)) for _n, k, rows in cases])
@@ -786,6 +788,8 @@ def main(argv=None) -> int:
                     help="rows_per_warp,unroll[,col_iters] (the engine's: 1,4)")
     fp8 = ap.add_argument_group("fp8_gemm")
     fp8.add_argument("--fp8-sweep", action="store_true", help="also other tile / K-slice configurations")
+    fp8.add_argument("--fp8-rows", type=int, nargs="+", default=[1, 16, 64, 4096],
+                     help="fp8_gemm's row counts (kv_a_proj's N = 576 only up to 64)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)

@@ -201,3 +201,22 @@ def test_other_forms_on_row_counts_they_do_not_divide_gpu(config):
         wq, sw = fp8_weight(n=3072, k=2048)
         check_close(fp8_gemm.fp8_gemm(aq, sa, wq, sw, config=config), gemm_fp32(aq, sa, wq, sw),
                     magnitude=gemm_fp32(aq, sa, wq, sw, magnitude=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("rt,split", [(16, 1), (16, 4), (64, 2)])
+def test_staged_scales_give_the_same_bits_as_global_reads_gpu(rt, split):
+    """The swapped form with its scales staged in shared memory (the default) against the same form reading them
+    from global memory in the promotion: the same products and sums, so bit-equal, at row counts that fill a row
+    tile, leave it partial and loop over several (the staging is redone for each row tile)."""
+    n, k = 3648, 2048  # V2-Lite's q + kv_a projection
+    wq, sw = fp8_weight(n=n, k=k)
+    staged, unstaged = ("swap", (n, k, rt, split)), ("swap", (n, k, rt, split, 64, 4, 128, False))
+    precompile_in_processes([("fp8_gemm", c) for c in (staged, unstaged)])
+    for m in (1, rt - 1, rt, 3 * rt + 5):
+        aq, sa = quantize_per_token_group(activations(m, k, seed=m))
+        a = fp8_gemm.fp8_gemm(aq, sa, wq, sw, config=staged)
+        b = fp8_gemm.fp8_gemm(aq, sa, wq, sw, config=unstaged)
+        assert torch.equal(a, b), (m, int((a != b).sum()))
+        check_close(a, gemm_fp32(aq, sa, wq, sw), magnitude=gemm_fp32(aq, sa, wq, sw, magnitude=True))
