@@ -8,11 +8,14 @@ from ._tilelang import T, tilelang
 BLOCK_K = 128  # one scale block of K per pipeline stage: the promotion happens after every stage
 SCALE_BLOCK = 128
 MULT_K = 16  # 16-byte rows for the TMA copies; a partial last K block is zero-filled by the TMA unit
+# Staged scales (below) from this many K steps a slice, or with row tiles past 16: a 16-row tile over 4 K steps
+# ran 0.3-0.4 us faster reading its scales from global memory (the staging's one load up front is not paid back)
+STAGE_MIN_STEPS = 5
 
 
 @cached_prim_func
 def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 64, num_stages: int = 4,
-                        threads: int = 128, staged_scales: bool = True):
+                        threads: int = 128, staged_scales: bool | None = None):
     """PrimFunc of the "swap" form for w [n, k]: ``rt`` token rows a tile (wgmma N), ``block_n`` weight rows a
     CTA (wgmma M), K in ``split`` equal slices (one CTA each); rows M are dynamic (more than ``rt``: row tiles in
     a loop). ``split`` 1 writes ``Out`` [1, M, N] bf16; more write fp32 partial sums [split, M, N] for
@@ -21,10 +24,13 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
     ``staged_scales``: the row tile's activation scales and the CTA's weight-scale row for its K slice are copied
     to shared memory before the K loop, so the promotion after each K step reads shared memory. Read from global
     memory there instead (``False``), every K step waits one load latency after its wgmma: one CTA a
-    multiprocessor has nothing else to run meanwhile (the same arithmetic either way)."""
+    multiprocessor has nothing else to run meanwhile (the same arithmetic either way). ``None``: staged with row
+    tiles past 16 or K slices of ``STAGE_MIN_STEPS`` blocks or more (measured on an H200: docs/kernels/fp8.md)."""
     assert tilelang is not None, "tilelang is not installed"
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
+    if staged_scales is None:
+        staged_scales = rt > 16 or KB // split >= STAGE_MIN_STEPS
     assert not staged_scales or SCALE_BLOCK % block_n == 0, (block_n, "one weight-scale row a CTA")
     N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
     num_stages = max(1, min(num_stages, KBS))  # no deeper than the K loop
@@ -80,24 +86,34 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
 @cached_prim_func
 def build_split_reduce(n: int, split: int, block: int = 256):
     """PrimFunc summing the swapped form's fp32 K-slice partials [split, M, n] into [M, n] bf16 (one row's
-    ``block`` columns a CTA, two a thread; ``block`` divides n)."""
+    ``block`` columns a CTA, two a thread; where ``block`` does not divide n the last CTA of a row stops at n:
+    n = 3648, q + kv_a, in 64-column CTAs of 32 threads took 3 us at 64 rows)."""
     assert tilelang is not None, "tilelang is not installed"
-    assert n % block == 0, (n, block)
+    assert block % 64 == 0 and n % 64 == 0, (n, block)
     N, S, BC = n, split, block
     bf16, f32 = T.bfloat16, T.float32
     M = T.dynamic("num_rows")
+    tail = N % BC != 0
 
     @T.prim_func
     def fp8_gemm_split_reduce(P: T.Tensor([S, M, N], f32), Out: T.Tensor([M, N], bf16)):
-        with T.Kernel(M, N // BC, threads=BC // 2) as (m, bc):
+        with T.Kernel(M, T.ceildiv(N, BC), threads=BC // 2) as (m, bc):
             T.pdl_sync()  # PDL: wait for the previous kernel, then let the next one launch
             T.pdl_trigger()
             acc = T.alloc_fragment([BC], f32)
             T.clear(acc)
             for s in T.serial(S):
                 for j in T.Parallel(BC):
-                    acc[j] += P[s, m, bc * BC + j]
+                    if tail:
+                        if bc * BC + j < N:
+                            acc[j] += P[s, m, bc * BC + j]
+                    else:
+                        acc[j] += P[s, m, bc * BC + j]
             for j in T.Parallel(BC):
-                Out[m, bc * BC + j] = T.cast(acc[j], bf16)
+                if tail:
+                    if bc * BC + j < N:
+                        Out[m, bc * BC + j] = T.cast(acc[j], bf16)
+                else:
+                    Out[m, bc * BC + j] = T.cast(acc[j], bf16)
 
     return fp8_gemm_split_reduce

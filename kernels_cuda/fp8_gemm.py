@@ -128,7 +128,9 @@ def split_for(n: int, k: int) -> int:
 
 
 def reduce_block(n: int) -> int:
-    return next(b for b in (256, 128, 64) if n % b == 0)
+    """Columns a CTA of the split-K reduce sums: 256 (the last CTA of a row partial where 256 does not divide n),
+    or n below 256."""
+    return min(256, n)
 
 
 def configs_for(n: int, k: int, m: int) -> list[tuple[str, tuple]]:
@@ -189,7 +191,9 @@ CI_CONFIGS = [
     ("swap", (3072, 2048, 64, 2)),  # V2-Lite q_proj at 64 rows, K in 2 slices
     ("swap", (3648, 2048, 16, 2)),  # V2-Lite q_proj + kv_a_proj at 1 row (fused_a_proj)
     ("swap", (2048, 10944, 16, 2)),  # V2-Lite dense down projection: a partial last K block
-    ("reduce", (576, 4, 64)),  # kv_a_proj's 4 K slices summed
+    ("reduce", (576, 4, 256)),  # kv_a_proj's 4 K slices summed (a partial last CTA a row)
+    ("swap", (2048, 2048, 16, 4)),  # V2-Lite o_proj at 16 rows: 4 K steps a slice, scales read from global memory
+    ("reduce", (2048, 4, 256)),  # its reduce (whole CTAs)
 ]
 
 

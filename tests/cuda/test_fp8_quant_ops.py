@@ -80,7 +80,7 @@ def test_warmup_lists_the_fp8_configurations(v2_lite_plan, monkeypatch):
     lo, hi = 1, max(plan.max_num_batched_tokens, *plan.decode_graph_sizes)
     assert set(cfgs["fp8_gemm"]) == {c for n, k in shapes for m in range(lo, hi + 1)
                                      for c in fp8_gemm.configs_for(n, k, m)}
-    assert ("reduce", (576, 4, 64)) in cfgs["fp8_gemm"]  # kv_a_proj's K slices at decode
+    assert ("reduce", (576, 4, 256)) in cfgs["fp8_gemm"]  # kv_a_proj's K slices at decode
     g, d, inter = plan.moe_gating, plan.hidden_size, plan.moe_intermediate_size
     rows = range(lo * g.top_k, hi * g.top_k + 1)
     assert set(cfgs["fp8_grouped_gemm"]) == {fp8_grouped_gemm.config_for(n, k, m, g.num_experts)
