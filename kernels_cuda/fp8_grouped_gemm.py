@@ -32,11 +32,16 @@ MULT_N = 64
 
 
 @cached_prim_func
-def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_stages: int = 4):
+def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_stages: int = 4,
+                  staged_scales: bool = False):
     """PrimFunc for weights [E, n, k]; rows M and experts E are dynamic. ``swap``: ``rows`` (8 or 16) token rows
-    as the wgmma's N side; else ``rows`` (64 or 128) as its M side."""
+    as the wgmma's N side; else ``rows`` (64 or 128) as its M side. ``staged_scales`` (swapped form): the row tile's
+    activation scales and the CTA's weight-scale row in shared memory before the K loop, as ``fp8_gemm``'s swapped
+    form stages them (there 1.2-1.6x at 64 rows); here several CTAs share a multiprocessor and hide the loads'
+    latency in part, so it stays a tuning variant (``bench.py fp8_grouped_gemm --fp8-sweep``) until measured."""
     assert tilelang is not None, "tilelang is not installed"
     assert k % MULT_K == 0 and n % block_n == 0 and SCALE_BLOCK % block_n == 0, (n, k, block_n)
+    assert swap or not staged_scales, "staged scales: the swapped form only"
     N, K, BN, BK, R = n, k, block_n, BLOCK_K, rows
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     num_stages = max(1, min(num_stages, KB))  # no deeper than the K loop
@@ -63,16 +68,28 @@ def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_
             W_s = T.alloc_shared([BN, BK], fp8)
             C = T.alloc_fragment(acc_shape, f32)
             Acc = T.alloc_fragment(acc_shape, f32)
+            if staged_scales:
+                SA_s = T.alloc_shared([R, KB], f32)
+                SW_s = T.alloc_shared([KB], f32)
             hit = scan[E + 1 + slot]
             e = T.max(hit, 0)  # a slot past the hit experts reads expert 0's range and does no row
             row0 = scan[e]
             cnt = T.if_then_else(hit >= 0, scan[e + 1] - row0, 0)
             for mb in T.serial(T.ceildiv(cnt, R)):
                 T.clear(Acc)
+                if staged_scales:
+                    for i, kk in T.Parallel(R, KB):
+                        SA_s[i, kk] = T.if_then_else(mb * R + i < cnt, SA[row0 + mb * R + i, kk], T.float32(0))
+                    for kk in T.Parallel(KB):
+                        SW_s[kk] = SW[e, bn * BN // SCALE_BLOCK, kk]
                 for kb in T.Pipelined(KB, num_stages=num_stages):
                     T.copy(A[row0 + mb * R, kb * BK], A_s)
                     T.copy(W[e, bn * BN, kb * BK], W_s)
-                    if swap:
+                    if swap and staged_scales:
+                        T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
+                        for j, i in T.Parallel(BN, R):
+                            Acc[j, i] += C[j, i] * (SA_s[i, kb] * SW_s[kb])
+                    elif swap:
                         T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
                         for j, i in T.Parallel(BN, R):
                             Acc[j, i] += C[j, i] * (
@@ -167,6 +184,7 @@ def fp8_grouped_gemm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_
 CI_CONFIGS = [
     ("grouped", (2816, 2048, True, 8, 64)),  # V2-Lite w13 at decode
     ("grouped", (4096, 7168, True, 8, 64, 6)),  # V3 w13 at batch 1: the 6-deep pipeline
+    ("grouped", (2816, 2048, True, 16, 64, 4, True)),  # V2-Lite w13 at batch 64, scales staged (a tuning variant)
     ("grouped", (2048, 1408, False, 64, 128)),  # V2-Lite w2 at prefill
     ("grouped", (4096, 7168, False, 128, 128)),  # V3 w13 at a large prefill
 ]

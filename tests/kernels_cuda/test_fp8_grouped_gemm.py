@@ -135,3 +135,22 @@ def test_fp8_grouped_mlp_op_matches_the_reference_op_gpu(compiled, model, tokens
     out = ks.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2)
     assert ks.op_report()["fp8_grouped_mlp"].startswith("native (kernels_cuda.fp8_quant"), ks.op_report()
     check_close(out, ref.fp8_grouped_mlp(hidden, counts, w13, s13, w2, s2), rel=2.0**-6, floor=2.0**-4, cos=0.999)
+
+
+@pytest.mark.gpu
+@pytest.mark.tilelang
+@pytest.mark.parametrize("tokens,rows", [(1, 8), (16, 8), (64, 16)])
+def test_staged_scales_give_the_same_bits_as_global_reads_gpu(tokens, rows):
+    """The swapped grouped form with its scales staged in shared memory (a tuning variant) against the heuristic's
+    form reading them from global memory: bit-equal, on skewed routings whose experts get several row tiles."""
+    experts, top_k, d, inter = MODELS["v2lite"]
+    counts = routing(tokens, experts, top_k, "skewed", seed=tokens)
+    starts = moe_gemm.expert_starts(counts)
+    for n, k, seed in ((2 * inter, d, 1), (d, inter, 2)):
+        plain, staged = (n, k, True, rows, 64, 4), (n, k, True, rows, 64, 4, True)
+        precompile_in_processes([("fp8_grouped_gemm", c) for c in (plain, staged)])
+        aq, sa = quantize_per_token_group(activations(tokens * top_k, k, seed=tokens))
+        wq, sw = fp8_weight(experts, n=n, k=k, seed=seed)
+        a = fp8_grouped_gemm.fp8_grouped_gemm(aq, sa, wq, sw, starts, config=plain)
+        b = fp8_grouped_gemm.fp8_grouped_gemm(aq, sa, wq, sw, starts, config=staged)
+        assert torch.equal(a, b), (n, k, int((a != b).sum()))
