@@ -30,7 +30,7 @@ def build_fp8_gemm_swap(n: int, k: int, rt: int, split: int = 1, block_n: int = 
     KB, NB = -(-k // BLOCK_K), -(-n // SCALE_BLOCK)
     assert k % MULT_K == 0 and n % block_n == 0 and rt in (8, 16, 32, 64) and KB % split == 0, (n, k, rt, split)
     if staged_scales is None:
-        staged_scales = rt > 16 or KB // split >= STAGE_MIN_STEPS
+        staged_scales = (rt > 16 or KB // split >= STAGE_MIN_STEPS) and SCALE_BLOCK % block_n == 0
     assert not staged_scales or SCALE_BLOCK % block_n == 0, (block_n, "one weight-scale row a CTA")
     N, K, BN, BK, RT, S, KBS = n, k, block_n, BLOCK_K, rt, split, KB // split
     num_stages = max(1, min(num_stages, KBS))  # no deeper than the K loop
