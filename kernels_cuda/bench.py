@@ -617,12 +617,11 @@ def grouped_decode_variants(base: tuple) -> list[tuple]:
     """Swapped grouped-GEMM configurations ``--fp8-sweep`` times beside the heuristic's ``base``: 8 / 16 token rows
     a tile, 64 / 128 weight rows a CTA, pipelines 4 / 6 / 8 deep, and the heuristic's own with its scales staged in
     shared memory."""
-    n, k, swap, rows, *rest = base
+    n, k, swap, *_ = base
     if not swap:
         return []
     cfgs = [(n, k, True, r, bn, st) for r in (8, 16) for bn in (64, 128) for st in (4, 6, 8) if n % bn == 0]
-    block_n, stages = (list(rest) + [64, 4][len(rest):])[:2]
-    return [c for c in cfgs if c != tuple(base)] + [(n, k, True, rows, block_n, stages, True)]
+    return [c for c in cfgs if c != tuple(base)] + [(*base, True)]  # base: config_for's full swapped tuple
 
 
 @bench

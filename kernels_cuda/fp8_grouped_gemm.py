@@ -85,16 +85,16 @@ def build_grouped(n: int, k: int, swap: bool, rows: int, block_n: int = 64, num_
                 for kb in T.Pipelined(KB, num_stages=num_stages):
                     T.copy(A[row0 + mb * R, kb * BK], A_s)
                     T.copy(W[e, bn * BN, kb * BK], W_s)
-                    if swap and staged_scales:
+                    if swap:
                         T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
-                        for j, i in T.Parallel(BN, R):
-                            Acc[j, i] += C[j, i] * (SA_s[i, kb] * SW_s[kb])
-                    elif swap:
-                        T.gemm(W_s, A_s, C, transpose_B=True, clear_accum=True)
-                        for j, i in T.Parallel(BN, R):
-                            Acc[j, i] += C[j, i] * (
-                                T.if_then_else(mb * R + i < cnt, SA[row0 + mb * R + i, kb], T.float32(0))
-                                * SW[e, (bn * BN + j) // SCALE_BLOCK, kb])
+                        if staged_scales:
+                            for j, i in T.Parallel(BN, R):
+                                Acc[j, i] += C[j, i] * (SA_s[i, kb] * SW_s[kb])
+                        else:
+                            for j, i in T.Parallel(BN, R):
+                                Acc[j, i] += C[j, i] * (
+                                    T.if_then_else(mb * R + i < cnt, SA[row0 + mb * R + i, kb], T.float32(0))
+                                    * SW[e, (bn * BN + j) // SCALE_BLOCK, kb])
                     else:
                         T.gemm(A_s, W_s, C, transpose_B=True, clear_accum=True)
                         for i, j in T.Parallel(R, BN):
